@@ -1,0 +1,12 @@
+"""phoenix_flax: Equinox re-implementation of X's Phoenix recommendation models."""
+
+from phoenix_flax.config import (HashConfig, NormConfig, PhoenixModelConfig,
+                                 PhoenixRetrievalModelConfig, TransformerConfig, ffn_size)
+from phoenix_flax.features import compute_post_age_bucket, normalize_continuous_value
+from phoenix_flax.masks import make_recsys_attn_mask, right_anchored_rope_positions
+from phoenix_flax.ranking import PhoenixModel
+from phoenix_flax.retrieval import CandidateTower, PhoenixRetrievalModel
+from phoenix_flax.transformer import ContextCache, Transformer
+from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput, RetrievalOutput
+
+__version__ = "0.1.0"

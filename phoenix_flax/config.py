@@ -1,0 +1,229 @@
+"""Configuration dataclasses; every ablation switch lives here and is validated.
+
+Field order of the release's configs is kept (positional construction ports), and the
+switches follow with defaults that reproduce the released behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+NORM_LAYOUTS = ("sandwich", "pre", "post")
+PARAM_INITS = ("variance_scaling", "zeros", "rezero")
+FPROP_DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("isolated", "dense")
+
+
+def _fail(cls: str, field: str, value: Any, fix: str) -> None:
+  raise ValueError(f"{cls}.{field}={value!r} is invalid: {fix}")
+
+
+def _positive_int(cls: str, field: str, value: Any) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    _fail(cls, field, value, "must be an integer >= 1")
+
+
+def canonical_dtype(value: Any, cls: str = "config", field: str = "fprop_dtype") -> str:
+  """Maps a dtype given as a string or numpy/jax dtype to "float32" or "bfloat16"."""
+  try:
+    name = jnp.dtype(value).name
+  except TypeError:
+    name = str(value)
+  if name not in FPROP_DTYPES:
+    _fail(cls, field, value, f"use one of {FPROP_DTYPES}")
+  return name
+
+
+def ffn_size(emb_size: int, widening_factor: float) -> int:
+  """Hidden width of the GeGLU block: int(w*D)*2//3 rounded up to a multiple of 8."""
+  size = int(widening_factor * emb_size) * 2 // 3
+  return size + (8 - size) % 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Grok transformer shape plus the architecture switches.
+
+  Attributes:
+    attn_logit_cap: soft cap ``c * tanh(logits / c)`` on attention logits; None = off.
+    norm_layout: "sandwich" (release: norm before and after each block), "pre", "post".
+    param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, which
+      cannot train), "rezero" (variance-scaled weights, zero post-block norm scales).
+  """
+
+  emb_size: int
+  key_size: int
+  num_q_heads: int
+  num_kv_heads: int
+  num_layers: int
+  widening_factor: float = 4.0
+  attn_output_multiplier: float = 1.0
+  name: Optional[str] = None
+  attn_logit_cap: Optional[float] = 30.0
+  norm_layout: str = "sandwich"
+  param_init: str = "variance_scaling"
+
+  def __post_init__(self):
+    c = "TransformerConfig"
+    for f in ("emb_size", "key_size", "num_q_heads", "num_kv_heads", "num_layers"):
+      _positive_int(c, f, getattr(self, f))
+    if self.key_size % 2:
+      _fail(c, "key_size", self.key_size, "RoPE rotates halves, so key_size must be even")
+    if self.num_q_heads % self.num_kv_heads:
+      _fail(c, "num_kv_heads", self.num_kv_heads,
+            f"must divide num_q_heads={self.num_q_heads} (grouped-query attention)")
+    if not self.widening_factor > 0 or ffn_size(self.emb_size, self.widening_factor) < 1:
+      _fail(c, "widening_factor", self.widening_factor, "must give a positive ffn_size")
+    if not self.attn_output_multiplier > 0:
+      _fail(c, "attn_output_multiplier", self.attn_output_multiplier, "must be > 0")
+    if self.attn_logit_cap is not None and not self.attn_logit_cap > 0:
+      _fail(c, "attn_logit_cap", self.attn_logit_cap, "use a float > 0, or None for no cap")
+    if self.norm_layout not in NORM_LAYOUTS:
+      _fail(c, "norm_layout", self.norm_layout, f"use one of {NORM_LAYOUTS}")
+    if self.param_init not in PARAM_INITS:
+      _fail(c, "param_init", self.param_init, f"use one of {PARAM_INITS}")
+    if self.param_init == "rezero" and self.norm_layout != "sandwich":
+      _fail(c, "param_init", self.param_init,
+            "'rezero' zeroes the post-block norm scales, which only norm_layout='sandwich' "
+            "has; use param_init='variance_scaling' with this layout")
+
+  @property
+  def ffn_size(self) -> int:
+    return ffn_size(self.emb_size, self.widening_factor)
+
+  def kv_cache_bytes(self, context_len: int, dtype: str = "float32") -> int:
+    """Bytes of keys and values that one user context of `context_len` tokens holds."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return 2 * self.num_layers * self.num_kv_heads * self.key_size * context_len * itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class HashConfig:
+  """Number of hash functions per entity type (release defaults: 2 each)."""
+
+  num_user_hashes: int = 2
+  num_item_hashes: int = 2
+  num_author_hashes: int = 2
+
+  def __post_init__(self):
+    for f in ("num_user_hashes", "num_item_hashes", "num_author_hashes"):
+      _positive_int("HashConfig", f, getattr(self, f))
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+  """Normalisation of a continuous value: clip to [0, norm_scale], then scale (or log)."""
+
+  norm_scale: float = 30.0
+  use_log: bool = False
+
+  def __post_init__(self):
+    if not self.norm_scale > 0:
+      _fail("NormConfig", "norm_scale", self.norm_scale, "must be > 0")
+
+
+def _validate_common(cls: str, cfg) -> None:
+  if not isinstance(cfg.model, TransformerConfig):
+    _fail(cls, "model", type(cfg.model).__name__, "pass a TransformerConfig")
+  _positive_int(cls, "emb_size", cfg.emb_size)
+  if cfg.model.emb_size != cfg.emb_size:
+    _fail(cls, "emb_size", cfg.emb_size,
+          f"must equal model.emb_size={cfg.model.emb_size}")
+  _positive_int(cls, "history_seq_len", cfg.history_seq_len)
+  _positive_int(cls, "candidate_seq_len", cfg.candidate_seq_len)
+  _positive_int(cls, "product_surface_vocab_size", cfg.product_surface_vocab_size)
+  if cfg.hash_config is None:
+    object.__setattr__(cfg, "hash_config", HashConfig())
+  if not isinstance(cfg.hash_config, HashConfig):
+    _fail(cls, "hash_config", cfg.hash_config, "pass a HashConfig")
+  object.__setattr__(cfg, "fprop_dtype", canonical_dtype(cfg.fprop_dtype, cls))
+
+
+@dataclasses.dataclass(frozen=True)
+class PhoenixModelConfig:
+  """Ranking model. Release fields first, later-release options and switches after.
+
+  Attributes:
+    right_anchored_rope: positions from `right_anchored_rope_positions` (newest history
+      item at a fixed position, every candidate one after it) instead of 0..T-1.
+    candidate_isolation: candidates see user + history + themselves only (release);
+      False gives them the plain causal mask (they see earlier candidates).
+    attention_impl: "isolated" computes isolation-aware attention without the C x C
+      block; "dense" builds the full masked [T, T] attention (the reference path).
+    post_age_granularity_mins: None = no post-age feature; else the candidate post-age
+      bucket embedding (table of 4800 // g + 2 rows) joins the candidate tokens.
+    dwell_time_norm: None = no dwell feature; else the history dwell-time embedding.
+    num_continuous_actions: width K of the continuous head (0 = none).
+  """
+
+  model: TransformerConfig
+  emb_size: int
+  num_actions: int = 19
+  history_seq_len: int = 128
+  candidate_seq_len: int = 32
+  name: Optional[str] = None
+  fprop_dtype: Any = "float32"
+  hash_config: Optional[HashConfig] = None
+  product_surface_vocab_size: int = 16
+  right_anchored_rope: bool = False
+  candidate_isolation: bool = True
+  attention_impl: str = "isolated"
+  post_age_granularity_mins: Optional[int] = None
+  dwell_time_norm: Optional[NormConfig] = None
+  dwell_hidden_size: int = 64
+  num_continuous_actions: int = 0
+
+  def __post_init__(self):
+    c = "PhoenixModelConfig"
+    _validate_common(c, self)
+    _positive_int(c, "num_actions", self.num_actions)
+    if self.attention_impl not in ATTENTION_IMPLS:
+      _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
+    if self.post_age_granularity_mins is not None:
+      _positive_int(c, "post_age_granularity_mins", self.post_age_granularity_mins)
+    if self.dwell_time_norm is not None and not isinstance(self.dwell_time_norm, NormConfig):
+      _fail(c, "dwell_time_norm", self.dwell_time_norm, "pass a NormConfig or None")
+    _positive_int(c, "dwell_hidden_size", self.dwell_hidden_size)
+    if not isinstance(self.num_continuous_actions, int) or self.num_continuous_actions < 0:
+      _fail(c, "num_continuous_actions", self.num_continuous_actions, "must be an int >= 0")
+
+  @property
+  def candidate_start_offset(self) -> int:
+    return 1 + self.history_seq_len
+
+  @property
+  def num_post_age_buckets(self) -> int:
+    return 4800 // self.post_age_granularity_mins + 2
+
+  def make(self, *, key):
+    from phoenix_flax.ranking import PhoenixModel
+    return PhoenixModel(self, key=key)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhoenixRetrievalModelConfig:
+  """Two-tower retrieval model (release field order; `enable_linear_proj` from the later
+  release selects the MLP candidate tower, False the parameter-free mean pool)."""
+
+  model: TransformerConfig
+  emb_size: int
+  history_seq_len: int = 128
+  candidate_seq_len: int = 32
+  name: Optional[str] = None
+  fprop_dtype: Any = "float32"
+  hash_config: Optional[HashConfig] = None
+  product_surface_vocab_size: int = 16
+  enable_linear_proj: bool = True
+  num_actions: int = 19
+
+  def __post_init__(self):
+    c = "PhoenixRetrievalModelConfig"
+    _validate_common(c, self)
+    _positive_int(c, "num_actions", self.num_actions)
+
+  def make(self, *, key):
+    from phoenix_flax.retrieval import PhoenixRetrievalModel
+    return PhoenixRetrievalModel(self, key=key)

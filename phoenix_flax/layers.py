@@ -1,0 +1,146 @@
+"""Grok building blocks as functional Equinox modules.
+
+Parameters are float32; computation runs in the dtype of the input (the forward dtype).
+Linear weights are stored `[in, out]` as in the release. The attention projections q|k|v
+and the two GeGLU input branches are stored fused (one matmul each); `haiku_compat`
+splits them into the release's separate parameters and back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from phoenix_flax.config import TransformerConfig
+
+RMS_NORM_EPS = 1e-5
+MASK_VALUE = -1e30
+ROPE_BASE = 10000.0
+
+
+def variance_scaling(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
+  """Truncated normal with std 1/sqrt(fan_in) (Haiku's default Linear initialiser)."""
+  stddev = 1.0 / jnp.sqrt(fan_in) / 0.87962566103423978
+  return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+
+
+class Linear(eqx.Module):
+  """`y = x @ w` with `w` float32 `[in, out]`, cast to the input dtype. No bias."""
+
+  weight: Array
+
+  def __init__(self, in_size: int, out_size: int, *, key: PRNGKeyArray, zero: bool = False):
+    shape = (in_size, out_size)
+    self.weight = jnp.zeros(shape, jnp.float32) if zero else variance_scaling(key, shape, in_size)
+
+  def __call__(self, x: Array) -> Array:
+    return x @ self.weight.astype(x.dtype)
+
+
+class RMSNorm(eqx.Module):
+  """`scale * x * rsqrt(mean(x^2) + 1e-5)` over the last axis, in float32."""
+
+  scale: Array
+
+  def __init__(self, size: int, *, init_value: float = 1.0):
+    self.scale = jnp.full((size,), init_value, jnp.float32)
+
+  def __call__(self, x: Array) -> Array:
+    return rms_norm(x, self.scale)
+
+
+def rms_norm(x: Array, scale: Array) -> Array:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + RMS_NORM_EPS)
+  return (scale.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def apply_rope(x_BTHd: Array, positions_BT: Array) -> Array:
+  """Rotary embedding on `[B, T, heads, d]` with explicit float positions `[B, T]`.
+
+  Rotates halves (not interleaved pairs), base 10000, as the release does.
+  """
+  d = x_BTHd.shape[-1]
+  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  phase_BTf = positions_BT.astype(jnp.float32)[..., None] * inv_freq
+  phase_BT1d = jnp.concatenate([phase_BTf, phase_BTf], axis=-1)[:, :, None, :]
+  x32 = x_BTHd.astype(jnp.float32)
+  half = d // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * jnp.cos(phase_BT1d) + rotated * jnp.sin(phase_BT1d)).astype(x_BTHd.dtype)
+
+
+def soft_cap(logits: Array, cap: Optional[float]) -> Array:
+  if cap is None:
+    return logits
+  return cap * jnp.tanh(logits / cap)
+
+
+class MultiHeadAttention(eqx.Module):
+  """GQA self-attention: fused q|k|v projection, RoPE on q and k, output projection."""
+
+  qkv: Linear
+  out: Linear
+  config: TransformerConfig = eqx.field(static=True)
+
+  def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
+    k1, k2 = jax.random.split(key)
+    zero = cfg.param_init == "zeros"
+    width = (cfg.num_q_heads + 2 * cfg.num_kv_heads) * cfg.key_size
+    self.qkv = Linear(cfg.emb_size, width, key=k1, zero=zero)
+    self.out = Linear(cfg.num_q_heads * cfg.key_size, cfg.emb_size, key=k2, zero=zero)
+    self.config = cfg
+
+  def project(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
+    """Returns rotated queries `[B,T,KV,G,d]`, rotated keys and values `[B,T,KV,d]`."""
+    cfg = self.config
+    B, T, _ = x_BTD.shape
+    H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
+    qkv = self.qkv(x_BTD)
+    q_BTHd = qkv[..., : H * d].reshape(B, T, H, d)
+    k_BTKd = qkv[..., H * d: (H + KV) * d].reshape(B, T, KV, d)
+    v_BTKd = qkv[..., (H + KV) * d:].reshape(B, T, KV, d)
+    q_BTHd = apply_rope(q_BTHd, positions_BT)
+    k_BTKd = apply_rope(k_BTKd, positions_BT)
+    return q_BTHd.reshape(B, T, KV, H // KV, d), k_BTKd, v_BTKd
+
+  def output(self, attn_BTKGd: Array) -> Array:
+    B, T = attn_BTKGd.shape[:2]
+    return self.out(attn_BTKGd.reshape(B, T, -1))
+
+  def attend(self, q_BTKGd: Array, k_BSKd: Array, v_BSKd: Array, mask_B1TS: Array,
+             ) -> tuple[Array, Array]:
+    """Masked attention of projected heads. Returns `[B,T,D]` and max |logit| pre-cap."""
+    raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32)
+    raw = raw * self.config.attn_output_multiplier
+    keep = mask_B1TS[:, :, None].astype(bool)
+    max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
+    logits = jnp.where(keep, soft_cap(raw, self.config.attn_logit_cap), MASK_VALUE)
+    weights = jax.nn.softmax(logits, axis=-1).astype(q_BTKGd.dtype)
+    return self.output(jnp.einsum("bkgts,bskd->btkgd", weights, v_BSKd)), max_logit
+
+  def __call__(self, x_BTD: Array, mask_B1TT: Array, positions_BT: Array,
+               ) -> tuple[Array, Array]:
+    """Dense masked self-attention (mask `[B,1,T,T]`, 1 = may attend)."""
+    return self.attend(*self.project(x_BTD, positions_BT), mask_B1TT)
+
+
+class DenseBlock(eqx.Module):
+  """GeGLU: `(gelu(x @ W1) * (x @ Wv)) @ Wout`, W1|Wv fused into one matmul."""
+
+  gate_value: Linear
+  out: Linear
+
+  def __init__(self, cfg: TransformerConfig, *, key: PRNGKeyArray):
+    k1, k2 = jax.random.split(key)
+    zero = cfg.param_init == "zeros"
+    self.gate_value = Linear(cfg.emb_size, 2 * cfg.ffn_size, key=k1, zero=zero)
+    self.out = Linear(cfg.ffn_size, cfg.emb_size, key=k2, zero=zero)
+
+  def __call__(self, x: Array) -> Array:
+    gate, value = jnp.split(self.gate_value(x), 2, axis=-1)
+    return self.out(jax.nn.gelu(gate) * value)

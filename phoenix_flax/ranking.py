@@ -1,0 +1,237 @@
+"""PhoenixModel: the ranking transformer over [user | history | candidates]."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from phoenix_flax import features
+from phoenix_flax.config import PhoenixModelConfig
+from phoenix_flax.layers import RMSNorm, variance_scaling
+from phoenix_flax.masks import right_anchored_rope_positions
+from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
+from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
+                                check_batch, check_embeddings)
+
+
+def block_user_reduce(user_hashes: Array, user_embeddings: Array, num_user_hashes: int,
+                      emb_size: int, proj_mat_1: Array) -> tuple[Array, Array]:
+  """`[B,U,D]` hash embeddings -> one user token `[B,1,D]` and its mask `[B,1]`."""
+  B = user_hashes.shape[0]
+  flat = user_embeddings.reshape(B, 1, num_user_hashes * emb_size)
+  token = flat.astype(proj_mat_1.dtype) @ proj_mat_1
+  return token, (user_hashes[:, 0] != 0)[:, None]
+
+
+def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Array,
+                         history_author_embeddings: Array, product_surface_embeddings: Array,
+                         action_embeddings: Array, proj_mat_3: Array,
+                         extra_features: tuple[Array, ...] = ()) -> tuple[Array, Array]:
+  """concat(post, author, actions, surface[, extra]) per history item @ proj_mat_3."""
+  B, S = history_post_hashes.shape[:2]
+  parts = [history_post_embeddings.reshape(B, S, -1),
+           history_author_embeddings.reshape(B, S, -1),
+           action_embeddings, product_surface_embeddings, *extra_features]
+  tokens = jnp.concatenate([p.astype(proj_mat_3.dtype) for p in parts], axis=-1) @ proj_mat_3
+  return tokens, history_post_hashes[:, :, 0] != 0
+
+
+def block_candidate_reduce(candidate_post_hashes: Array, candidate_post_embeddings: Array,
+                           candidate_author_embeddings: Array,
+                           product_surface_embeddings: Array, proj_mat_2: Array,
+                           extra_features: tuple[Array, ...] = ()) -> tuple[Array, Array]:
+  """concat(post, author, surface[, extra]) per candidate @ proj_mat_2."""
+  B, C = candidate_post_hashes.shape[:2]
+  parts = [candidate_post_embeddings.reshape(B, C, -1),
+           candidate_author_embeddings.reshape(B, C, -1),
+           product_surface_embeddings, *extra_features]
+  tokens = jnp.concatenate([p.astype(proj_mat_2.dtype) for p in parts], axis=-1) @ proj_mat_2
+  return tokens, candidate_post_hashes[:, :, 0] != 0
+
+
+class Diagnostics(NamedTuple):
+  max_abs_attn_logit: Array     # [L]
+  residual_rms: Array           # [L]
+
+
+class PhoenixModel(eqx.Module):
+  """Ranking model: `model(batch, embeddings) -> RecsysModelOutput(logits [B,C,A])`."""
+
+  product_surface_embedding_table: Array
+  action_projection: Array
+  proj_mat_1: Array
+  proj_mat_2: Array
+  proj_mat_3: Array
+  transformer: Transformer
+  final_norm: RMSNorm
+  unembeddings: Array
+  post_age_embedding_table: Optional[Array]
+  dwell_proj_1: Optional[Array]
+  dwell_proj_2: Optional[Array]
+  continuous_unembeddings: Optional[Array]
+  config: PhoenixModelConfig = eqx.field(static=True)
+
+  def __init__(self, config: PhoenixModelConfig, *, key: PRNGKeyArray):
+    if not isinstance(config, PhoenixModelConfig):
+      raise TypeError(f"config must be a PhoenixModelConfig, got {type(config).__name__}")
+    self.config = c = config
+    hc, D, A = c.hash_config, c.emb_size, c.num_actions
+    ks = jax.random.split(key, 12)
+    hist_in = (hc.num_item_hashes + hc.num_author_hashes + 2 + (c.dwell_time_norm is not None)) * D
+    cand_in = (hc.num_item_hashes + hc.num_author_hashes + 1
+               + (c.post_age_granularity_mins is not None)) * D
+    self.product_surface_embedding_table = variance_scaling(
+        ks[0], (c.product_surface_vocab_size, D), D)
+    self.action_projection = variance_scaling(ks[1], (A, D), A)
+    self.proj_mat_1 = variance_scaling(ks[2], (hc.num_user_hashes * D, D), hc.num_user_hashes * D)
+    self.proj_mat_2 = variance_scaling(ks[3], (cand_in, D), cand_in)
+    self.proj_mat_3 = variance_scaling(ks[4], (hist_in, D), hist_in)
+    self.transformer = Transformer(c.model, key=ks[5])
+    self.final_norm = RMSNorm(D, init_value=0.0 if c.model.param_init == "zeros" else 1.0)
+    self.unembeddings = variance_scaling(ks[6], (D, A), D)
+    self.post_age_embedding_table = (
+        None if c.post_age_granularity_mins is None
+        else variance_scaling(ks[7], (c.num_post_age_buckets, D), D))
+    has_dwell = c.dwell_time_norm is not None
+    self.dwell_proj_1 = variance_scaling(ks[8], (1, c.dwell_hidden_size), 1) if has_dwell else None
+    self.dwell_proj_2 = (variance_scaling(ks[9], (c.dwell_hidden_size, D), c.dwell_hidden_size)
+                         if has_dwell else None)
+    K = c.num_continuous_actions
+    self.continuous_unembeddings = variance_scaling(ks[10], (D, K), D) if K else None
+
+  def _check(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+             with_candidates: bool = True) -> tuple[int, int]:
+    c = self.config
+    B, C = check_batch(batch, c.hash_config, c.history_seq_len, with_candidates=with_candidates)
+    if batch.history_actions.shape[-1] != c.num_actions:
+      raise ValueError(f"history_actions has {batch.history_actions.shape[-1]} actions, "
+                       f"config.num_actions={c.num_actions}")
+    check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, C, c.emb_size,
+                     with_candidates)
+    if c.post_age_granularity_mins is not None and with_candidates and (
+        batch.impression_timestamps is None or batch.candidate_post_timestamps is None):
+      raise ValueError("post_age_granularity_mins is set: batch.impression_timestamps and "
+                       "batch.candidate_post_timestamps are required")
+    if c.dwell_time_norm is not None and batch.history_dwell_times is None:
+      raise ValueError("dwell_time_norm is set: batch.history_dwell_times is required")
+    return B, C
+
+  def build_context_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                           ) -> tuple[Array, Array]:
+    """User + history tokens `[B, 1+S, D]` (forward dtype) and their padding mask."""
+    c = self.config
+    user, user_mask = block_user_reduce(batch.user_hashes, embeddings.user_embeddings,
+                                        c.hash_config.num_user_hashes, c.emb_size,
+                                        self.proj_mat_1)
+    surface = features.single_hot_embedding(batch.history_product_surface,
+                                            self.product_surface_embedding_table)
+    actions = features.action_embedding(batch.history_actions, self.action_projection)
+    extra = ()
+    if c.dwell_time_norm is not None:
+      extra = (features.dwell_time_embedding(batch.history_dwell_times, c.dwell_time_norm,
+                                             self.dwell_proj_1, self.dwell_proj_2),)
+    hist, hist_mask = block_history_reduce(
+        batch.history_post_hashes, embeddings.history_post_embeddings,
+        embeddings.history_author_embeddings, surface, actions, self.proj_mat_3, extra)
+    tokens = jnp.concatenate([user, hist], axis=1).astype(c.fprop_dtype)
+    return tokens, jnp.concatenate([user_mask, hist_mask], axis=1)
+
+  def build_candidate_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                             ) -> tuple[Array, Array]:
+    """Candidate tokens `[B, C, D]` (forward dtype) and their padding mask `[B, C]`."""
+    c = self.config
+    surface = features.single_hot_embedding(batch.candidate_product_surface,
+                                            self.product_surface_embedding_table)
+    extra = ()
+    if c.post_age_granularity_mins is not None:
+      bucket = features.compute_post_age_bucket(batch.impression_timestamps[:, None],
+                                                batch.candidate_post_timestamps,
+                                                c.post_age_granularity_mins)
+      extra = (features.single_hot_embedding(bucket, self.post_age_embedding_table),)
+    tokens, mask = block_candidate_reduce(
+        batch.candidate_post_hashes, embeddings.candidate_post_embeddings,
+        embeddings.candidate_author_embeddings, surface, self.proj_mat_2, extra)
+    return tokens.astype(c.fprop_dtype), mask
+
+  def build_inputs(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                   ) -> tuple[Array, Array, int]:
+    """The release's sequence: `[B, 1+S+C, D]`, padding mask `[B, T]`, offset `1+S`."""
+    ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
+    cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
+    return (jnp.concatenate([ctx, cand], axis=1),
+            jnp.concatenate([ctx_mask, cand_mask], axis=1), ctx.shape[1])
+
+  def context_positions(self, context_mask_BN: Array) -> Optional[Array]:
+    if not self.config.right_anchored_rope:
+      return None
+    return right_anchored_rope_positions(context_mask_BN, self.config.history_seq_len, 1)
+
+  def candidate_positions(self, candidate_mask_BC: Array, first_index: int = 0) -> Array:
+    """RoPE positions of candidates `first_index ...` of the list (chunks pass their start):
+    `1+S` for every valid candidate when right-anchored, else their sequence index."""
+    N = 1 + self.config.history_seq_len
+    B, C = candidate_mask_BC.shape
+    if self.config.right_anchored_rope:
+      return jnp.where(candidate_mask_BC, float(N), 0.0)
+    idx = jnp.arange(N + first_index, N + first_index + C, dtype=jnp.float32)
+    return jnp.broadcast_to(idx, (B, C))
+
+  def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
+    """Per-layer keys/values of the user + history context (candidate fields unused)."""
+    self._check(batch, embeddings, with_candidates=False)
+    ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
+    _, cache = self.transformer.encode_context(ctx, ctx_mask, self.context_positions(ctx_mask))
+    return cache
+
+  def score_candidates(self, cache: ContextCache, batch: RecsysBatch,
+                       embeddings: RecsysEmbeddings, first_index: int = 0,
+                       ) -> RecsysModelOutput:
+    """Scores the batch's candidates against a cached context (isolation only)."""
+    if not self.config.candidate_isolation:
+      raise ValueError("score_candidates needs candidate_isolation=True: without it a "
+                       "candidate's score depends on the candidates before it")
+    cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
+    out = self.transformer.score_candidates(
+        cand, cand_mask, cache, self.candidate_positions(cand_mask, first_index))
+    return self._head(out.embeddings)
+
+  def _head(self, h_BCD: Array) -> RecsysModelOutput:
+    h = self.final_norm(h_BCD)
+    logits = h.astype(self.unembeddings.dtype) @ self.unembeddings
+    continuous = None
+    if self.continuous_unembeddings is not None:
+      continuous = jax.nn.sigmoid(h.astype(jnp.float32) @ self.continuous_unembeddings)
+    return RecsysModelOutput(logits, continuous)
+
+  def forward(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+              ) -> tuple[RecsysModelOutput, Diagnostics]:
+    """Logits plus per-layer diagnostics (max |attention logit|, residual RMS)."""
+    c = self.config
+    self._check(batch, embeddings)
+    if c.candidate_isolation and c.attention_impl == "isolated":
+      ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
+      cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
+      ctx_out, cache = self.transformer.encode_context(ctx, ctx_mask,
+                                                       self.context_positions(ctx_mask))
+      cand_out = self.transformer.score_candidates(cand, cand_mask, cache,
+                                                   self.candidate_positions(cand_mask))
+      N, C = ctx.shape[1], cand.shape[1]
+      diag = Diagnostics(
+          jnp.maximum(ctx_out.max_abs_attn_logit, cand_out.max_abs_attn_logit),
+          jnp.sqrt((N * ctx_out.residual_rms ** 2 + C * cand_out.residual_rms ** 2) / (N + C)))
+      return self._head(cand_out.embeddings), diag
+    tokens, mask, offset = self.build_inputs(batch, embeddings)
+    positions = None
+    if c.right_anchored_rope:
+      positions = right_anchored_rope_positions(mask, c.history_seq_len, 1)
+    out: TransformerOutput = self.transformer(
+        tokens, mask, offset if c.candidate_isolation else None, positions)
+    return (self._head(out.embeddings[:, offset:]),
+            Diagnostics(out.max_abs_attn_logit, out.residual_rms))
+
+  def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RecsysModelOutput:
+    return self.forward(batch, embeddings)[0]

@@ -1,0 +1,156 @@
+"""PhoenixRetrievalModel: causal user tower and a candidate tower, scored by dot product."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import chex
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray
+
+from phoenix_flax import features
+from phoenix_flax.config import PhoenixRetrievalModelConfig
+from phoenix_flax.layers import variance_scaling
+from phoenix_flax.ranking import block_history_reduce, block_user_reduce
+from phoenix_flax.transformer import Transformer
+from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RetrievalOutput, check_batch,
+                                check_embeddings)
+
+NORM_EPS = 1e-12
+MASKED_SCORE = -1e12
+
+
+def l2_normalize(x: Array) -> tuple[Array, Array]:
+  """`x / sqrt(max(|x|^2, 1e-12))` over the last axis; also returns that norm."""
+  norm = jnp.sqrt(jnp.maximum(jnp.sum(jnp.square(x), axis=-1, keepdims=True), NORM_EPS))
+  return x / norm, norm
+
+
+class CandidateTower(eqx.Module):
+  """`[B, C, I+Au, D]` hash embeddings -> unit vectors `[B, C, D]`.
+
+  MLP mode: flatten -> `@ P1 [(I+Au)D, 2D]` -> silu -> `@ P2 [2D, D]` -> L2 normalise.
+  Mean-pool mode (`enable_linear_proj=False`): mean over hashes -> L2 normalise; no
+  parameters at all.
+  """
+
+  projection_1: Optional[Array]
+  projection_2: Optional[Array]
+  emb_size: int = eqx.field(static=True)
+
+  def __init__(self, emb_size: int, num_hashes: int, enable_linear_proj: bool = True, *,
+               key: PRNGKeyArray):
+    self.emb_size = emb_size
+    if enable_linear_proj:
+      k1, k2 = jax.random.split(key)
+      self.projection_1 = variance_scaling(k1, (num_hashes * emb_size, 2 * emb_size),
+                                           num_hashes * emb_size)
+      self.projection_2 = variance_scaling(k2, (2 * emb_size, emb_size), 2 * emb_size)
+    else:
+      self.projection_1 = self.projection_2 = None
+
+  def __call__(self, hash_embeddings_BCHD: Array) -> Array:
+    chex.assert_rank(hash_embeddings_BCHD, 4,
+                     custom_message="CandidateTower input must be [B, C, hashes, D]")
+    B, C, H, D = hash_embeddings_BCHD.shape
+    if D != self.emb_size:
+      raise ValueError(f"CandidateTower input has emb size {D}, expected {self.emb_size}")
+    x = hash_embeddings_BCHD.astype(jnp.float32)
+    if self.projection_1 is None:
+      return l2_normalize(jnp.mean(x, axis=2))[0]
+    if H * D != self.projection_1.shape[0]:
+      raise ValueError(f"CandidateTower input has {H} hashes, built for "
+                       f"{self.projection_1.shape[0] // D}")
+    h = jax.nn.silu(x.reshape(B, C, H * D) @ self.projection_1) @ self.projection_2
+    return l2_normalize(h)[0]
+
+
+class PhoenixRetrievalModel(eqx.Module):
+  """Two towers; `model(batch, embeddings, corpus, top_k) -> RetrievalOutput`."""
+
+  product_surface_embedding_table: Array
+  action_projection: Array
+  proj_mat_1: Array
+  proj_mat_3: Array
+  transformer: Transformer
+  candidate_tower: CandidateTower
+  config: PhoenixRetrievalModelConfig = eqx.field(static=True)
+
+  def __init__(self, config: PhoenixRetrievalModelConfig, *, key: PRNGKeyArray):
+    if not isinstance(config, PhoenixRetrievalModelConfig):
+      raise TypeError("config must be a PhoenixRetrievalModelConfig, got "
+                      f"{type(config).__name__}")
+    self.config = c = config
+    hc, D = c.hash_config, c.emb_size
+    ks = jax.random.split(key, 6)
+    hist_in = (hc.num_item_hashes + hc.num_author_hashes + 2) * D
+    self.product_surface_embedding_table = variance_scaling(
+        ks[0], (c.product_surface_vocab_size, D), D)
+    self.action_projection = variance_scaling(ks[1], (c.num_actions, D), c.num_actions)
+    self.proj_mat_1 = variance_scaling(ks[2], (hc.num_user_hashes * D, D), hc.num_user_hashes * D)
+    self.proj_mat_3 = variance_scaling(ks[3], (hist_in, D), hist_in)
+    self.transformer = Transformer(c.model, key=ks[4])
+    self.candidate_tower = CandidateTower(D, hc.num_item_hashes + hc.num_author_hashes,
+                                          c.enable_linear_proj, key=ks[5])
+
+  def build_user_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                                ) -> tuple[Array, Array]:
+    """Unit-norm user vector `[B, D]` and its norm before normalisation `[B, 1]`."""
+    c = self.config
+    B, _ = check_batch(batch, c.hash_config, c.history_seq_len, with_candidates=False)
+    check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, 0, c.emb_size,
+                     with_candidates=False)
+    user, user_mask = block_user_reduce(batch.user_hashes, embeddings.user_embeddings,
+                                        c.hash_config.num_user_hashes, c.emb_size,
+                                        self.proj_mat_1)
+    surface = features.single_hot_embedding(batch.history_product_surface,
+                                            self.product_surface_embedding_table)
+    actions = features.action_embedding(batch.history_actions, self.action_projection)
+    hist, hist_mask = block_history_reduce(
+        batch.history_post_hashes, embeddings.history_post_embeddings,
+        embeddings.history_author_embeddings, surface, actions, self.proj_mat_3)
+    tokens = jnp.concatenate([user, hist], axis=1).astype(c.fprop_dtype)
+    mask_BT = jnp.concatenate([user_mask, hist_mask], axis=1)
+    h = self.transformer(tokens, mask_BT).embeddings.astype(jnp.float32)
+    m = mask_BT[..., None].astype(jnp.float32)
+    pooled = jnp.sum(h * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
+    return l2_normalize(pooled)
+
+  def build_candidate_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                                     ) -> tuple[Array, Array]:
+    """Unit-norm candidate vectors `[B, C, D]` and the candidate padding mask `[B, C]`."""
+    c = self.config
+    if not isinstance(embeddings, RecsysEmbeddings):
+      raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
+    post, author = embeddings.candidate_post_embeddings, embeddings.candidate_author_embeddings
+    chex.assert_rank([post, author], 4, custom_message="candidate embeddings must be [B,C,h,D]")
+    chex.assert_equal_shape_prefix([post, author], 2,
+                                   custom_message="candidate post/author embeddings")
+    reps = self.candidate_tower(jnp.concatenate([post, author], axis=2))
+    return reps, batch.candidate_post_hashes[:, :, 0] != 0
+
+  def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+               corpus_embeddings: Array, top_k: int, corpus_mask: Optional[Array] = None,
+               ) -> RetrievalOutput:
+    """Top-k corpus items for each user by dot product; masked items score -1e12."""
+    user, _ = self.build_user_representation(batch, embeddings)
+    return retrieve_top_k(user, corpus_embeddings, top_k, corpus_mask)
+
+
+def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
+                   corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
+  """`scores = user @ corpus.T`, masked entries at -1e12, then `lax.top_k`."""
+  chex.assert_rank(corpus_ND, 2, custom_message="corpus_embeddings must be [N, D]")
+  if corpus_ND.shape[1] != user_BD.shape[1]:
+    raise ValueError(f"corpus_embeddings has dim {corpus_ND.shape[1]}, user representation "
+                     f"has {user_BD.shape[1]}")
+  if not 1 <= top_k <= corpus_ND.shape[0]:
+    raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
+  scores = user_BD @ corpus_ND.astype(user_BD.dtype).T
+  if corpus_mask_N is not None:
+    chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
+    scores = jnp.where(corpus_mask_N.astype(bool)[None, :], scores, MASKED_SCORE)
+  top_scores, top_idx = jax.lax.top_k(scores, top_k)
+  return RetrievalOutput(user_BD, top_idx.astype(jnp.int32), top_scores)

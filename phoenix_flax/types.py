@@ -1,0 +1,107 @@
+"""Data containers (pytrees that pass through `jit`) and their shape checks.
+
+Field names and order follow the release, so positional construction from release code
+works; later-release optional fields come after, defaulting to None.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import chex
+from jaxtyping import Array
+
+
+class RecsysBatch(NamedTuple):
+  """Hashed ids and features. Hash 0 is padding; actions are 0/1."""
+
+  user_hashes: Array                # [B, U] int
+  history_post_hashes: Array        # [B, S, I] int
+  history_author_hashes: Array      # [B, S, Au] int
+  history_actions: Array            # [B, S, A] 0/1
+  history_product_surface: Array    # [B, S] int in [0, V)
+  candidate_post_hashes: Array      # [B, C, I] int
+  candidate_author_hashes: Array    # [B, C, Au] int
+  candidate_product_surface: Array  # [B, C] int in [0, V)
+  impression_timestamps: Optional[Array] = None      # [B] seconds (0 = missing)
+  candidate_post_timestamps: Optional[Array] = None  # [B, C] seconds (0 = missing)
+  history_dwell_times: Optional[Array] = None        # [B, S] seconds
+
+
+class RecsysEmbeddings(NamedTuple):
+  """Hash embeddings looked up outside the model (release call signature)."""
+
+  user_embeddings: Array            # [B, U, D]
+  history_post_embeddings: Array    # [B, S, I, D]
+  candidate_post_embeddings: Array  # [B, C, I, D]
+  history_author_embeddings: Array  # [B, S, Au, D]
+  candidate_author_embeddings: Array  # [B, C, Au, D]
+
+
+class RecsysModelOutput(NamedTuple):
+  logits: Array                     # [B, C, A]
+  continuous: Optional[Array] = None  # [B, C, K] in (0, 1), when the head is enabled
+
+
+class RetrievalOutput(NamedTuple):
+  user_representation: Array        # [B, D], unit norm
+  top_k_indices: Array              # [B, K] int32 in [0, N)
+  top_k_scores: Array               # [B, K], sorted descending
+
+
+def _check(x, shape, name: str, kind: str) -> None:
+  if x is None:
+    raise ValueError(f"{name} is required but is None")
+  chex.assert_shape(x, shape, custom_message=f"field {name}")
+  if kind == "int":
+    chex.assert_type(x, int, custom_message=f"field {name} must hold integers")
+  elif kind == "float":
+    chex.assert_type(x, float, custom_message=f"field {name} must hold floats")
+
+
+def check_batch(batch: RecsysBatch, hash_config, history_len: int, with_actions: bool = True,
+                with_candidates: bool = True) -> tuple[int, int]:
+  """Checks ranks, shapes and dtypes of a batch; returns (B, C) (C = 0 without candidates)."""
+  if not isinstance(batch, RecsysBatch):
+    raise TypeError(f"batch must be a RecsysBatch, got {type(batch).__name__}")
+  chex.assert_rank(batch.user_hashes, 2, custom_message="field user_hashes must be [B, U]")
+  B = batch.user_hashes.shape[0]
+  S, I, Au = history_len, hash_config.num_item_hashes, hash_config.num_author_hashes
+  _check(batch.user_hashes, (B, hash_config.num_user_hashes), "user_hashes", "int")
+  _check(batch.history_post_hashes, (B, S, I), "history_post_hashes", "int")
+  _check(batch.history_author_hashes, (B, S, Au), "history_author_hashes", "int")
+  if with_actions:
+    chex.assert_rank(batch.history_actions, 3, custom_message="field history_actions")
+    _check(batch.history_actions, (B, S, None), "history_actions", "any")
+  _check(batch.history_product_surface, (B, S), "history_product_surface", "int")
+  if batch.history_dwell_times is not None:
+    _check(batch.history_dwell_times, (B, S), "history_dwell_times", "any")
+  if not with_candidates:
+    return B, 0
+  chex.assert_rank(batch.candidate_post_hashes, 3,
+                   custom_message="field candidate_post_hashes must be [B, C, I]")
+  C = batch.candidate_post_hashes.shape[1]
+  _check(batch.candidate_post_hashes, (B, C, I), "candidate_post_hashes", "int")
+  _check(batch.candidate_author_hashes, (B, C, Au), "candidate_author_hashes", "int")
+  _check(batch.candidate_product_surface, (B, C), "candidate_product_surface", "int")
+  if batch.impression_timestamps is not None:
+    _check(batch.impression_timestamps, (B,), "impression_timestamps", "int")
+  if batch.candidate_post_timestamps is not None:
+    _check(batch.candidate_post_timestamps, (B, C), "candidate_post_timestamps", "int")
+  return B, C
+
+
+def check_embeddings(emb: RecsysEmbeddings, hash_config, B: int, S: int, C: int, D: int,
+                     with_candidates: bool = True) -> None:
+  """Checks that every embedding matches the batch's shape and is floating point."""
+  if not isinstance(emb, RecsysEmbeddings):
+    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(emb).__name__}")
+  I, Au = hash_config.num_item_hashes, hash_config.num_author_hashes
+  _check(emb.user_embeddings, (B, hash_config.num_user_hashes, D), "user_embeddings", "float")
+  _check(emb.history_post_embeddings, (B, S, I, D), "history_post_embeddings", "float")
+  _check(emb.history_author_embeddings, (B, S, Au, D), "history_author_embeddings", "float")
+  if with_candidates:
+    _check(emb.candidate_post_embeddings, (B, C, I, D), "candidate_post_embeddings", "float")
+    _check(emb.candidate_author_embeddings, (B, C, Au, D), "candidate_author_embeddings",
+           "float")
+

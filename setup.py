@@ -1,0 +1,38 @@
+"""Package definition for phoenix_flax."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="phoenix_flax",
+    version="0.1.0",
+    description="JAX/Equinox research sandbox for X's Phoenix recommendation models",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
+    install_requires=[
+        "jax>=0.4.35",
+        "equinox>=0.11.8",
+        "jaxtyping>=0.2.34",
+        "optax>=0.2.3",
+        "chex>=0.1.87",
+        "absl-py>=2.1",
+        "ml_collections>=0.1.1",
+        "numpy>=1.26",
+        "tensorboardX>=2.6.2",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "pytest-xdist>=3.5",
+            "dm-haiku>=0.0.13",
+            "tensorboard>=2.16",
+            "matplotlib>=3.8",
+            "nbclient>=0.10",
+            "nbformat>=5.10",
+            "ipykernel>=6.29",
+        ],
+        "notebooks": ["matplotlib>=3.8", "nbclient>=0.10", "nbformat>=5.10",
+                      "ipykernel>=6.29", "tensorboard>=2.16"],
+    },
+)
