@@ -1,5 +1,6 @@
 """phoenix_flax: Equinox re-implementation of X's Phoenix recommendation models."""
 
+from phoenix_flax import haiku_compat
 from phoenix_flax.config import (HashConfig, NormConfig, PhoenixModelConfig,
                                  PhoenixRetrievalModelConfig, TransformerConfig, ffn_size)
 from phoenix_flax.features import compute_post_age_bucket, normalize_continuous_value

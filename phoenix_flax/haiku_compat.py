@@ -1,0 +1,236 @@
+"""Import and export of the released Haiku parameter trees.
+
+A tree is a two-level mapping `{module_path: {param_name: array}}` (what
+`hk.transform(...).init` returns; dm-haiku is not needed to read it), with the release's
+names (SPEC.md, "Haiku parameter tree of the Jan release"):
+
+    phoenix_model                product_surface_embedding_table, action_projection,
+                                 proj_mat_1, proj_mat_2, proj_mat_3, unembeddings
+    phoenix_model/rms_norm       scale (final norm)
+    transformer/decoder_layer_{i}/rms_norm, rms_norm_1, rms_norm_2, rms_norm_3   scale
+    transformer/decoder_layer_{i}/multi_head_attention/{query,key,value,linear}  w
+    transformer/decoder_layer_{i}/{linear,linear_v,linear_1}                     w
+    phoenix_retrieval_model      the ranking model's first four entries, no proj_mat_2
+    phoenix_retrieval_model/~build_candidate_representation/candidate_tower
+                                 candidate_tower_projection_1, candidate_tower_projection_2
+
+Our fused weights map onto the release's separate ones: `qkv` = query | key | value and
+`gate_value` = linear (gelu gate) | linear_v (value), concatenated on the output axis;
+the `[L]`-stacked layer parameters map onto one `decoder_layer_{i}` per layer. Norms map
+as N1 = rms_norm, N2 = rms_norm_1, N3 = rms_norm_2, N4 = rms_norm_3 (sandwich layout only).
+
+The later release's optional ranking parameters have no Jan-release name; we store them
+under `phoenix_model` with names of our own, present only when the config enables them:
+`post_age_embedding_table`, `dwell_proj_1`, `dwell_proj_2`, `continuous_unembeddings`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.ranking import PhoenixModel
+from phoenix_flax.retrieval import PhoenixRetrievalModel
+
+RANKING_SCOPE = "phoenix_model"
+RETRIEVAL_SCOPE = "phoenix_retrieval_model"
+CANDIDATE_TOWER_SCOPE = f"{RETRIEVAL_SCOPE}/~build_candidate_representation/candidate_tower"
+
+Params = dict[str, dict[str, jax.Array]]
+
+
+class HaikuParamsError(ValueError):
+  """A parameter tree that does not match the model; lists every offending entry."""
+
+  def __init__(self, model_name: str, problems: list[str]):
+    self.problems = problems
+    super().__init__(f"Haiku params do not match {model_name} ({len(problems)} problem(s)):\n  "
+                     + "\n  ".join(problems))
+
+
+class _Slot(NamedTuple):
+  """One model array and the Haiku entries it maps to.
+
+  `parts` are (module, param, width): the array's last axis is split into those widths
+  (None = the whole axis). `stacked` arrays carry a leading `[L]` axis, one Haiku module
+  per layer, and their module names are prefixed with `transformer/decoder_layer_{i}/`.
+  """
+
+  get: Callable[[Any], Any]
+  parts: tuple[tuple[str, str, Optional[int]], ...]
+  stacked: bool = False
+
+
+def _top_level(scope: str, names: tuple[str, ...]) -> list[_Slot]:
+  return [_Slot(lambda m, n=n: getattr(m, n), ((scope, n, None),)) for n in names]
+
+
+def _transformer_slots(model) -> list[_Slot]:
+  tcfg = model.config.model
+  if tcfg.norm_layout != "sandwich":
+    raise ValueError(f"model.config.model.norm_layout={tcfg.norm_layout!r} has no Haiku "
+                     "counterpart: the release only has norm_layout='sandwich'")
+  H, KV, d, F = tcfg.num_q_heads, tcfg.num_kv_heads, tcfg.key_size, tcfg.ffn_size
+  mha = "multi_head_attention"
+  return [
+      _Slot(lambda m: m.transformer.layers.norm_attn_in.scale, (("rms_norm", "scale", None),),
+            True),
+      _Slot(lambda m: m.transformer.layers.attention.qkv.weight,
+            ((f"{mha}/query", "w", H * d), (f"{mha}/key", "w", KV * d),
+             (f"{mha}/value", "w", KV * d)), True),
+      _Slot(lambda m: m.transformer.layers.attention.out.weight,
+            ((f"{mha}/linear", "w", None),), True),
+      _Slot(lambda m: m.transformer.layers.norm_attn_out.scale,
+            (("rms_norm_1", "scale", None),), True),
+      _Slot(lambda m: m.transformer.layers.norm_dense_in.scale,
+            (("rms_norm_2", "scale", None),), True),
+      _Slot(lambda m: m.transformer.layers.dense.gate_value.weight,
+            (("linear", "w", F), ("linear_v", "w", F)), True),
+      _Slot(lambda m: m.transformer.layers.dense.out.weight, (("linear_1", "w", None),), True),
+      _Slot(lambda m: m.transformer.layers.norm_dense_out.scale,
+            (("rms_norm_3", "scale", None),), True),
+  ]
+
+
+def _ranking_slots(model: PhoenixModel) -> list[_Slot]:
+  names = ("product_surface_embedding_table", "action_projection", "proj_mat_1",
+           "proj_mat_2", "proj_mat_3", "unembeddings", "post_age_embedding_table",
+           "dwell_proj_1", "dwell_proj_2", "continuous_unembeddings")
+  present = tuple(n for n in names if getattr(model, n) is not None)
+  return (_top_level(RANKING_SCOPE, present)
+          + [_Slot(lambda m: m.final_norm.scale, ((f"{RANKING_SCOPE}/rms_norm", "scale", None),))]
+          + _transformer_slots(model))
+
+
+def _retrieval_slots(model: PhoenixRetrievalModel) -> list[_Slot]:
+  slots = _top_level(RETRIEVAL_SCOPE, ("product_surface_embedding_table", "action_projection",
+                                       "proj_mat_1", "proj_mat_3"))
+  if model.candidate_tower.projection_1 is not None:
+    slots += [
+        _Slot(lambda m: m.candidate_tower.projection_1,
+              ((CANDIDATE_TOWER_SCOPE, "candidate_tower_projection_1", None),)),
+        _Slot(lambda m: m.candidate_tower.projection_2,
+              ((CANDIDATE_TOWER_SCOPE, "candidate_tower_projection_2", None),)),
+    ]
+  return slots + _transformer_slots(model)
+
+
+def _layer_module(layer: int, module: str) -> str:
+  return f"transformer/decoder_layer_{layer}/{module}"
+
+
+def _expanded(slot: _Slot, shape: tuple[int, ...]):
+  """Yields (layer or None, module, param, expected shape, start, stop) for a slot."""
+  layers = range(shape[0]) if slot.stacked else [None]
+  inner = shape[1:] if slot.stacked else shape
+  for layer in layers:
+    start = 0
+    for module, param, width in slot.parts:
+      stop = inner[-1] if width is None else start + width
+      full = module if layer is None else _layer_module(layer, module)
+      yield layer, full, param, inner[:-1] + (stop - start,), start, stop
+      start = stop
+
+
+def _to_tree(model, slots: list[_Slot]) -> Params:
+  """Splits and unstacks the model's arrays; modules come out layer by layer."""
+  entries = []
+  for slot in slots:
+    array = slot.get(model)
+    for layer, module, param, _, start, stop in _expanded(slot, array.shape):
+      value = array if layer is None else array[layer]
+      entries.append((-1 if layer is None else layer, module, param, value[..., start:stop]))
+  tree: Params = {}
+  for _, module, param, value in sorted(entries, key=lambda e: e[0]):
+    tree.setdefault(module, {})[param] = value
+  return tree
+
+
+def _validate(params: Mapping, expected: dict[tuple[str, str], tuple[int, ...]],
+              model_name: str) -> None:
+  """Raises one `HaikuParamsError` naming every missing, extra or misshapen entry."""
+  if not isinstance(params, Mapping):
+    raise TypeError(f"params must be a mapping {{module: {{param: array}}}}, got "
+                    f"{type(params).__name__}")
+  problems = []
+  expected_modules = {module for module, _ in expected}
+  for module, entries in params.items():
+    if not isinstance(entries, Mapping):
+      problems.append(f"params[{module!r}] is a {type(entries).__name__}, expected a mapping "
+                      "{param: array}")
+    elif module not in expected_modules:
+      problems += [f"extra   params[{module!r}][{p!r}]: got shape {np.shape(v)}"
+                   for p, v in entries.items()]
+    else:
+      problems += [f"extra   params[{module!r}][{p!r}]: got shape {np.shape(v)}"
+                   for p, v in entries.items() if (module, p) not in expected]
+  for (module, param), shape in expected.items():
+    entries = params.get(module)
+    if not isinstance(entries, Mapping) or param not in entries:
+      problems.append(f"missing params[{module!r}][{param!r}]: expected shape {shape}")
+    elif np.shape(entries[param]) != shape:
+      problems.append(f"shape   params[{module!r}][{param!r}]: expected {shape}, "
+                      f"got {np.shape(entries[param])}")
+  if problems:
+    raise HaikuParamsError(model_name, problems)
+
+
+def _from_tree(params: Mapping, skeleton, slots: list[_Slot], model_name: str):
+  """Fills the shape-only `skeleton` with the tree's arrays (as float32)."""
+  expected = {(module, param): shape
+              for slot in slots
+              for _, module, param, shape, _, _ in _expanded(slot, slot.get(skeleton).shape)}
+  _validate(params, expected, model_name)
+
+  def assemble(slot: _Slot) -> jax.Array:
+    per_layer: dict[Optional[int], list] = {}
+    for layer, module, param, _, _, _ in _expanded(slot, slot.get(skeleton).shape):
+      per_layer.setdefault(layer, []).append(jnp.asarray(params[module][param], jnp.float32))
+    joined = [jnp.concatenate(parts, axis=-1) for parts in per_layer.values()]
+    return jnp.stack(joined) if slot.stacked else joined[0]
+
+  model = eqx.tree_at(lambda m: [s.get(m) for s in slots], skeleton,
+                      [assemble(s) for s in slots])
+  unfilled = [jax.tree_util.keystr(path) for path, leaf
+              in jax.tree_util.tree_leaves_with_path(model)
+              if isinstance(leaf, jax.ShapeDtypeStruct)]
+  if unfilled:
+    raise NotImplementedError(f"{model_name} fields without a Haiku mapping: {unfilled}")
+  return model
+
+
+def ranking_model_from_haiku(params: Mapping, config: PhoenixModelConfig) -> PhoenixModel:
+  """Builds a `PhoenixModel` from a release-named Haiku tree (see module docstring)."""
+  if not isinstance(config, PhoenixModelConfig):
+    raise TypeError(f"config must be a PhoenixModelConfig, got {type(config).__name__}")
+  skeleton = eqx.filter_eval_shape(PhoenixModel, config, key=jax.random.PRNGKey(0))
+  return _from_tree(params, skeleton, _ranking_slots(skeleton), "PhoenixModel")
+
+
+def retrieval_model_from_haiku(params: Mapping, config: PhoenixRetrievalModelConfig
+                               ) -> PhoenixRetrievalModel:
+  """Builds a `PhoenixRetrievalModel` from a release-named Haiku tree."""
+  if not isinstance(config, PhoenixRetrievalModelConfig):
+    raise TypeError("config must be a PhoenixRetrievalModelConfig, got "
+                    f"{type(config).__name__}")
+  skeleton = eqx.filter_eval_shape(PhoenixRetrievalModel, config, key=jax.random.PRNGKey(0))
+  return _from_tree(params, skeleton, _retrieval_slots(skeleton), "PhoenixRetrievalModel")
+
+
+def ranking_model_to_haiku(model: PhoenixModel) -> Params:
+  """The model's parameters as a release-named Haiku tree (see module docstring)."""
+  if not isinstance(model, PhoenixModel):
+    raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}")
+  return _to_tree(model, _ranking_slots(model))
+
+
+def retrieval_model_to_haiku(model: PhoenixRetrievalModel) -> Params:
+  """The model's parameters as a release-named Haiku tree (see module docstring)."""
+  if not isinstance(model, PhoenixRetrievalModel):
+    raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}")
+  return _to_tree(model, _retrieval_slots(model))

@@ -1,0 +1,324 @@
+"""Haiku import/export: release tree names, round trips, errors, and numerical parity
+with the independent dm-haiku reference in `haiku_reference.py` (SPEC.md's example
+shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
+
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import haiku_reference as ref
+import phoenix_flax as pf
+from phoenix_flax import haiku_compat
+
+B, S, C, N_CORPUS, TOP_K = 2, 6, 4, 20, 5
+PARITY_ATOL = 1e-5
+
+SPEC_RANKING_TOP = {
+    "product_surface_embedding_table": (16, 64), "action_projection": (19, 64),
+    "proj_mat_1": (128, 64), "proj_mat_3": (384, 64), "proj_mat_2": (320, 64),
+    "unembeddings": (64, 19),
+}
+SPEC_LAYER = {
+    "rms_norm": {"scale": (64,)},
+    "multi_head_attention/query": {"w": (64, 128)},
+    "multi_head_attention/key": {"w": (64, 64)},
+    "multi_head_attention/value": {"w": (64, 64)},
+    "multi_head_attention/linear": {"w": (128, 64)},
+    "rms_norm_1": {"scale": (64,)},
+    "rms_norm_2": {"scale": (64,)},
+    "linear_v": {"w": (64, 88)},
+    "linear": {"w": (64, 88)},
+    "linear_1": {"w": (88, 64)},
+    "rms_norm_3": {"scale": (64,)},
+}
+TOWER = "phoenix_retrieval_model/~build_candidate_representation/candidate_tower"
+
+
+def _spec_tree(retrieval: bool, linear_proj: bool = True) -> dict:
+  layers = {f"transformer/decoder_layer_{i}/{m}": p
+            for i in range(2) for m, p in SPEC_LAYER.items()}
+  if not retrieval:
+    return {"phoenix_model": SPEC_RANKING_TOP, "phoenix_model/rms_norm": {"scale": (64,)},
+            **layers}
+  top = {n: SPEC_RANKING_TOP[n] for n in ("product_surface_embedding_table",
+                                          "action_projection", "proj_mat_1", "proj_mat_3")}
+  tower = {TOWER: {"candidate_tower_projection_1": (256, 128),
+                   "candidate_tower_projection_2": (128, 64)}} if linear_proj else {}
+  return {"phoenix_retrieval_model": top, **tower, **layers}
+
+
+def _shapes(tree) -> dict:
+  return {m: {p: tuple(v.shape) for p, v in entries.items()} for m, entries in tree.items()}
+
+
+def _traced_export(to_haiku, model_cls, config) -> dict:
+  """The tree `to_haiku` gives for a fresh model, as shapes (traced, nothing computed)."""
+  return jax.eval_shape(lambda: to_haiku(model_cls(config, key=jax.random.PRNGKey(0))))
+
+
+def _transformer_config(**overrides) -> pf.TransformerConfig:
+  kw = dict(emb_size=64, key_size=32, num_q_heads=4, num_kv_heads=2, num_layers=2,
+            widening_factor=2.0, attn_output_multiplier=0.125)
+  return pf.TransformerConfig(**{**kw, **overrides})
+
+
+def _ranking_config(**overrides) -> pf.PhoenixModelConfig:
+  tkw = {k: overrides.pop(k) for k in ("attn_logit_cap", "norm_layout") if k in overrides}
+  return pf.PhoenixModelConfig(model=_transformer_config(**tkw), emb_size=64,
+                               history_seq_len=S, candidate_seq_len=C, **overrides)
+
+
+def _retrieval_config(linear_proj: bool = True) -> pf.PhoenixRetrievalModelConfig:
+  return pf.PhoenixRetrievalModelConfig(model=_transformer_config(), emb_size=64,
+                                        history_seq_len=S, candidate_seq_len=C,
+                                        enable_linear_proj=linear_proj)
+
+
+def _reference_config(linear_proj: bool = True) -> ref.ReferenceConfig:
+  return ref.ReferenceConfig(emb_size=64, key_size=32, num_q_heads=4, num_kv_heads=2,
+                             num_layers=2, widening_factor=2.0, attn_output_multiplier=0.125,
+                             enable_linear_proj=linear_proj)
+
+
+def _inputs():
+  """Batch with padded history items (a tail and a hole), a padded candidate, rows of
+  history without any action, and random embeddings everywhere (padding included)."""
+  rng = np.random.default_rng(0)
+  hashes = lambda *shape: rng.integers(1, 1000, shape).astype(np.int32)
+  history_post = hashes(B, S, 2)
+  history_post[0, 4:, 0] = 0
+  history_post[1, 2, 0] = 0
+  candidate_post = hashes(B, C, 2)
+  candidate_post[0, 3, 0] = 0
+  actions = (rng.random((B, S, 19)) < 0.3).astype(np.int32)
+  actions[:, 1] = 0
+  batch = pf.RecsysBatch(
+      hashes(B, 2), history_post, hashes(B, S, 2), actions,
+      rng.integers(0, 16, (B, S)).astype(np.int32), candidate_post, hashes(B, C, 2),
+      rng.integers(0, 16, (B, C)).astype(np.int32))
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  emb = pf.RecsysEmbeddings(normal(B, 2, 64), normal(B, S, 2, 64), normal(B, C, 2, 64),
+                            normal(B, S, 2, 64), normal(B, C, 2, 64))
+  batch = jax.tree.map(jnp.asarray, batch)
+  return batch, jax.tree.map(jnp.asarray, emb)
+
+
+def _random_tree(tree, seed: int) -> dict:
+  """Release-named tree with random values: norm scales ~1, weights normal*0.1, except
+  query/key at normal*0.4 so attention logits reach the soft cap's nonlinear range."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for module, entries in tree.items():
+    for param, value in entries.items():
+      shape = value.shape
+      if param == "scale":
+        array = 1.0 + 0.2 * rng.normal(size=shape)
+      else:
+        std = 0.4 if module.endswith(("/query", "/key")) else 0.1
+        array = std * rng.normal(size=shape)
+      out.setdefault(module, {})[param] = array.astype(np.float32)
+  return out
+
+
+@pytest.fixture(scope="module")
+def inputs():
+  return _inputs()
+
+
+@pytest.fixture(scope="module")
+def corpus():
+  rng = np.random.default_rng(1)
+  vectors = rng.normal(size=(N_CORPUS, 64)).astype(np.float32)
+  vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+  mask = np.ones(N_CORPUS, bool)
+  mask[[2, 7, 11]] = False
+  return jnp.asarray(vectors), jnp.asarray(mask)
+
+
+@pytest.fixture(scope="module")
+def ranking_reference():
+  return jax.jit(ref.ranking_transform(_reference_config()).apply)
+
+
+@pytest.fixture(scope="module")
+def ranking_params(inputs):
+  init = jax.eval_shape(ref.ranking_transform(_reference_config()).init,
+                        jax.random.PRNGKey(0), *inputs)
+  return init, _random_tree(init, seed=2)
+
+
+def _retrieval_params(inputs, corpus, linear_proj: bool):
+  """Jitted reference apply (top_k static) and a random tree for it."""
+  transformed = ref.retrieval_transform(_reference_config(linear_proj))
+  init = jax.eval_shape(lambda *args: transformed.init(*args, TOP_K),
+                        jax.random.PRNGKey(0), *inputs, corpus[0])
+  return jax.jit(transformed.apply, static_argnums=4), _random_tree(init, seed=3)
+
+
+def _assert_trees_equal(a, b) -> None:
+  assert _shapes(a) == _shapes(b)
+  for module, entries in a.items():
+    for param, value in entries.items():
+      np.testing.assert_array_equal(np.asarray(value), np.asarray(b[module][param]),
+                                    err_msg=f"{module}/{param}")
+
+
+def test_reference_init_tree_is_the_spec_tree(inputs, corpus, ranking_params):
+  init, _ = ranking_params
+  assert _shapes(init) == _spec_tree(retrieval=False)
+  for linear_proj in (True, False):
+    _, tree = _retrieval_params(inputs, corpus, linear_proj)
+    assert _shapes(tree) == _spec_tree(retrieval=True, linear_proj=linear_proj)
+
+
+def test_export_of_fresh_models_has_the_spec_tree():
+  tree = _traced_export(haiku_compat.ranking_model_to_haiku, pf.PhoenixModel,
+                        _ranking_config())
+  assert _shapes(tree) == _spec_tree(retrieval=False)
+  for linear_proj in (True, False):
+    tree = _traced_export(haiku_compat.retrieval_model_to_haiku, pf.PhoenixRetrievalModel,
+                          _retrieval_config(linear_proj))
+    assert _shapes(tree) == _spec_tree(retrieval=True, linear_proj=linear_proj)
+
+
+def test_ranking_round_trip_is_identity(ranking_params):
+  _, tree = ranking_params
+  model = haiku_compat.ranking_model_from_haiku(tree, _ranking_config())
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
+  qkv = model.transformer.layers.attention.qkv.weight
+  assert qkv.shape == (2, 64, 256) and qkv.dtype == jnp.float32
+  np.testing.assert_array_equal(
+      qkv[1, :, 128:192], tree["transformer/decoder_layer_1/multi_head_attention/key"]["w"])
+
+
+@pytest.mark.parametrize("linear_proj", [True, False], ids=["mlp", "mean_pool"])
+def test_retrieval_round_trip_is_identity(inputs, corpus, linear_proj):
+  _, tree = _retrieval_params(inputs, corpus, linear_proj)
+  model = haiku_compat.retrieval_model_from_haiku(tree, _retrieval_config(linear_proj))
+  _assert_trees_equal(haiku_compat.retrieval_model_to_haiku(model), tree)
+
+
+def test_optional_later_release_params_round_trip():
+  config = _ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(),
+                           num_continuous_actions=3)
+  traced = _traced_export(haiku_compat.ranking_model_to_haiku, pf.PhoenixModel, config)
+  extra = {"post_age_embedding_table": (82, 64), "dwell_proj_1": (1, 64),
+           "dwell_proj_2": (64, 64), "continuous_unembeddings": (64, 3)}
+  top = _shapes(traced)["phoenix_model"]
+  assert {n: top[n] for n in extra} == extra
+  assert top["proj_mat_2"] == (384, 64) and top["proj_mat_3"] == (448, 64)
+  tree = _random_tree(traced, seed=4)
+  model = haiku_compat.ranking_model_from_haiku(tree, config)
+  np.testing.assert_array_equal(model.dwell_proj_2, tree["phoenix_model"]["dwell_proj_2"])
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
+  with pytest.raises(ValueError) as err:
+    haiku_compat.ranking_model_from_haiku(tree, _ranking_config())
+  for name in extra:
+    assert f"extra   params['phoenix_model'][{name!r}]" in str(err.value)
+
+
+def test_accepts_numpy_float64_and_read_only_mappings(ranking_params):
+  _, tree = ranking_params
+  frozen = types.MappingProxyType(
+      {m: types.MappingProxyType({p: v.astype(np.float64) for p, v in e.items()})
+       for m, e in tree.items()})
+  model = haiku_compat.ranking_model_from_haiku(frozen, _ranking_config())
+  leaves = jax.tree.leaves(model)
+  assert all(isinstance(x, jax.Array) and x.dtype == jnp.float32 for x in leaves)
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
+
+
+def test_broken_tree_lists_every_problem(ranking_params):
+  _, tree = ranking_params
+  broken = {m: dict(e) for m, e in tree.items()}
+  del broken["transformer/decoder_layer_1/linear_v"]["w"]
+  broken["phoenix_model"]["bias"] = np.zeros(19, np.float32)
+  broken["transformer/decoder_layer_0/multi_head_attention/query"]["w"] = np.zeros((64, 64))
+  broken["phoenix_model/final_norm"] = {"scale": np.ones(64)}
+  with pytest.raises(ValueError) as err:
+    haiku_compat.ranking_model_from_haiku(broken, _ranking_config())
+  message = str(err.value)
+  assert "(4 problem(s))" in message
+  assert "missing params['transformer/decoder_layer_1/linear_v']['w']: expected shape (64, 88)" \
+      in message
+  assert "extra   params['phoenix_model']['bias']: got shape (19,)" in message
+  assert "extra   params['phoenix_model/final_norm']['scale']: got shape (64,)" in message
+  assert ("shape   params['transformer/decoder_layer_0/multi_head_attention/query']['w']: "
+          "expected (64, 128), got (64, 64)") in message
+  assert err.value.problems and len(err.value.problems) == 4
+
+
+def test_mean_pool_config_rejects_candidate_tower_params(inputs, corpus):
+  _, tree = _retrieval_params(inputs, corpus, linear_proj=True)
+  with pytest.raises(ValueError) as err:
+    haiku_compat.retrieval_model_from_haiku(tree, _retrieval_config(linear_proj=False))
+  for name in ("candidate_tower_projection_1", "candidate_tower_projection_2"):
+    assert f"extra   params[{TOWER!r}][{name!r}]" in str(err.value)
+
+
+def test_non_sandwich_layout_is_rejected(ranking_params):
+  _, tree = ranking_params
+  config = _ranking_config(norm_layout="pre")
+  with pytest.raises(ValueError, match="norm_layout='pre'"):
+    haiku_compat.ranking_model_from_haiku(tree, config)
+  with pytest.raises(ValueError, match="norm_layout='post'"):
+    _traced_export(haiku_compat.ranking_model_to_haiku, pf.PhoenixModel,
+                   _ranking_config(norm_layout="post"))
+
+
+def test_wrong_argument_types_are_rejected(ranking_params):
+  _, tree = ranking_params
+  with pytest.raises(TypeError, match="PhoenixModelConfig"):
+    haiku_compat.ranking_model_from_haiku(tree, _retrieval_config())
+  with pytest.raises(TypeError, match="params must be a mapping"):
+    haiku_compat.ranking_model_from_haiku([tree], _ranking_config())
+
+
+@pytest.mark.parametrize("attention_impl", ["isolated", "dense"])
+def test_ranking_logits_match_reference(inputs, ranking_params, ranking_reference,
+                                        attention_impl):
+  _, tree = ranking_params
+  expected = ranking_reference(tree, *inputs)
+  model = haiku_compat.ranking_model_from_haiku(
+      tree, _ranking_config(attention_impl=attention_impl))
+  logits = eqx.filter_jit(model)(*inputs).logits
+  assert logits.shape == (B, C, 19)
+  assert np.std(np.asarray(expected)) > 0.1
+  np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL)
+
+
+def test_parity_is_sensitive_to_the_soft_cap(inputs, ranking_params, ranking_reference):
+  _, tree = ranking_params
+  expected = ranking_reference(tree, *inputs)
+  uncapped = haiku_compat.ranking_model_from_haiku(tree, _ranking_config(attn_logit_cap=None))
+  logits = eqx.filter_jit(uncapped)(*inputs).logits
+  assert np.max(np.abs(logits - expected)) > 100 * PARITY_ATOL
+
+
+@pytest.mark.parametrize("linear_proj", [True, False], ids=["mlp", "mean_pool"])
+def test_retrieval_matches_reference(inputs, corpus, linear_proj):
+  reference, tree = _retrieval_params(inputs, corpus, linear_proj)
+  vectors, mask = corpus
+  expected = reference(tree, *inputs, vectors, TOP_K, mask)
+  model = haiku_compat.retrieval_model_from_haiku(tree, _retrieval_config(linear_proj))
+
+  @eqx.filter_jit
+  def run(model, batch, emb):
+    return (model.build_user_representation(batch, emb),
+            model(batch, emb, vectors, TOP_K, mask),
+            model.build_candidate_representation(batch, emb))
+
+  (user, user_norm), out, (candidates, candidate_mask) = run(model, *inputs)
+  np.testing.assert_allclose(user, expected["user"], rtol=0, atol=PARITY_ATOL)
+  np.testing.assert_allclose(user_norm, expected["user_norm"], rtol=1e-5)
+  np.testing.assert_array_equal(out.top_k_indices, expected["top_indices"])
+  np.testing.assert_allclose(out.top_k_scores, expected["top_scores"], rtol=0, atol=PARITY_ATOL)
+  assert not np.isin(np.asarray(out.top_k_indices), [2, 7, 11]).any()
+
+  assert candidates.shape == (B, C, 64)
+  np.testing.assert_allclose(candidates, expected["candidates"], rtol=0, atol=PARITY_ATOL)
+  np.testing.assert_array_equal(candidate_mask, expected["candidate_mask"])
