@@ -1,0 +1,383 @@
+"""Serving runners: rank candidates, score them in chunks against a cached user context,
+and retrieve from a corpus.
+
+Runners hold one `eqx.filter_jit` per entry point (compiled once per input shape) and
+validate every input on the host before dispatch, raising a `ValueError` that names the
+offending field. `trace_counts` records how often each entry point was traced.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Mapping, NamedTuple, Optional, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, PRNGKeyArray
+
+from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.ranking import PhoenixModel
+from phoenix_flax.retrieval import PhoenixRetrievalModel
+from phoenix_flax.transformer import ContextCache
+from phoenix_flax.types import RecsysBatch, RecsysEmbeddings
+
+ACTIONS = (
+    "favorite_score", "reply_score", "repost_score", "photo_expand_score", "click_score",
+    "profile_click_score", "vqv_score", "share_score", "share_via_dm_score",
+    "share_via_copy_link_score", "dwell_score", "quote_score", "quoted_click_score",
+    "follow_author_score", "not_interested_score", "block_author_score",
+    "mute_author_score", "report_score", "dwell_time",
+)
+NEGATIVE_ACTIONS = ACTIONS[14:18]
+PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
+
+CANDIDATE_BATCH_FIELDS = ("candidate_post_hashes", "candidate_author_hashes",
+                          "candidate_product_surface", "candidate_post_timestamps")
+CANDIDATE_EMBEDDING_FIELDS = ("candidate_post_embeddings", "candidate_author_embeddings")
+
+
+def action_index(name: str) -> int:
+  """Position of an action name in `ACTIONS`."""
+  if name not in ACTIONS:
+    raise ValueError(f"unknown action {name!r}; valid names: {', '.join(ACTIONS)}")
+  return ACTIONS.index(name)
+
+
+class RankingOutput(NamedTuple):
+  """Sigmoid probabilities per action and candidates ordered best first."""
+
+  scores: Array                       # [B, C, A] probabilities
+  ranked_indices: Array               # [B, C] by favorite_score, padded candidates last
+  continuous: Optional[Array] = None  # [B, C, K] when the continuous head is enabled
+
+  def action(self, name: str) -> Array:
+    """Probabilities `[B, C]` of one action, by name."""
+    i = action_index(name)
+    if i >= self.scores.shape[-1]:
+      raise ValueError(f"action {name!r} has index {i}, the model predicts only "
+                       f"{self.scores.shape[-1]} actions")
+    return self.scores[..., i]
+
+
+def weighted_score(probs: ArrayLike, weights: Union[Mapping[str, float], ArrayLike]) -> Array:
+  """`sum_a w_a * p_a` over the last axis; `weights` is `{action name: weight}` (absent
+  actions weigh 0; negative actions usually get negative weights) or an `[A]` vector."""
+  probs = jnp.asarray(probs)
+  A = probs.shape[-1]
+  if isinstance(weights, Mapping):
+    w = np.zeros(A, np.float32)
+    for name, value in weights.items():
+      i = action_index(name)
+      if i >= A:
+        raise ValueError(f"weights names {name!r} (index {i}), probs hold only {A} actions")
+      w[i] = value
+  else:
+    w = np.asarray(weights, np.float32)
+    if w.shape != (A,):
+      raise ValueError(f"weights has shape {w.shape}, expected ({A},) to match probs")
+  return probs @ jnp.asarray(w, probs.dtype)
+
+
+def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: str) -> None:
+  """Checks presence, shape and dtype without copying the values to the host."""
+  if x is None:
+    raise ValueError(f"{prefix}.{name} is required but is None")
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if tuple(np.shape(x)) != shape:
+    raise ValueError(f"{prefix}.{name} has shape {tuple(np.shape(x))}, expected {shape} "
+                     f"[{dims}]")
+  if kind == "int" and not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected integers")
+  if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected floats")
+
+
+def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> None:
+  if bad.any():
+    raise ValueError(f"batch.{name} holds {a[bad][0].item()!r} at index "
+                     f"{tuple(int(i) for i in np.argwhere(bad)[0])}; {rule}")
+
+
+def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
+                    batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
+                    with_candidates: bool = True) -> tuple[int, int]:
+  """Host-side checks of shapes, dtypes and values; returns (B, C) (C = 0 without
+  candidates). Raises ValueError naming the field and the bad value."""
+  if not isinstance(batch, RecsysBatch):
+    raise TypeError(f"batch must be a RecsysBatch, got {type(batch).__name__}")
+  if not isinstance(embeddings, RecsysEmbeddings):
+    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
+  hc, S, D, A = config.hash_config, config.history_seq_len, config.emb_size, config.num_actions
+  U, I, Au = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes
+  V = config.product_surface_vocab_size
+  if batch.user_hashes is None or np.ndim(batch.user_hashes) != 2:
+    raise ValueError(f"batch.user_hashes must be [B, U], got shape {np.shape(batch.user_hashes)}")
+  B = np.shape(batch.user_hashes)[0]
+  specs = [("user_hashes", (B, U), "B, num_user_hashes", "int"),
+           ("history_post_hashes", (B, S, I), "B, history_seq_len, num_item_hashes", "int"),
+           ("history_author_hashes", (B, S, Au), "B, history_seq_len, num_author_hashes", "int"),
+           ("history_actions", (B, S, A), f"B, history_seq_len, num_actions={A}", "any"),
+           ("history_product_surface", (B, S), "B, history_seq_len", "int")]
+  C = 0
+  if with_candidates:
+    if batch.candidate_post_hashes is None or np.ndim(batch.candidate_post_hashes) != 3:
+      raise ValueError("batch.candidate_post_hashes must be [B, C, num_item_hashes], got "
+                       f"shape {np.shape(batch.candidate_post_hashes)}")
+    C = np.shape(batch.candidate_post_hashes)[1]
+    if C < 1:
+      raise ValueError("batch.candidate_post_hashes holds no candidates (C = 0)")
+    specs += [("candidate_post_hashes", (B, C, I), "B, C, num_item_hashes", "int"),
+              ("candidate_author_hashes", (B, C, Au), "B, C, num_author_hashes", "int"),
+              ("candidate_product_surface", (B, C), "B, C", "int")]
+    if (getattr(config, "post_age_granularity_mins", None) is not None
+        or batch.impression_timestamps is not None
+        or batch.candidate_post_timestamps is not None):
+      specs += [("impression_timestamps", (B,), "B", "int"),
+                ("candidate_post_timestamps", (B, C), "B, C", "int")]
+  if getattr(config, "dwell_time_norm", None) is not None or batch.history_dwell_times is not None:
+    specs.append(("history_dwell_times", (B, S), "B, history_seq_len", "any"))
+  for name, shape, dims, kind in specs:
+    _field("batch", name, getattr(batch, name), shape, dims, kind)
+  arrays = {name: np.asarray(getattr(batch, name)) for name, *_ in specs}
+
+  for name, a in arrays.items():
+    if name.endswith("_hashes"):
+      _check_values(name, a, a < 0, "hashes must be >= 0 (0 = padding)")
+    elif name.endswith("_product_surface"):
+      _check_values(name, a, (a < 0) | (a >= V), f"surface ids must lie in [0, {V})")
+  actions = arrays["history_actions"]
+  _check_values("history_actions", actions, (actions != 0) & (actions != 1),
+                "actions must be 0 or 1")
+  if "history_dwell_times" in arrays:
+    dwell = arrays["history_dwell_times"].astype(np.float64)
+    _check_values("history_dwell_times", dwell, ~np.isfinite(dwell), "dwell times must be finite")
+
+  emb_specs = [("user_embeddings", (B, U, D), "B, num_user_hashes, emb_size"),
+               ("history_post_embeddings", (B, S, I, D),
+                "B, history_seq_len, num_item_hashes, emb_size"),
+               ("history_author_embeddings", (B, S, Au, D),
+                "B, history_seq_len, num_author_hashes, emb_size")]
+  if with_candidates:
+    emb_specs += [("candidate_post_embeddings", (B, C, I, D), "B, C, num_item_hashes, emb_size"),
+                  ("candidate_author_embeddings", (B, C, Au, D),
+                   "B, C, num_author_hashes, emb_size")]
+  for name, shape, dims in emb_specs:
+    _field("embeddings", name, getattr(embeddings, name), shape, dims, "float")
+  return B, C
+
+
+def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings
+                        ) -> tuple[RecsysBatch, RecsysEmbeddings]:
+  """Drops the candidate fields, so that context-only programs do not retrace per C."""
+  return (batch._replace(**dict.fromkeys(CANDIDATE_BATCH_FIELDS)),
+          embeddings._replace(**dict.fromkeys(CANDIDATE_EMBEDDING_FIELDS)))
+
+
+def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callable:
+  """`eqx.filter_jit(fn)` that adds one to `counts[name]` each time it is traced."""
+  def traced(*args):
+    counts[name] += 1
+    return fn(*args)
+  return eqx.filter_jit(traced)
+
+
+def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings):
+  out = model(batch, embeddings)
+  probs_BCA = jax.nn.sigmoid(out.logits.astype(jnp.float32))
+  valid_BC = batch.candidate_post_hashes[:, :, 0] != 0
+  key_BC = jnp.where(valid_BC, probs_BCA[..., PRIMARY_ACTION], -1.0)
+  ranked_BC = jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
+  return RankingOutput(probs_BCA, ranked_BC, out.continuous)
+
+
+def _score_chunk(model: PhoenixModel, cache: ContextCache, batch: RecsysBatch,
+                 embeddings: RecsysEmbeddings, first_index: Array):
+  out = model.score_candidates(cache, batch, embeddings, first_index)
+  return jax.nn.sigmoid(out.logits.astype(jnp.float32)), out.continuous
+
+
+class RankingRunner:
+  """Ranks candidates with a built `PhoenixModel`: `RankingRunner(model).rank(batch, emb)`.
+
+  For serving, `encode_context` runs a user's context once and `score_candidates` scores
+  any number of candidates against it in chunks (isolation on; equal to scoring at once).
+  """
+
+  def __init__(self, model: PhoenixModel):
+    if not isinstance(model, PhoenixModel):
+      raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}")
+    self.model = model
+    self.trace_counts = collections.Counter()
+    self._rank = _counted_jit(self.trace_counts, "rank", _rank)
+    self._encode = _counted_jit(self.trace_counts, "encode_context",
+                                lambda m, b, e: m.encode_context(b, e))
+    self._score = _counted_jit(self.trace_counts, "score_candidates", _score_chunk)
+
+  @classmethod
+  def from_config(cls, config: PhoenixModelConfig, *, key: PRNGKeyArray) -> "RankingRunner":
+    return cls(PhoenixModel(config, key=key))
+
+  @property
+  def config(self) -> PhoenixModelConfig:
+    return self.model.config
+
+  def rank(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RankingOutput:
+    """Probabilities `[B, C, A]` and candidates by favorite_score, padding last."""
+    validate_inputs(self.config, batch, embeddings)
+    return self._rank(self.model, batch, embeddings)
+
+  def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
+    """Per-layer keys/values of each user's context (candidate fields are ignored)."""
+    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    return self._encode(self.model, *_without_candidates(batch, embeddings))
+
+  def _check_cache(self, cache: ContextCache, B: int) -> None:
+    if not isinstance(cache, ContextCache):
+      raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
+    tc = self.config.model
+    N = self.config.candidate_start_offset
+    expected = {"keys": (tc.num_layers, B, N, tc.num_kv_heads, tc.key_size),
+                "values": (tc.num_layers, B, N, tc.num_kv_heads, tc.key_size),
+                "padding_mask": (B, N)}
+    for name, shape in expected.items():
+      if tuple(getattr(cache, name).shape) != shape:
+        raise ValueError(f"cache.{name} has shape {tuple(getattr(cache, name).shape)}, "
+                         f"expected {shape}: encode this batch's users with encode_context")
+
+  def _check_chunking(self, chunk_size) -> None:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+      raise ValueError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+    if not self.config.candidate_isolation:
+      raise ValueError("candidate_isolation=False: a candidate's score depends on the "
+                       "candidates before it, so it cannot be scored in chunks; use rank")
+
+  def score_candidates(self, cache: ContextCache, batch: RecsysBatch,
+                       embeddings: RecsysEmbeddings, chunk_size: int) -> RankingOutput:
+    """Scores all of the batch's candidates against `cache` in chunks of `chunk_size`.
+
+    The last chunk is padded with hash-0 candidates; one compiled program serves every
+    chunk (its start index is traced), so any candidate count reuses it.
+    """
+    self._check_chunking(chunk_size)
+    B, _ = validate_inputs(self.config, batch, embeddings)
+    self._check_cache(cache, B)
+    return self._score_in_chunks(cache, batch, embeddings, chunk_size)
+
+  def rank_chunked(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+                   chunk_size: int) -> RankingOutput:
+    """`encode_context` then `score_candidates`: equal to `rank`, in bounded memory."""
+    self._check_chunking(chunk_size)
+    validate_inputs(self.config, batch, embeddings)
+    cache = self._encode(self.model, *_without_candidates(batch, embeddings))
+    return self._score_in_chunks(cache, batch, embeddings, chunk_size)
+
+  def _score_in_chunks(self, cache: ContextCache, batch: RecsysBatch,
+                       embeddings: RecsysEmbeddings, chunk_size: int) -> RankingOutput:
+    C = np.shape(batch.candidate_post_hashes)[1]
+    pad = -C % chunk_size
+
+    def padded(x):
+      x = np.asarray(x)
+      return np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+    cand_batch = {f: padded(getattr(batch, f)) for f in CANDIDATE_BATCH_FIELDS
+                  if getattr(batch, f) is not None}
+    cand_emb = {f: padded(getattr(embeddings, f)) for f in CANDIDATE_EMBEDDING_FIELDS}
+    context_batch, context_emb = jax.tree.map(jnp.asarray,
+                                              _without_candidates(batch, embeddings))
+    outputs = []
+    for start in range(0, C + pad, chunk_size):
+      part = lambda d: {f: x[:, start:start + chunk_size] for f, x in d.items()}
+      outputs.append(self._score(self.model, cache, context_batch._replace(**part(cand_batch)),
+                                 context_emb._replace(**part(cand_emb)), jnp.int32(start)))
+    probs_BCA = np.concatenate([np.asarray(p) for p, _ in outputs], axis=1)[:, :C]
+    continuous = None
+    if outputs[0][1] is not None:
+      continuous = jnp.asarray(np.concatenate([np.asarray(c) for _, c in outputs], axis=1)[:, :C])
+    valid_BC = cand_batch["candidate_post_hashes"][:, :C, 0] != 0
+    key_BC = np.where(valid_BC, probs_BCA[..., PRIMARY_ACTION], -1.0)
+    ranked_BC = np.argsort(-key_BC, axis=-1, kind="stable").astype(np.int32)
+    return RankingOutput(jnp.asarray(probs_BCA), jnp.asarray(ranked_BC), continuous)
+
+
+class RetrievalResult(NamedTuple):
+  """The model's `RetrievalOutput` plus the post ids of the retrieved corpus rows."""
+
+  user_representation: Array  # [B, D], unit norm
+  top_k_indices: Array        # [B, K] int32 rows of the corpus
+  top_k_scores: Array         # [B, K] sorted descending
+  top_k_post_ids: Array       # [B, K] post ids of those rows
+
+
+def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+              corpus_ND: Array, post_ids_N: Array, top_k: int, corpus_mask_N: Optional[Array]):
+  out = model(batch, embeddings, corpus_ND, top_k, corpus_mask_N)
+  return RetrievalResult(out.user_representation, out.top_k_indices, out.top_k_scores,
+                         post_ids_N[out.top_k_indices])
+
+
+class RetrievalRunner:
+  """Two-tower retrieval with a built model: `set_corpus`, then `retrieve`."""
+
+  def __init__(self, model: PhoenixRetrievalModel):
+    if not isinstance(model, PhoenixRetrievalModel):
+      raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}")
+    self.model = model
+    self.corpus_embeddings: Optional[Array] = None
+    self.corpus_post_ids: Optional[Array] = None
+    self.trace_counts = collections.Counter()
+    self._encode = _counted_jit(self.trace_counts, "encode_user",
+                                lambda m, b, e: m.build_user_representation(b, e)[0])
+    self._retrieve = _counted_jit(self.trace_counts, "retrieve", _retrieve)
+
+  @classmethod
+  def from_config(cls, config: PhoenixRetrievalModelConfig, *, key: PRNGKeyArray
+                  ) -> "RetrievalRunner":
+    return cls(PhoenixRetrievalModel(config, key=key))
+
+  @property
+  def config(self) -> PhoenixRetrievalModelConfig:
+    return self.model.config
+
+  def encode_user(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> Array:
+    """Unit-norm user representations `[B, D]`."""
+    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    return self._encode(self.model, *_without_candidates(batch, embeddings))
+
+  def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
+    """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`."""
+    D = self.config.emb_size
+    emb = np.asarray(embeddings)
+    if emb.ndim != 2 or emb.shape[1] != D or emb.shape[0] < 1:
+      raise ValueError(f"corpus embeddings has shape {emb.shape}, expected [N >= 1, {D}]")
+    if not jnp.issubdtype(emb.dtype, jnp.floating):
+      raise ValueError(f"corpus embeddings has dtype {emb.dtype}, expected floats")
+    ids = np.asarray(post_ids)
+    if ids.shape != (emb.shape[0],):
+      raise ValueError(f"corpus post_ids has shape {ids.shape}, expected ({emb.shape[0]},) "
+                       "to match the corpus embeddings")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"corpus post_ids has dtype {ids.dtype}, expected integers")
+    self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
+    self.corpus_post_ids = jnp.asarray(ids)
+
+  def retrieve(self, batch: RecsysBatch, embeddings: RecsysEmbeddings, top_k: int,
+               corpus_mask: Optional[ArrayLike] = None) -> RetrievalResult:
+    """Top-k corpus items per user by dot product; `corpus_mask [N]` False excludes."""
+    if self.corpus_embeddings is None:
+      raise ValueError("corpus is not set: call set_corpus(embeddings, post_ids) first")
+    N = self.corpus_embeddings.shape[0]
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= N:
+      raise ValueError(f"top_k={top_k!r} must be an integer in [1, {N}] (corpus size)")
+    if corpus_mask is not None:
+      mask = np.asarray(corpus_mask)
+      if mask.shape != (N,):
+        raise ValueError(f"corpus_mask has shape {mask.shape}, expected ({N},)")
+      if mask.dtype != bool and not np.isin(mask, (0, 1)).all():
+        raise ValueError("corpus_mask must be boolean or 0/1")
+      corpus_mask = jnp.asarray(mask, bool)
+    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    return self._retrieve(self.model, *_without_candidates(batch, embeddings),
+                          self.corpus_embeddings, self.corpus_post_ids, top_k, corpus_mask)

@@ -1,0 +1,338 @@
+"""Runners, example data and host-side validation (phoenix_flax/inference.py, example.py)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from phoenix_flax.config import (NormConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
+                                 TransformerConfig)
+from phoenix_flax.example import example_batch, example_corpus
+from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingRunner, RetrievalRunner,
+                                    validate_inputs, weighted_score)
+from phoenix_flax.transformer import ContextCache
+
+TRANSFORMER = TransformerConfig(emb_size=32, key_size=16, num_q_heads=2, num_kv_heads=1,
+                                num_layers=1, widening_factor=2.0, attn_output_multiplier=0.25)
+RANKING = PhoenixModelConfig(model=TRANSFORMER, emb_size=32, history_seq_len=8,
+                             candidate_seq_len=6)
+RETRIEVAL = PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=32, history_seq_len=8,
+                                        candidate_seq_len=6)
+NUM_MANY = 2000
+
+
+@pytest.fixture(scope="module")
+def ranker():
+  return RankingRunner.from_config(RANKING, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def anchored_ranker():
+  config = dataclasses.replace(RANKING, right_anchored_rope=True)
+  return RankingRunner.from_config(config, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def retriever():
+  return RetrievalRunner.from_config(RETRIEVAL, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def corpus():
+  return example_corpus(100, 32, jax.random.key(5))
+
+
+def _batch(config=RANKING, batch_size=2, seed=1, **kw):
+  return example_batch(config, batch_size, jax.random.key(seed), **kw)
+
+
+# ---------------------------------------------------------------------------- actions
+
+
+def test_actions_follow_the_release_order():
+  assert len(ACTIONS) == 19 and len(set(ACTIONS)) == 19
+  assert ACTIONS[0] == "favorite_score" and ACTIONS[18] == "dwell_time"
+  assert NEGATIVE_ACTIONS == ("not_interested_score", "block_author_score",
+                              "mute_author_score", "report_score")
+  assert ACTIONS[14:18] == NEGATIVE_ACTIONS
+
+
+def test_weighted_score_by_name_and_by_vector():
+  probs = np.random.default_rng(3).uniform(size=(2, 5, 19)).astype(np.float32)
+  by_name = weighted_score(probs, {"favorite_score": 2.0, "report_score": -3.0})
+  vector = np.zeros(19, np.float32)
+  vector[0], vector[17] = 2.0, -3.0
+  expected = 2.0 * probs[..., 0] - 3.0 * probs[..., 17]
+  np.testing.assert_allclose(by_name, expected, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(weighted_score(probs, vector), expected, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="unknown action 'likes'"):
+    weighted_score(probs, {"likes": 1.0})
+  with pytest.raises(ValueError, match=r"weights has shape \(3,\)"):
+    weighted_score(probs, [1.0, 2.0, 3.0])
+
+
+# ---------------------------------------------------------------------------- example data
+
+
+def test_example_batch_is_valid_and_deterministic():
+  config = dataclasses.replace(RANKING, post_age_granularity_mins=60,
+                               dwell_time_norm=NormConfig())
+  batch, emb = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
+  assert validate_inputs(config, batch, emb) == (3, 5)
+  valid_BS = np.asarray(batch.history_post_hashes[:, :, 0]) != 0
+  np.testing.assert_array_equal(valid_BS.sum(1), [0, 3, 8])
+  np.testing.assert_array_equal(valid_BS, np.arange(8)[None] < np.array([0, 3, 8])[:, None])
+  assert np.all(np.asarray(batch.history_actions)[~valid_BS] == 0)
+  assert np.all(np.asarray(batch.candidate_post_hashes) >= 1)
+  assert batch.candidate_post_timestamps.shape == (3, 5)
+  assert batch.history_dwell_times.shape == (3, 8)
+  assert emb.candidate_post_embeddings.dtype == jnp.float32
+  again, _ = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
+  np.testing.assert_array_equal(batch.user_hashes, again.user_hashes)
+  plain, _ = _batch(RANKING)
+  assert plain.impression_timestamps is None and plain.history_dwell_times is None
+  with pytest.raises(ValueError, match="history_lengths"):
+    _batch(history_lengths=[1, 9])
+
+
+def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):
+  emb, ids = corpus
+  assert emb.shape == (100, 32) and ids.shape == (100,)
+  np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)
+  assert len(set(np.asarray(ids).tolist())) == 100
+
+
+# ---------------------------------------------------------------------------- ranking
+
+
+def test_rank_orders_by_favorite_with_padding_last(ranker):
+  batch, emb = _batch()
+  hashes = np.asarray(batch.candidate_post_hashes).copy()
+  hashes[0, [1, 3]] = 0
+  batch = batch._replace(candidate_post_hashes=jnp.asarray(hashes))
+  out = ranker.rank(batch, emb)
+  assert out.scores.shape == (2, 6, 19) and out.ranked_indices.shape == (2, 6)
+  scores = np.asarray(out.scores)
+  assert np.all((scores > 0) & (scores < 1))
+  np.testing.assert_array_equal(out.action("reply_score"), scores[..., 1])
+  ranked = np.asarray(out.ranked_indices)
+  assert sorted(ranked[0, -2:].tolist()) == [1, 3]
+  for b, valid in ((0, ranked[0, :4]), (1, ranked[1])):
+    fav = scores[b, valid, 0]
+    assert np.all(fav[:-1] >= fav[1:])
+  with pytest.raises(ValueError, match="valid names: favorite_score, reply_score"):
+    out.action("like_score")
+
+
+def test_rank_compiles_once_per_shape(ranker):
+  ranker.rank(*_batch(seed=7))
+  traces = ranker.trace_counts["rank"]
+  ranker.rank(*_batch(seed=8, history_lengths=[0, 8]))
+  assert ranker.trace_counts["rank"] == traces
+  ranker.rank(*_batch(seed=8, num_candidates=7))
+  assert ranker.trace_counts["rank"] == traces + 1
+
+
+def test_chunked_scoring_equals_scoring_at_once(ranker):
+  batch, emb = _batch(batch_size=1, num_candidates=NUM_MANY)
+  at_once = ranker.rank(batch, emb)
+  chunked = ranker.rank_chunked(batch, emb, chunk_size=64)
+  assert chunked.scores.shape == (1, NUM_MANY, 19)
+  np.testing.assert_allclose(chunked.scores, at_once.scores, atol=1e-5, rtol=0)
+  fav = np.asarray(chunked.scores)[0, np.asarray(chunked.ranked_indices[0]), 0]
+  assert np.all(fav[:-1] >= fav[1:])
+  assert sorted(np.asarray(chunked.ranked_indices[0]).tolist()) == list(range(NUM_MANY))
+  # One compiled chunk program serves all 32 chunks and any later candidate count.
+  assert ranker.trace_counts["score_candidates"] == 1
+  small, small_emb = _batch(batch_size=1, num_candidates=130)
+  cache = ranker.encode_context(small, small_emb)
+  assert ranker.score_candidates(cache, small, small_emb, chunk_size=64).scores.shape == (
+      1, 130, 19)
+  assert ranker.trace_counts["score_candidates"] == 1
+  assert ranker.trace_counts["encode_context"] == 1
+
+
+def test_right_anchored_scores_ignore_chunking_and_order(anchored_ranker):
+  batch, emb = _batch(batch_size=2, num_candidates=NUM_MANY, history_lengths=[3, 8])
+  at_once = np.asarray(anchored_ranker.rank(batch, emb).scores)
+  cache = anchored_ranker.encode_context(batch, emb)
+  chunked = anchored_ranker.score_candidates(cache, batch, emb, chunk_size=64)
+  np.testing.assert_allclose(chunked.scores, at_once, atol=1e-5, rtol=0)
+
+  perm = np.random.default_rng(0).permutation(NUM_MANY)
+  permute = lambda x: None if x is None or np.ndim(x) < 2 else jnp.asarray(np.asarray(x)[:, perm])
+  cand = ("candidate_post_hashes", "candidate_author_hashes", "candidate_product_surface")
+  p_batch = batch._replace(**{f: permute(getattr(batch, f)) for f in cand})
+  p_emb = emb._replace(candidate_post_embeddings=permute(emb.candidate_post_embeddings),
+                       candidate_author_embeddings=permute(emb.candidate_author_embeddings))
+  permuted = anchored_ranker.score_candidates(cache, p_batch, p_emb, chunk_size=300)
+  unpermuted = np.empty_like(at_once)
+  unpermuted[:, perm] = np.asarray(permuted.scores)
+  np.testing.assert_allclose(unpermuted, at_once, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _replace_batch(field, fn):
+  def corrupt(batch, emb):
+    return batch._replace(**{field: fn(np.asarray(getattr(batch, field)))}), emb
+  return corrupt
+
+
+def _replace_emb(field, fn):
+  def corrupt(batch, emb):
+    return batch, emb._replace(**{field: fn(np.asarray(getattr(emb, field)))})
+  return corrupt
+
+
+def _set(index, value):
+  def fn(x):
+    x = x.copy()
+    x[index] = value
+    return x
+  return fn
+
+
+BAD_INPUTS = {
+    "negative user hash": (_replace_batch("user_hashes", _set((0, 1), -3)), "user_hashes"),
+    "negative history hash": (_replace_batch("history_author_hashes", _set((1, 0, 0), -1)),
+                              "history_author_hashes"),
+    "negative candidate hash": (_replace_batch("candidate_post_hashes", _set((0, 2, 0), -7)),
+                                "candidate_post_hashes.*-7"),
+    "float hashes": (_replace_batch("user_hashes", lambda x: x.astype(np.float32)),
+                     "user_hashes has dtype float32"),
+    "surface too large": (_replace_batch("history_product_surface", _set((0, 0), 16)),
+                          r"history_product_surface holds 16.*\[0, 16\)"),
+    "negative surface": (_replace_batch("candidate_product_surface", _set((1, 5), -1)),
+                         "candidate_product_surface"),
+    "action not 0/1": (_replace_batch("history_actions", _set((0, 0, 4), 2)),
+                       "history_actions holds 2.*0 or 1"),
+    "wrong action count": (_replace_batch("history_actions", lambda x: x[..., :18]),
+                           "history_actions has shape.*num_actions=19"),
+    "wrong history length": (_replace_batch("history_post_hashes", lambda x: x[:, :7]),
+                             "history_post_hashes has shape"),
+    "candidate author count": (_replace_batch("candidate_author_hashes", lambda x: x[:, :5]),
+                               "candidate_author_hashes has shape"),
+    "candidate embeddings": (_replace_emb("candidate_post_embeddings", lambda x: x[:, :5]),
+                             r"embeddings.candidate_post_embeddings has shape \(2, 5, 2, 32\)"),
+    "user embedding size": (_replace_emb("user_embeddings", lambda x: x[..., :16]),
+                            "embeddings.user_embeddings"),
+    "integer embeddings": (_replace_emb("history_post_embeddings", lambda x: x.astype(np.int32)),
+                           "history_post_embeddings has dtype int32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_ranking_runner_rejects_bad_inputs(ranker, case):
+  corrupt, message = BAD_INPUTS[case]
+  traces = dict(ranker.trace_counts)
+  batch, emb = corrupt(*_batch())
+  for call in (ranker.rank, lambda b, e: ranker.rank_chunked(b, e, 4)):
+    with pytest.raises(ValueError, match=message):
+      call(batch, emb)
+  assert dict(ranker.trace_counts) == traces  # rejected on the host, before any compile
+
+
+def test_missing_feature_fields_are_named():
+  config = dataclasses.replace(RANKING, post_age_granularity_mins=60)
+  batch, emb = _batch(config)
+  with pytest.raises(ValueError, match="batch.candidate_post_timestamps is required"):
+    validate_inputs(config, batch._replace(candidate_post_timestamps=None), emb)
+  config = dataclasses.replace(RANKING, dwell_time_norm=NormConfig())
+  batch, emb = _batch(config)
+  with pytest.raises(ValueError, match="batch.history_dwell_times is required"):
+    validate_inputs(config, batch._replace(history_dwell_times=None), emb)
+
+
+def test_chunked_scoring_rejects_bad_chunk_size_and_cache(ranker):
+  batch, emb = _batch()
+  for chunk_size in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="chunk_size"):
+      ranker.rank_chunked(batch, emb, chunk_size)
+  N = RANKING.candidate_start_offset
+  wrong_users = ContextCache(jnp.zeros((1, 1, N, 1, 16)), jnp.zeros((1, 1, N, 1, 16)),
+                             jnp.ones((1, N), bool))
+  with pytest.raises(ValueError, match=r"cache.keys has shape \(1, 1, 9, 1, 16\)"):
+    ranker.score_candidates(wrong_users, batch, emb, chunk_size=4)
+  with pytest.raises(ValueError, match="chunk_size=0"):
+    ranker.score_candidates(wrong_users, batch, emb, chunk_size=0)
+
+
+def test_chunked_scoring_needs_candidate_isolation():
+  runner = RankingRunner.from_config(dataclasses.replace(RANKING, candidate_isolation=False),
+                                     key=jax.random.key(0))
+  with pytest.raises(ValueError, match="candidate_isolation=False"):
+    runner.rank_chunked(*_batch(), chunk_size=4)
+
+
+def test_runners_check_the_model_type(ranker, retriever):
+  with pytest.raises(TypeError, match="PhoenixModel"):
+    RankingRunner(retriever.model)
+  with pytest.raises(TypeError, match="PhoenixRetrievalModel"):
+    RetrievalRunner(ranker.model)
+
+
+# ---------------------------------------------------------------------------- retrieval
+
+
+def test_retrieval_runner_initialisation():
+  runner = RetrievalRunner.from_config(RETRIEVAL, key=jax.random.key(0))
+  assert runner.model is not None and runner.model.config == RETRIEVAL
+  assert runner.corpus_embeddings is None and runner.corpus_post_ids is None
+
+
+def test_retrieval_runner_encode_user(retriever):
+  user = retriever.encode_user(*_batch(RETRIEVAL, batch_size=3))
+  assert user.shape == (3, 32)
+  np.testing.assert_allclose(np.linalg.norm(user, axis=-1), 1.0, rtol=1e-5)
+
+
+def test_retrieval_runner_retrieve(retriever, corpus):
+  corpus_ND, ids_N = corpus
+  batch, emb = _batch(RETRIEVAL, batch_size=3)
+  retriever.set_corpus(corpus_ND, ids_N)
+  out = retriever.retrieve(batch, emb, top_k=10)
+  assert out.user_representation.shape == (3, 32)
+  assert out.top_k_indices.shape == out.top_k_scores.shape == out.top_k_post_ids.shape == (3, 10)
+  idx, scores = np.asarray(out.top_k_indices), np.asarray(out.top_k_scores)
+  assert np.all((idx >= 0) & (idx < 100))
+  assert np.all(scores[:, :-1] >= scores[:, 1:])
+  np.testing.assert_array_equal(out.top_k_post_ids, np.asarray(ids_N)[idx])
+  all_scores = np.asarray(out.user_representation) @ np.asarray(corpus_ND).T
+  np.testing.assert_allclose(scores, np.sort(all_scores, axis=1)[:, ::-1][:, :10], atol=1e-5)
+  retriever.retrieve(batch, emb, top_k=10)
+  assert retriever.trace_counts["retrieve"] == 1
+
+  mask = np.ones(100, bool)
+  mask[idx[:, :3].ravel()] = False
+  masked = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask)
+  assert np.all(mask[np.asarray(masked.top_k_indices)])
+  np.testing.assert_array_equal(masked.top_k_post_ids, np.asarray(ids_N)[masked.top_k_indices])
+
+
+def test_retrieval_runner_rejects_bad_inputs(corpus):
+  runner = RetrievalRunner.from_config(RETRIEVAL, key=jax.random.key(0))
+  corpus_ND, ids_N = corpus
+  batch, emb = _batch(RETRIEVAL)
+  with pytest.raises(ValueError, match="corpus is not set"):
+    runner.retrieve(batch, emb, top_k=5)
+  with pytest.raises(ValueError, match=r"post_ids has shape \(99,\)"):
+    runner.set_corpus(corpus_ND, ids_N[:99])
+  with pytest.raises(ValueError, match="corpus embeddings has shape"):
+    runner.set_corpus(corpus_ND[:, :16], ids_N)
+  with pytest.raises(ValueError, match="post_ids has dtype float32"):
+    runner.set_corpus(corpus_ND, ids_N.astype(jnp.float32))
+  runner.set_corpus(corpus_ND, ids_N)
+  for top_k in (0, 101, 2.0):
+    with pytest.raises(ValueError, match=rf"top_k={top_k!r} must be an integer in \[1, 100\]"):
+      runner.retrieve(batch, emb, top_k=top_k)
+  with pytest.raises(ValueError, match=r"corpus_mask has shape \(50,\)"):
+    runner.retrieve(batch, emb, top_k=5, corpus_mask=np.ones(50, bool))
+  bad = np.asarray(batch.user_hashes).copy()
+  bad[1, 0] = -2
+  with pytest.raises(ValueError, match="user_hashes holds -2"):
+    runner.retrieve(batch._replace(user_hashes=bad), emb, top_k=5)
+  assert runner.trace_counts["retrieve"] == 0
