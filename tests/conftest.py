@@ -1,0 +1,120 @@
+"""Tiny configs, random batches and shared jitted forwards for the core tests."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import phoenix_flax as pf
+
+EMB = 32
+NUM_ACTIONS = 19
+SURFACES = 16
+
+
+def transformer_config(**overrides) -> pf.TransformerConfig:
+  """D=32, 4 query / 2 KV heads of size 8, 2 layers, ffn 48."""
+  fields = dict(emb_size=EMB, key_size=8, num_q_heads=4, num_kv_heads=2, num_layers=2,
+                widening_factor=2.0, attn_output_multiplier=0.25)
+  fields.update(overrides)
+  return pf.TransformerConfig(**fields)
+
+
+def ranking_config(history: int = 4, candidates: int = 3, transformer=None,
+                   **overrides) -> pf.PhoenixModelConfig:
+  tc = transformer or transformer_config()
+  return pf.PhoenixModelConfig(model=tc, emb_size=tc.emb_size, num_actions=NUM_ACTIONS,
+                               history_seq_len=history, candidate_seq_len=candidates,
+                               **overrides)
+
+
+def retrieval_config(history: int = 4, candidates: int = 3, transformer=None,
+                     **overrides) -> pf.PhoenixRetrievalModelConfig:
+  tc = transformer or transformer_config()
+  return pf.PhoenixRetrievalModelConfig(model=tc, emb_size=tc.emb_size,
+                                        num_actions=NUM_ACTIONS, history_seq_len=history,
+                                        candidate_seq_len=candidates, **overrides)
+
+
+def make_batch(config, batch_size: int = 2, seed: int = 0,
+               history_valid: Optional[Sequence[int]] = None,
+               candidate_mask=None, user_valid: Optional[Sequence[bool]] = None,
+               ) -> tuple[pf.RecsysBatch, pf.RecsysEmbeddings]:
+  """Random batch + embeddings for `config` (history left-aligned, hash 0 = padding).
+
+  `history_valid[b]` is the number of valid history items of row b (default: all);
+  `candidate_mask` `[B, C]` marks valid candidates (default: all); `user_valid[b]`.
+  Padded slots keep random embeddings, so any leak through the masks shows up.
+  """
+  hc = config.hash_config
+  B, S, C, D = batch_size, config.history_seq_len, config.candidate_seq_len, config.emb_size
+  U, I, Au = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes
+  rng = np.random.default_rng(seed)
+  hashes = lambda *shape: rng.integers(1, 1000, size=shape).astype(np.int32)
+  user, hist_post, hist_author = hashes(B, U), hashes(B, S, I), hashes(B, S, Au)
+  cand_post, cand_author = hashes(B, C, I), hashes(B, C, Au)
+  if history_valid is not None:
+    keep = np.arange(S)[None, :] < np.asarray(history_valid)[:, None]
+    hist_post[~keep] = 0
+    hist_author[~keep] = 0
+  if candidate_mask is not None:
+    keep = np.asarray(candidate_mask, bool)
+    cand_post[~keep] = 0
+    cand_author[~keep] = 0
+  if user_valid is not None:
+    user[~np.asarray(user_valid, bool)] = 0
+  batch = pf.RecsysBatch(
+      user_hashes=jnp.asarray(user),
+      history_post_hashes=jnp.asarray(hist_post),
+      history_author_hashes=jnp.asarray(hist_author),
+      history_actions=jnp.asarray(rng.integers(0, 2, size=(B, S, NUM_ACTIONS)), jnp.float32),
+      history_product_surface=jnp.asarray(rng.integers(0, SURFACES, size=(B, S)), jnp.int32),
+      candidate_post_hashes=jnp.asarray(cand_post),
+      candidate_author_hashes=jnp.asarray(cand_author),
+      candidate_product_surface=jnp.asarray(rng.integers(0, SURFACES, size=(B, C)), jnp.int32))
+  normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  embeddings = pf.RecsysEmbeddings(
+      user_embeddings=normal(B, U, D),
+      history_post_embeddings=normal(B, S, I, D),
+      candidate_post_embeddings=normal(B, C, I, D),
+      history_author_embeddings=normal(B, S, Au, D),
+      candidate_author_embeddings=normal(B, C, Au, D))
+  return batch, embeddings
+
+
+def index_candidates(batch: pf.RecsysBatch, embeddings: pf.RecsysEmbeddings, index):
+  """Reorders (or selects) candidate slots along axis 1 of every candidate field."""
+  take = lambda x: x[:, index]
+  batch = batch._replace(candidate_post_hashes=take(batch.candidate_post_hashes),
+                         candidate_author_hashes=take(batch.candidate_author_hashes),
+                         candidate_product_surface=take(batch.candidate_product_surface))
+  embeddings = embeddings._replace(
+      candidate_post_embeddings=take(embeddings.candidate_post_embeddings),
+      candidate_author_embeddings=take(embeddings.candidate_author_embeddings))
+  return batch, embeddings
+
+
+@eqx.filter_jit
+def call(fn, *args):
+  """`fn(*args)` under one jit (eager dispatch compiles every op and is slow on CPU)."""
+  return fn(*args)
+
+
+@eqx.filter_jit
+def forward(model, batch, embeddings):
+  """Jitted `model.forward`; compiled once per (config, shapes) and shared by tests."""
+  return model.forward(batch, embeddings)
+
+
+def layer(transformer: pf.Transformer, index: int):
+  """Layer `index` of a stacked transformer as a standalone DecoderLayer."""
+  params, static = eqx.partition(transformer.layers, eqx.is_array)
+  return eqx.combine(jax.tree.map(lambda x: x[index], params), static)
+
+
+def max_abs_diff(a, b) -> float:
+  return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))

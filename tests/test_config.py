@@ -1,0 +1,80 @@
+"""Config defaults, ffn_size and validation messages."""
+
+import jax.numpy as jnp
+import pytest
+
+import phoenix_flax as pf
+from conftest import ranking_config, retrieval_config, transformer_config
+
+
+@pytest.mark.parametrize("emb_size, widening, expected",
+                         [(128, 4.0, 344), (256, 2, 344), (64, 2, 88), (32, 2.0, 48)])
+def test_ffn_size(emb_size, widening, expected):
+  assert pf.ffn_size(emb_size, widening) == expected
+  cfg = transformer_config(emb_size=emb_size, widening_factor=widening)
+  assert cfg.ffn_size == expected
+
+
+def test_defaults_are_the_release_behaviour():
+  tc = transformer_config()
+  assert tc.attn_logit_cap == 30.0
+  assert tc.norm_layout == "sandwich"
+  cfg = ranking_config(transformer=tc)
+  assert cfg.right_anchored_rope is False
+  assert cfg.candidate_isolation is True
+  assert cfg.fprop_dtype == "float32"
+  assert cfg.hash_config == pf.HashConfig(2, 2, 2)
+  assert cfg.candidate_start_offset == 1 + cfg.history_seq_len
+
+
+def test_fprop_dtype_accepts_dtype_objects():
+  assert ranking_config(fprop_dtype=jnp.bfloat16).fprop_dtype == "bfloat16"
+  assert retrieval_config(fprop_dtype=jnp.float32).fprop_dtype == "float32"
+
+
+def test_kv_cache_bytes():
+  cfg = transformer_config(num_layers=2, num_kv_heads=2, key_size=8)
+  assert cfg.kv_cache_bytes(10) == 2 * 2 * 2 * 8 * 10 * 4
+  assert cfg.kv_cache_bytes(10, "bfloat16") == 2 * 2 * 2 * 8 * 10 * 2
+
+
+BAD_CONFIGS = [
+    ("num_kv_heads", lambda: transformer_config(num_q_heads=4, num_kv_heads=3)),
+    ("key_size", lambda: transformer_config(key_size=7)),
+    ("norm_layout", lambda: transformer_config(norm_layout="postln")),
+    ("param_init", lambda: transformer_config(param_init="xavier")),
+    ("param_init", lambda: transformer_config(param_init="rezero", norm_layout="pre")),
+    ("param_init", lambda: transformer_config(param_init="rezero", norm_layout="post")),
+    ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=0.0)),
+    ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=-30.0)),
+    ("num_layers", lambda: transformer_config(num_layers=0)),
+    ("num_q_heads", lambda: transformer_config(num_q_heads=2.5)),
+    ("widening_factor", lambda: transformer_config(widening_factor=0.0)),
+    ("attn_output_multiplier", lambda: transformer_config(attn_output_multiplier=0.0)),
+    ("fprop_dtype", lambda: ranking_config(fprop_dtype="float16")),
+    ("fprop_dtype", lambda: retrieval_config(fprop_dtype="int8")),
+    ("emb_size", lambda: pf.PhoenixModelConfig(model=transformer_config(), emb_size=64)),
+    ("emb_size", lambda: pf.PhoenixRetrievalModelConfig(model=transformer_config(),
+                                                        emb_size=16)),
+    ("attention_impl", lambda: ranking_config(attention_impl="flash")),
+    ("history_seq_len", lambda: ranking_config(history=0)),
+    ("candidate_seq_len", lambda: ranking_config(candidates=0)),
+    ("post_age_granularity_mins", lambda: ranking_config(post_age_granularity_mins=0)),
+    ("dwell_time_norm", lambda: ranking_config(dwell_time_norm=30.0)),
+    ("num_continuous_actions", lambda: ranking_config(num_continuous_actions=-1)),
+    ("hash_config", lambda: ranking_config(hash_config=(2, 2, 2))),
+    ("num_user_hashes", lambda: pf.HashConfig(num_user_hashes=0)),
+    ("norm_scale", lambda: pf.NormConfig(norm_scale=0.0)),
+]
+
+
+@pytest.mark.parametrize("field, build", BAD_CONFIGS, ids=[f for f, _ in BAD_CONFIGS])
+def test_bad_config_raises_naming_the_field(field, build):
+  with pytest.raises(ValueError, match=rf"\.{field}=") as info:
+    build()
+  assert "invalid:" in str(info.value)
+
+
+def test_rezero_message_says_what_to_change():
+  with pytest.raises(ValueError, match="norm_layout='sandwich'"):
+    transformer_config(param_init="rezero", norm_layout="pre")

@@ -1,0 +1,91 @@
+"""Post-age buckets, continuous normalisation and the token feature embeddings."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from phoenix_flax import features
+
+NOW = 1_000_000
+
+
+def bucket(age_minutes=None, impression=NOW, post=None, granularity=60):
+  post = NOW - age_minutes * 60 if post is None else post
+  out = pf.compute_post_age_bucket(jnp.array([[impression]]), jnp.array([[post]]),
+                                   granularity_mins=granularity)
+  assert out.dtype == jnp.int32
+  return int(out[0, 0])
+
+
+@pytest.mark.parametrize("minutes, expected", [(0, 1), (30, 1), (59, 1), (60, 2), (120, 3),
+                                               (4799, 80), (4800, 81), (5000, 81)])
+def test_post_age_bucket(minutes, expected):
+  assert bucket(minutes) == expected
+
+
+def test_post_age_bucket_granularity():
+  assert bucket(90, granularity=30) == 4
+  assert bucket(10_000, granularity=30) == 4800 // 30 + 1
+
+
+def test_missing_timestamps_map_to_zero():
+  assert bucket(impression=0, post=NOW) == 0
+  assert bucket(impression=NOW, post=0) == 0
+
+
+def test_negative_age_maps_to_zero():
+  assert bucket(impression=NOW, post=NOW + 3600) == 0
+
+
+def test_post_age_bucket_broadcasts_impressions_over_candidates():
+  impressions = jnp.array([NOW, NOW + 7200])[:, None]
+  posts = jnp.array([[NOW - 1800, 0, NOW - 3600], [NOW, NOW + 7200, NOW + 9000]])
+  np.testing.assert_array_equal(pf.compute_post_age_bucket(impressions, posts),
+                                [[1, 0, 2], [3, 1, 0]])
+
+
+def test_linear_normalization():
+  cfg = pf.NormConfig(norm_scale=30.0, use_log=False)
+  out = pf.normalize_continuous_value(jnp.array([0.0, 15.0, 30.0, 60.0]), cfg)
+  np.testing.assert_allclose(out, [0.0, 0.5, 1.0, 1.0], atol=1e-6)
+
+
+def test_log_normalization():
+  cfg = pf.NormConfig(norm_scale=30.0, use_log=True)
+  out = pf.normalize_continuous_value(jnp.array([0.0, 5.0, 30.0, 100.0]), cfg)
+  np.testing.assert_allclose(out, [0.0, np.log1p(5.0) / np.log1p(30.0), 1.0, 1.0], atol=1e-6)
+
+
+def test_clamping():
+  cfg = pf.NormConfig(norm_scale=10.0, use_log=False)
+  out = pf.normalize_continuous_value(jnp.array([-5.0, 0.0, 5.0, 15.0]), cfg)
+  np.testing.assert_allclose(out, [0.0, 0.0, 0.5, 1.0], atol=1e-6)
+
+
+def test_action_embedding_is_signed_and_zero_without_actions():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((5, 4)).astype(np.float32)
+  actions = np.array([[[1, 0, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]], np.float32)
+  out = np.asarray(features.action_embedding(jnp.asarray(actions), jnp.asarray(w)))
+  expected = (2 * actions - 1) @ w
+  expected[0, 1] = 0.0
+  np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_single_hot_embedding_out_of_range_is_zero():
+  table = jnp.arange(12, dtype=jnp.float32).reshape(4, 3)
+  out = features.single_hot_embedding(jnp.array([[0, 3, 4, -1]]), table)
+  np.testing.assert_array_equal(out[0], [[0, 1, 2], [9, 10, 11], [0, 0, 0], [0, 0, 0]])
+
+
+def test_dwell_time_embedding_formula():
+  rng = np.random.default_rng(1)
+  w1 = rng.standard_normal((1, 6)).astype(np.float32)
+  w2 = rng.standard_normal((6, 4)).astype(np.float32)
+  dwell = np.array([[0.0, 12.0, 90.0]], np.float32)
+  cfg = pf.NormConfig(norm_scale=30.0)
+  x = np.clip(dwell, 0, 30)[..., None] / 30 @ w1
+  gelu = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+  out = features.dwell_time_embedding(jnp.asarray(dwell), cfg, jnp.asarray(w1), jnp.asarray(w2))
+  np.testing.assert_allclose(out, gelu @ w2, atol=1e-5)

@@ -1,0 +1,186 @@
+"""Grok building blocks against straightforward numpy versions of the SPEC formulas."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from conftest import call, layer, max_abs_diff, transformer_config
+from phoenix_flax.layers import Linear, RMSNorm, apply_rope, rms_norm, soft_cap
+from phoenix_flax.masks import causal_mask
+
+
+def gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def rope_reference(x, positions):
+  """Per-pair rotation of (x_i, x_{i+d/2}) by angle p * 10000^(-2i/d)."""
+  out = np.empty_like(x, dtype=np.float64)
+  d = x.shape[-1]
+  for i in range(d // 2):
+    angle = positions[:, :, None] * 10000.0 ** (-2 * i / d)
+    a, b = x[..., i], x[..., i + d // 2]
+    out[..., i] = a * np.cos(angle) - b * np.sin(angle)
+    out[..., i + d // 2] = b * np.cos(angle) + a * np.sin(angle)
+  return out
+
+
+def attention_reference(x, wq, wk, wv, wo, cfg, mask, positions):
+  """One head at a time: query head j reads kv head j // (H / KV)."""
+  H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
+  heads = []
+  for j in range(H):
+    kv = j // (H // KV)
+    rotate = lambda y: rope_reference(y[:, :, None, :], positions)[:, :, 0, :]
+    q = rotate(x @ wq[:, j * d:(j + 1) * d])
+    k = rotate(x @ wk[:, kv * d:(kv + 1) * d])
+    v = x @ wv[:, kv * d:(kv + 1) * d]
+    logits = np.einsum("btd,bsd->bts", q, k) * cfg.attn_output_multiplier
+    if cfg.attn_logit_cap is not None:
+      logits = cfg.attn_logit_cap * np.tanh(logits / cfg.attn_logit_cap)
+    logits = np.where(mask, logits, -1e30)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    heads.append(weights @ v)
+  return np.concatenate(heads, axis=-1) @ wo
+
+
+def test_rms_norm_formula():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 3, 16)).astype(np.float32) * 3
+  scale = rng.standard_normal(16).astype(np.float32)
+  norm = eqx.tree_at(lambda n: n.scale, RMSNorm(16), jnp.asarray(scale))
+  expected = scale * x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + 1e-5)
+  np.testing.assert_allclose(call(norm, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_computes_in_float32_and_keeps_dtype():
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8)), jnp.bfloat16)
+  out = call(rms_norm, x, jnp.ones(8))
+  assert out.dtype == jnp.bfloat16
+  x32 = np.asarray(x, np.float32)
+  expected = x32 / np.sqrt(np.mean(x32 ** 2, -1, keepdims=True) + 1e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=1e-2)
+
+
+def test_rms_norm_default_scale_is_one():
+  np.testing.assert_array_equal(RMSNorm(8).scale, np.ones(8))
+  np.testing.assert_array_equal(RMSNorm(8, init_value=0.0).scale, np.zeros(8))
+
+
+def test_rope_matches_pairwise_rotation_of_halves():
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((2, 5, 3, 8)).astype(np.float32)
+  pos = np.array([[0, 1, 2, 3, 4], [7, 0, 3.5, 100, 9]], np.float32)
+  out = call(apply_rope, jnp.asarray(x), jnp.asarray(pos))
+  np.testing.assert_allclose(out, rope_reference(x, pos), atol=2e-5)
+
+
+def test_rope_position_zero_is_identity_and_norm_preserved():
+  x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 2, 8)), jnp.float32)
+  np.testing.assert_allclose(call(apply_rope, x, jnp.zeros((1, 4))), x, atol=1e-7)
+  out = call(apply_rope, x, jnp.arange(4.0)[None] * 13)
+  np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1),
+                             rtol=1e-5)
+
+
+def test_rope_scores_depend_on_relative_position_only():
+  rng = np.random.default_rng(4)
+  q = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((1, 1, 1, 8)), jnp.float32)
+  dot = lambda pq, pk: jnp.sum(apply_rope(q, pq[None, None]) * apply_rope(k, pk[None, None]))
+  score = lambda pq, pk: float(call(dot, jnp.float32(pq), jnp.float32(pk)))
+  assert score(5.0, 2.0) == pytest.approx(score(13.0, 10.0), abs=1e-5)
+  assert abs(score(5.0, 2.0) - score(5.0, 4.0)) > 1e-3
+
+
+def test_rope_keeps_forward_dtype():
+  x = jnp.ones((1, 2, 1, 4), jnp.bfloat16)
+  assert call(apply_rope, x, jnp.arange(2.0)[None]).dtype == jnp.bfloat16
+
+
+def test_soft_cap():
+  x = jnp.array([-100.0, -1.0, 0.0, 2.0, 100.0])
+  np.testing.assert_allclose(soft_cap(x, 30.0), 30 * np.tanh(np.asarray(x) / 30), rtol=1e-6)
+  assert soft_cap(x, None) is x
+
+
+def test_linear_float32_params_and_forward_dtype():
+  lin = Linear(256, 64, key=jax.random.key(0))
+  assert lin.weight.shape == (256, 64) and lin.weight.dtype == jnp.float32
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 256)), jnp.float32)
+  np.testing.assert_allclose(call(lin, x), np.asarray(x) @ np.asarray(lin.weight), rtol=1e-5,
+                             atol=1e-6)
+  y = call(lin, x.astype(jnp.bfloat16))
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(y, np.float32), call(lin, x), rtol=0.05, atol=0.05)
+  assert max_abs_diff(y, call(lin, x)) > 0
+  w = np.asarray(lin.weight)
+  assert w.std() == pytest.approx(1 / 16, rel=0.05)
+  assert np.abs(w).max() <= 2 / 16 / 0.8796 + 1e-6
+  assert not np.any(Linear(4, 4, key=jax.random.key(0), zero=True).weight)
+
+
+def test_geglu_formula():
+  cfg = transformer_config()
+  block = layer(pf.Transformer(cfg, key=jax.random.key(2)), 0).dense
+  F = cfg.ffn_size
+  assert block.gate_value.weight.shape == (cfg.emb_size, 2 * F)
+  assert block.out.weight.shape == (F, cfg.emb_size)
+  x = np.random.default_rng(6).standard_normal((2, 3, cfg.emb_size)).astype(np.float32)
+  w = np.asarray(block.gate_value.weight)
+  expected = (gelu_tanh(x @ w[:, :F]) * (x @ w[:, F:])) @ np.asarray(block.out.weight)
+  np.testing.assert_allclose(call(block, jnp.asarray(x)), expected, rtol=1e-4, atol=1e-5)
+
+
+def attention(cfg, seed):
+  """Layer 0's attention of a stacked transformer (shares initialiser compilations)."""
+  return layer(pf.Transformer(cfg, key=jax.random.key(seed)), 0).attention
+
+
+def _split_qkv(attn, cfg):
+  H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
+  w = np.asarray(attn.qkv.weight)
+  return w[:, :H * d], w[:, H * d:(H + KV) * d], w[:, (H + KV) * d:], np.asarray(attn.out.weight)
+
+
+@pytest.mark.parametrize("num_kv_heads, cap", [(4, 30.0), (4, None), (2, 1.0)])
+def test_attention_matches_per_head_loop(num_kv_heads, cap):
+  cfg = transformer_config(num_kv_heads=num_kv_heads, attn_logit_cap=cap,
+                           attn_output_multiplier=1.0)
+  attn = attention(cfg, 3)
+  B, T = 2, 5
+  rng = np.random.default_rng(7)
+  x = rng.standard_normal((B, T, cfg.emb_size)).astype(np.float32)
+  padding = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0]], np.float32)
+  mask = padding[:, None, None, :] * np.asarray(causal_mask(T))
+  pos = np.tile(np.arange(T, dtype=np.float32), (B, 1))
+  out, max_logit = call(attn, jnp.asarray(x), jnp.asarray(mask), jnp.asarray(pos))
+  expected = attention_reference(x, *_split_qkv(attn, cfg), cfg, mask[:, 0] > 0, pos)
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+  assert np.isfinite(float(max_logit))
+
+
+def test_attention_has_no_hidden_sqrt_d_factor():
+  cfg = transformer_config(attn_output_multiplier=1.0, attn_logit_cap=None, num_kv_heads=4)
+  attn = attention(cfg, 4)
+  x = jnp.asarray(np.random.default_rng(8).standard_normal((1, 3, cfg.emb_size)), jnp.float32)
+  pos = jnp.arange(3.0)[None]
+  q, k, _ = call(attn.project, x, pos)
+  _, max_logit = call(attn, x, causal_mask(3), pos)
+  raw = jnp.einsum("btkgd,bskd->bkgts", q, k) * np.tril(np.ones((3, 3)))
+  np.testing.assert_allclose(max_logit, jnp.max(jnp.abs(raw)), rtol=1e-5)
+
+
+def test_attention_outputs_forward_dtype_in_bfloat16():
+  cfg = transformer_config()
+  attn = attention(cfg, 5)
+  x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 4, cfg.emb_size)))
+  pos = jnp.arange(4.0)[None]
+  out32, _ = call(attn, x.astype(jnp.float32), causal_mask(4), pos)
+  out16, _ = call(attn, x.astype(jnp.bfloat16), causal_mask(4, jnp.bfloat16), pos)
+  assert out16.dtype == jnp.bfloat16 and attn.qkv.weight.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=0.1)

@@ -1,0 +1,327 @@
+"""PhoenixModel: isolation, padding, positions, init, transforms, dtypes, diagnostics,
+input checks, and the isolated-vs-dense equality grid."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from conftest import (EMB, NUM_ACTIONS, call, forward, index_candidates, layer, make_batch,
+                      max_abs_diff, ranking_config, transformer_config)
+from phoenix_flax.layers import apply_rope
+
+HISTORY_VALID = [4, 2]
+CANDIDATE_MASK = [[1, 1, 1], [1, 0, 1]]
+
+
+def model_for(config, seed=0):
+  return pf.PhoenixModel(config, key=jax.random.key(seed))
+
+
+def padded_batch(config, seed=0, **overrides):
+  kw = dict(history_valid=HISTORY_VALID, candidate_mask=CANDIDATE_MASK)
+  kw.update(overrides)
+  return make_batch(config, 2, seed, **kw)
+
+
+def perturb_candidate(batch, emb, j):
+  """New content for candidate slot j (hashes stay valid)."""
+  bump = lambda x, v: x.at[:, j].set(v)
+  batch = batch._replace(candidate_post_hashes=bump(batch.candidate_post_hashes, 777),
+                         candidate_product_surface=bump(batch.candidate_product_surface, 5))
+  emb = emb._replace(
+      candidate_post_embeddings=bump(emb.candidate_post_embeddings,
+                                     -emb.candidate_post_embeddings[:, j] + 0.3),
+      candidate_author_embeddings=bump(emb.candidate_author_embeddings,
+                                       emb.candidate_author_embeddings[:, j] * 2))
+  return batch, emb
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+def test_forward_shapes_and_diagnostics(impl):
+  cfg = ranking_config(attention_impl=impl)
+  out, diag = forward(model_for(cfg), *padded_batch(cfg))
+  assert out.logits.shape == (2, 3, NUM_ACTIONS) and out.logits.dtype == jnp.float32
+  assert out.continuous is None
+  L = cfg.model.num_layers
+  assert diag.max_abs_attn_logit.shape == (L,) and diag.residual_rms.shape == (L,)
+  assert np.all(np.isfinite(diag.max_abs_attn_logit)) and np.all(np.isfinite(diag.residual_rms))
+  assert np.all(np.asarray(diag.max_abs_attn_logit) > 0)
+  assert np.all(np.isfinite(out.logits)) and float(jnp.std(out.logits)) > 0.1
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+def test_isolation_other_candidates_unchanged(impl):
+  cfg = ranking_config(attention_impl=impl)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  base = forward(model, batch, emb)[0].logits
+  changed = forward(model, *perturb_candidate(batch, emb, 1))[0].logits
+  assert max_abs_diff(base[0, 1], changed[0, 1]) > 1e-3
+  np.testing.assert_allclose(changed[:, [0, 2]], base[:, [0, 2]], atol=1e-6)
+
+
+def test_without_isolation_later_candidates_change():
+  cfg = ranking_config(candidate_isolation=False)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg, candidate_mask=None)
+  base = forward(model, batch, emb)[0].logits
+  changed = forward(model, *perturb_candidate(batch, emb, 1))[0].logits
+  np.testing.assert_allclose(changed[:, 0], base[:, 0], atol=1e-6)
+  assert max_abs_diff(base[:, 1], changed[:, 1]) > 1e-3
+  assert max_abs_diff(base[:, 2], changed[:, 2]) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+@pytest.mark.parametrize("case", [
+    dict(candidate_mask=[[0, 1, 1], [1, 0, 0]]),
+    dict(history_valid=[0, 0]),
+    dict(history_valid=[0, 4], user_valid=[False, True], candidate_mask=[[0, 0, 0], [1, 1, 1]]),
+], ids=["padded_candidates", "empty_history", "fully_padded_row"])
+def test_padding_gives_finite_outputs(impl, case):
+  cfg = ranking_config(attention_impl=impl)
+  out, diag = forward(model_for(cfg), *padded_batch(cfg, **case))
+  assert np.all(np.isfinite(out.logits))
+  assert np.all(np.isfinite(diag.max_abs_attn_logit)) and np.all(np.isfinite(diag.residual_rms))
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+def test_right_anchored_permuting_candidates_permutes_logits(impl):
+  cfg = ranking_config(right_anchored_rope=True, attention_impl=impl)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  perm = np.array([2, 0, 1])
+  base = forward(model, batch, emb)[0].logits
+  permuted = forward(model, *index_candidates(batch, emb, perm))[0].logits
+  np.testing.assert_allclose(permuted, base[:, perm], atol=1e-5)
+
+
+def test_sequential_positions_make_slots_matter():
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg, candidate_mask=None)
+  perm = np.array([2, 0, 1])
+  base = forward(model, batch, emb)[0].logits
+  permuted = forward(model, *index_candidates(batch, emb, perm))[0].logits
+  assert max_abs_diff(permuted, base[:, perm]) > 1e-4
+
+
+@eqx.filter_jit
+def logit_grads(model, batch, emb, weights):
+  return eqx.filter_grad(lambda m: jnp.sum(m(batch, emb).logits * weights))(model)
+
+
+def _zero_placeholders(model):
+  """The model with the release's all-zero transformer weights and final-norm scale."""
+  arrays, static = eqx.partition(model.transformer.layers, eqx.is_array)
+  zeroed = eqx.combine(jax.tree.map(jnp.zeros_like, arrays), static)
+  return eqx.tree_at(lambda m: (m.transformer.layers, m.final_norm.scale), model,
+                     (zeroed, jnp.zeros_like(model.final_norm.scale)))
+
+
+GRAD_WEIGHTS = np.random.default_rng(9).standard_normal((2, 3, NUM_ACTIONS)).astype(np.float32)
+
+
+def test_gradients_reach_every_transformer_weight():
+  cfg = ranking_config()
+  grads = logit_grads(model_for(cfg), *padded_batch(cfg), GRAD_WEIGHTS)
+  leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(grads.transformer, eqx.is_array))
+  assert len(leaves) == 2 + 2 + 4
+  for path, g in leaves:
+    for i in range(cfg.model.num_layers):
+      assert np.any(g[i] != 0), (jax.tree_util.keystr(path), i)
+  for g in jax.tree.leaves(eqx.filter(grads, eqx.is_array)):
+    assert np.all(np.isfinite(g))
+
+
+def test_zeros_init_gradients_are_exactly_zero():
+  cfg = ranking_config()
+  released = model_for(ranking_config(transformer=transformer_config(param_init="zeros")))
+  placeholders = _zero_placeholders(model_for(cfg))
+  for a, b in zip(jax.tree.leaves(eqx.filter(released, eqx.is_array)),
+                  jax.tree.leaves(eqx.filter(placeholders, eqx.is_array))):
+    np.testing.assert_array_equal(a, b)
+  grads = logit_grads(placeholders, *padded_batch(cfg), GRAD_WEIGHTS)
+  leaves = jax.tree.leaves(eqx.filter(grads.transformer, eqx.is_array))
+  assert len(leaves) == 8 and all(np.all(g == 0) for g in leaves)
+  np.testing.assert_array_equal(forward(placeholders, *padded_batch(cfg))[0].logits, 0.0)
+
+
+def test_vmap_over_batches():
+  cfg = ranking_config()
+  model = model_for(cfg)
+  pairs = [padded_batch(cfg, seed=s) for s in (0, 1)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *pairs)
+  vmapped = call(jax.vmap(lambda b, e: model(b, e).logits), *stacked)
+  for i, (batch, emb) in enumerate(pairs):
+    np.testing.assert_allclose(vmapped[i], forward(model, batch, emb)[0].logits, atol=1e-5)
+
+
+def test_batch_and_embeddings_are_jit_pytrees_in_release_order():
+  batch, emb = padded_batch(ranking_config())
+  out = jax.jit(lambda b, e: (b, e))(batch, emb)
+  assert isinstance(out[0], pf.RecsysBatch) and isinstance(out[1], pf.RecsysEmbeddings)
+  assert pf.RecsysBatch._fields[:8] == (
+      "user_hashes", "history_post_hashes", "history_author_hashes", "history_actions",
+      "history_product_surface", "candidate_post_hashes", "candidate_author_hashes",
+      "candidate_product_surface")
+  assert pf.RecsysEmbeddings._fields == (
+      "user_embeddings", "history_post_embeddings", "candidate_post_embeddings",
+      "history_author_embeddings", "candidate_author_embeddings")
+
+
+BF16_TOLERANCE = 0.05  # relative to max |logit|; observed max diff 1-1.5% of it
+
+
+def test_bfloat16_runs_and_stays_close_to_float32():
+  cfg32, cfg16 = ranking_config(), ranking_config(fprop_dtype="bfloat16")
+  batch, emb = padded_batch(cfg32)
+  m32, m16 = model_for(cfg32), model_for(cfg16)
+  tokens, out16 = call(lambda m, b, e: (m.build_inputs(b, e)[0], m(b, e).logits), m16, batch,
+                       emb)
+  assert tokens.dtype == jnp.bfloat16
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(m16, eqx.is_array)))
+  out32 = forward(m32, batch, emb)[0].logits
+  assert np.all(np.isfinite(out16))
+  diff = max_abs_diff(out16, out32)
+  assert 1e-4 < diff < BF16_TOLERANCE * float(jnp.max(jnp.abs(out32))), diff
+
+
+def _direct_diagnostics(model, batch, emb):
+  """Per layer, by hand: max |q.k| * multiplier over attended entries (before the cap) and
+  the RMS of the layer's output, running the layers one by one on the dense mask."""
+  cfg = model.config.model
+  H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
+  h, mask, offset = model.build_inputs(batch, emb)
+  B, T, _ = h.shape
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32), (B, T))
+  allowed = pf.make_recsys_attn_mask(T, offset).astype(bool) & mask[:, None, None, :]
+  max_logits, rms = [], []
+  for i in range(cfg.num_layers):
+    lyr = layer(model.transformer, i)
+    x = lyr.norm_attn_in(h)
+    w = lyr.attention.qkv.weight
+    q = apply_rope((x @ w[:, :H * d]).reshape(B, T, H, d), pos)
+    k = apply_rope((x @ w[:, H * d:(H + KV) * d]).reshape(B, T, KV, d), pos)
+    raw = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, H // KV, axis=2))
+    raw = raw * cfg.attn_output_multiplier
+    max_logits.append(jnp.max(jnp.where(allowed, jnp.abs(raw), 0.0)))
+    h = lyr(h, lambda a, y: a(y, allowed.astype(h.dtype), pos))[0]
+    rms.append(jnp.sqrt(jnp.mean(jnp.square(h))))
+  return jnp.stack(max_logits), jnp.stack(rms)
+
+
+CAP1 = dict(attn_logit_cap=1.0, attn_output_multiplier=1.0)
+
+
+def test_diagnostics_match_direct_computation():
+  cfg = ranking_config(transformer=transformer_config(**CAP1))
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  _, diag = forward(model, batch, emb)
+  max_logits, rms = call(_direct_diagnostics, model, batch, emb)
+  assert float(jnp.min(max_logits)) > 1.0
+  np.testing.assert_allclose(diag.max_abs_attn_logit, max_logits, rtol=1e-5)
+  np.testing.assert_allclose(diag.residual_rms, rms, rtol=1e-5)
+
+
+def test_later_release_features():
+  cfg = ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(),
+                       num_continuous_actions=2)
+  model = model_for(cfg)
+  assert model.post_age_embedding_table.shape == (4800 // 60 + 2, EMB)
+  batch, emb = padded_batch(cfg)
+  now = 1_000_000
+  batch = batch._replace(impression_timestamps=jnp.array([now, now], jnp.int32),
+                         candidate_post_timestamps=jnp.full((2, 3), now - 1800, jnp.int32),
+                         history_dwell_times=jnp.full((2, 4), 12.0))
+  out = forward(model, batch, emb)[0]
+  assert out.continuous.shape == (2, 3, 2)
+  assert np.all((out.continuous > 0) & (out.continuous < 1))
+  older = batch._replace(candidate_post_timestamps=batch.candidate_post_timestamps - 7200)
+  assert max_abs_diff(forward(model, older, emb)[0].logits, out.logits) > 1e-3
+  with pytest.raises(ValueError, match="impression_timestamps"):
+    model(batch._replace(impression_timestamps=None), emb)
+  with pytest.raises(ValueError, match="history_dwell_times"):
+    model(batch._replace(history_dwell_times=None), emb)
+
+
+def _grow_last(x):
+  return jnp.zeros(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)
+
+
+BAD_FIELDS = ["user_hashes", "history_post_hashes", "history_author_hashes",
+              "history_actions", "history_product_surface", "candidate_post_hashes",
+              "candidate_author_hashes", "candidate_product_surface", "user_embeddings",
+              "history_post_embeddings", "candidate_post_embeddings",
+              "history_author_embeddings", "candidate_author_embeddings"]
+
+
+@pytest.mark.parametrize("field", BAD_FIELDS)
+def test_wrong_shape_names_the_field(field):
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  if field in batch._fields:
+    batch = batch._replace(**{field: _grow_last(getattr(batch, field))})
+  else:
+    emb = emb._replace(**{field: _grow_last(getattr(emb, field))})
+  with pytest.raises((AssertionError, ValueError), match=field):
+    model(batch, emb)
+
+
+def test_wrong_dtype_names_the_field():
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  with pytest.raises(AssertionError, match="candidate_post_hashes"):
+    model(batch._replace(candidate_post_hashes=batch.candidate_post_hashes * 1.0), emb)
+  with pytest.raises(AssertionError, match="user_embeddings"):
+    model(batch, emb._replace(user_embeddings=emb.user_embeddings.astype(jnp.int32)))
+
+
+def test_wrong_history_length_names_the_field():
+  model, (batch, emb) = model_for(ranking_config()), make_batch(ranking_config(history=5), 2)
+  with pytest.raises(AssertionError, match="history_post_hashes"):
+    model(batch, emb)
+
+
+# Isolated vs dense equality grid (issue 3, item 1). Defaults: B=2, S=4, C=3, D=32,
+# 2 layers, 4 query / 2 KV heads, cap 30, sandwich, sequential positions, padded history
+# (rows with S and S/2 valid items) and padded candidates (every third of row 1). Cases
+# vary several axes at once, and three share their shapes with other tests here, to keep
+# the number of compilations small.
+GRID = {
+    "base": {},
+    "right_anchored": dict(right_anchored_rope=True),
+    "cap1_active": CAP1,
+    "C40_right_anchored": dict(candidates=40, right_anchored_rope=True),
+    "C40_post_mha_cap1": dict(candidates=40, norm_layout="post", num_kv_heads=4, **CAP1),
+    "C1_right_anchored_pre_4q1kv_capoff_empty_history": dict(
+        candidates=1, right_anchored_rope=True, norm_layout="pre", num_kv_heads=1,
+        attn_logit_cap=None, history_valid=[0, 3]),
+}
+TRANSFORMER_KEYS = ("num_kv_heads", "attn_logit_cap", "attn_output_multiplier", "norm_layout")
+
+
+def _grid_batch(cfg, case):
+  S, C = cfg.history_seq_len, cfg.candidate_seq_len
+  cand = np.ones((2, C), bool)
+  cand[1, 1::3] = False
+  if C == 1:
+    cand[1, 0] = False
+  return make_batch(cfg, 2, 5, history_valid=case.get("history_valid", [S, S // 2]),
+                    candidate_mask=cand)
+
+
+@pytest.mark.parametrize("name", list(GRID))
+def test_isolated_equals_dense(name):
+  case = GRID[name]
+  tc = transformer_config(**{k: v for k, v in case.items() if k in TRANSFORMER_KEYS})
+  cfgs = {impl: ranking_config(candidates=case.get("candidates", 3), transformer=tc,
+                               attention_impl=impl,
+                               right_anchored_rope=case.get("right_anchored_rope", False))
+          for impl in ("isolated", "dense")}
+  batch, emb = _grid_batch(cfgs["dense"], case)
+  outs = {impl: forward(model_for(cfg), batch, emb) for impl, cfg in cfgs.items()}
+  (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
+  assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
+  assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
+  np.testing.assert_allclose(iso_diag.max_abs_attn_logit, dense_diag.max_abs_attn_logit,
+                             rtol=1e-5)
+  np.testing.assert_allclose(iso_diag.residual_rms, dense_diag.residual_rms, rtol=1e-5)

@@ -1,0 +1,161 @@
+"""Two-tower retrieval: candidate tower modes, user tower, top-k and corpus masking."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from conftest import EMB, call, make_batch, retrieval_config
+from phoenix_flax.retrieval import MASKED_SCORE, retrieve_top_k
+
+B, C, HASHES, CORPUS, TOP_K = 4, 8, 4, 100, 10
+
+
+def tower_input(seed=0):
+  x = np.random.default_rng(seed).standard_normal((B, C, HASHES, EMB)) * 2
+  return jnp.asarray(x, jnp.float32)
+
+
+def unit_norms(x):
+  return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
+
+
+def test_candidate_tower_mlp_shape_norm_and_formula():
+  tower = pf.CandidateTower(EMB, HASHES, key=jax.random.key(0))
+  assert tower.projection_1.shape == (HASHES * EMB, 2 * EMB)
+  assert tower.projection_2.shape == (2 * EMB, EMB)
+  x = tower_input()
+  out = call(tower, x)
+  assert out.shape == (B, C, EMB)
+  np.testing.assert_allclose(unit_norms(out), 1.0, atol=1e-5)
+  h = np.asarray(x).reshape(B, C, -1) @ np.asarray(tower.projection_1)
+  h = (h / (1 + np.exp(-h))) @ np.asarray(tower.projection_2)
+  np.testing.assert_allclose(out, h / np.linalg.norm(h, axis=-1, keepdims=True), atol=1e-5)
+
+
+def test_candidate_tower_mean_pool_has_no_parameters():
+  tower = pf.CandidateTower(EMB, HASHES, enable_linear_proj=False, key=jax.random.key(0))
+  leaves = jax.tree.leaves(eqx.filter(tower, eqx.is_array))
+  assert len(leaves) == 0 and sum(x.size for x in leaves) == 0
+  x = tower_input(1)
+  out = call(tower, x)
+  assert out.shape == (B, C, EMB)
+  np.testing.assert_allclose(unit_norms(out), 1.0, atol=1e-5)
+  mean = np.asarray(x).mean(axis=2)
+  np.testing.assert_allclose(out, mean / np.linalg.norm(mean, axis=-1, keepdims=True),
+                             atol=1e-5)
+
+
+def test_candidate_tower_checks_its_input():
+  tower = pf.CandidateTower(EMB, HASHES, key=jax.random.key(0))
+  with pytest.raises(AssertionError, match="CandidateTower"):
+    tower(tower_input()[:, :, 0])
+  with pytest.raises(ValueError, match="hashes"):
+    tower(tower_input()[:, :, :3])
+  with pytest.raises(ValueError, match="emb size"):
+    tower(tower_input()[..., :16])
+
+
+def model_and_batch(enable_linear_proj=True, **batch_kw):
+  cfg = retrieval_config(enable_linear_proj=enable_linear_proj)
+  model = pf.PhoenixRetrievalModel(cfg, key=jax.random.key(0))
+  return model, *make_batch(cfg, 2, 0, **batch_kw)
+
+
+def corpus(seed=0):
+  x = np.random.default_rng(seed).standard_normal((CORPUS, EMB))
+  return jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True), jnp.float32)
+
+
+def retrieve(model, batch, emb, corpus_embeddings, corpus_mask=None, top_k=TOP_K):
+  return call(lambda m, b, e, c, k: m(b, e, c, top_k, k), model, batch, emb,
+              corpus_embeddings, corpus_mask)
+
+
+def test_forward_shapes_unit_norm_and_sorted_top_k():
+  model, batch, emb = model_and_batch(history_valid=[4, 1])
+  corp = corpus()
+  out = retrieve(model, batch, emb, corp)
+  assert out.user_representation.shape == (2, EMB)
+  assert out.top_k_indices.shape == (2, TOP_K) and out.top_k_indices.dtype == jnp.int32
+  assert out.top_k_scores.shape == (2, TOP_K)
+  np.testing.assert_allclose(unit_norms(out.user_representation), 1.0, atol=1e-5)
+  idx = np.asarray(out.top_k_indices)
+  assert np.all((idx >= 0) & (idx < CORPUS))
+  scores = np.asarray(out.top_k_scores)
+  assert np.all(scores[:, :-1] >= scores[:, 1:])
+  full = np.asarray(out.user_representation) @ np.asarray(corp).T
+  np.testing.assert_array_equal(idx, np.argsort(-full, axis=1)[:, :TOP_K])
+  np.testing.assert_allclose(scores, np.take_along_axis(full, idx, axis=1), atol=1e-5)
+
+
+def test_user_representation_ignores_padded_history():
+  model, batch, emb = model_and_batch(history_valid=[2, 4])
+  rep = lambda m, b, e: m.build_user_representation(b, e)
+  user, norm = call(rep, model, batch, emb)
+  assert norm.shape == (2, 1) and np.all(np.asarray(norm) > 0)
+  noisy = emb._replace(history_post_embeddings=emb.history_post_embeddings.at[0, 2:].add(5.0))
+  user2, _ = call(rep, model, batch, noisy)
+  np.testing.assert_allclose(user2, user, atol=1e-6)
+  changed = emb._replace(history_post_embeddings=emb.history_post_embeddings.at[0, 1].add(5.0))
+  user3, _ = call(rep, model, batch, changed)
+  assert float(jnp.max(jnp.abs(user3[0] - user[0]))) > 1e-3
+  np.testing.assert_allclose(user3[1], user[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("enable_linear_proj", [True, False])
+def test_candidate_representation_unit_norm_and_mask(enable_linear_proj):
+  model, batch, emb = model_and_batch(enable_linear_proj,
+                                      candidate_mask=[[1, 0, 1], [1, 1, 1]])
+  reps, mask = call(lambda m, b, e: m.build_candidate_representation(b, e), model, batch, emb)
+  assert reps.shape == (2, 3, EMB)
+  np.testing.assert_allclose(unit_norms(reps), 1.0, atol=1e-5)
+  np.testing.assert_array_equal(mask, [[True, False, True], [True, True, True]])
+
+
+def test_corpus_mask_excludes_items():
+  model, batch, emb = model_and_batch()
+  corp = corpus(1)
+  user = retrieve(model, batch, emb, corp).user_representation
+  best = np.argsort(-(np.asarray(user) @ np.asarray(corp).T), axis=1)[:, :TOP_K]
+  mask = np.ones(CORPUS, bool)
+  mask[best.ravel()] = False
+  out = retrieve(model, batch, emb, corp, jnp.asarray(mask))
+  assert not np.any(np.isin(np.asarray(out.top_k_indices), best))
+  assert np.all(mask[np.asarray(out.top_k_indices)])
+  few = np.zeros(CORPUS, bool)
+  few[[3, 50, 97]] = True
+  out = retrieve(model, batch, emb, corp, jnp.asarray(few))
+  assert set(np.asarray(out.top_k_indices)[:, :3].ravel()) == {3, 50, 97}
+  np.testing.assert_array_equal(out.top_k_scores[:, 3:], np.float32(MASKED_SCORE))
+
+
+def test_retrieve_top_k_checks_arguments():
+  user = jnp.ones((2, EMB)) / np.sqrt(EMB)
+  with pytest.raises(AssertionError, match="corpus_embeddings"):
+    retrieve_top_k(user, corpus()[None], 3)
+  with pytest.raises(ValueError, match="corpus_embeddings"):
+    retrieve_top_k(user, corpus()[:, :16], 3)
+  with pytest.raises(ValueError, match="top_k"):
+    retrieve_top_k(user, corpus(), CORPUS + 1)
+  with pytest.raises(AssertionError, match="corpus_mask"):
+    retrieve_top_k(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
+
+
+@pytest.mark.parametrize("field", ["user_hashes", "history_post_hashes",
+                                   "history_product_surface", "history_actions"])
+def test_wrong_batch_shape_names_the_field(field):
+  model, batch, emb = model_and_batch()
+  x = getattr(batch, field)
+  batch = batch._replace(**{field: jnp.zeros(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)})
+  with pytest.raises((AssertionError, ValueError), match=field):
+    model.build_user_representation(batch, emb)
+
+
+def test_wrong_embedding_shape_names_the_field():
+  model, batch, emb = model_and_batch()
+  emb = emb._replace(history_author_embeddings=emb.history_author_embeddings[..., :16])
+  with pytest.raises(AssertionError, match="history_author_embeddings"):
+    model.build_user_representation(batch, emb)

@@ -1,0 +1,177 @@
+"""Decoder layer layouts, the scanned stack, rezero, soft-cap and the isolated path."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from conftest import call, layer, max_abs_diff, transformer_config
+from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
+
+B, T, OFFSET = 2, 7, 4
+PADDING = jnp.array([[1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 1, 0, 1]], bool)
+
+
+def inputs(seed=0, dtype=jnp.float32):
+  x = np.random.default_rng(seed).standard_normal((B, T, transformer_config().emb_size))
+  return jnp.asarray(x, dtype)
+
+
+def dense_mask(offset=OFFSET):
+  structure = causal_mask(T) if offset is None else make_recsys_attn_mask(T, offset)
+  return PADDING[:, None, None, :].astype(jnp.float32) * structure
+
+
+def positions():
+  return jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32), (B, T))
+
+
+def decoder_layer(cfg, seed=0):
+  """Layer 0 of a stacked transformer (shares initialiser compilations across tests)."""
+  return layer(pf.Transformer(cfg, key=jax.random.key(seed)), 0)
+
+
+def norms(lyr):
+  return [n for n in (lyr.norm_attn_in, lyr.norm_attn_out, lyr.norm_dense_in,
+                      lyr.norm_dense_out) if n is not None]
+
+
+def randomize_norms(lyr, seed=0):
+  rng = np.random.default_rng(seed)
+  new = [jnp.asarray(rng.uniform(0.5, 1.5, n.scale.shape), jnp.float32) for n in norms(lyr)]
+  return eqx.tree_at(lambda l: [n.scale for n in norms(l)], lyr, new)
+
+
+def manual_layer(lyr, h, mask, pos):
+  attn = lambda x: lyr.attention(x, mask, pos)[0]
+  if lyr.layout == "sandwich":
+    h = h + lyr.norm_attn_out(attn(lyr.norm_attn_in(h)))
+    return h + lyr.norm_dense_out(lyr.dense(lyr.norm_dense_in(h)))
+  if lyr.layout == "pre":
+    h = h + attn(lyr.norm_attn_in(h))
+    return h + lyr.dense(lyr.norm_dense_in(h))
+  h = lyr.norm_attn_out(h + attn(h))
+  return lyr.norm_dense_out(h + lyr.dense(h))
+
+
+def run_layer(lyr, h, mask, pos):
+  return lyr(h, lambda a, x: a(x, mask, pos))[0]
+
+
+@pytest.mark.parametrize("layout", ["sandwich", "pre", "post"])
+def test_decoder_layer_matches_its_formula(layout):
+  cfg = transformer_config(norm_layout=layout)
+  lyr = randomize_norms(decoder_layer(cfg))
+  present = {"sandwich": 4, "pre": 2, "post": 2}[layout]
+  assert len(norms(lyr)) == present
+  if layout == "pre":
+    assert lyr.norm_attn_out is None and lyr.norm_dense_out is None
+  if layout == "post":
+    assert lyr.norm_attn_in is None and lyr.norm_dense_in is None
+  args = (inputs(), dense_mask(), positions())
+  np.testing.assert_allclose(call(run_layer, lyr, *args), call(manual_layer, lyr, *args),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_norm_layouts_differ():
+  args = (inputs(), dense_mask(), positions())
+  outs = {l: call(run_layer, decoder_layer(transformer_config(norm_layout=l)), *args)
+          for l in ("sandwich", "pre", "post")}
+  assert max_abs_diff(outs["sandwich"], outs["pre"]) > 1e-2
+  assert max_abs_diff(outs["sandwich"], outs["post"]) > 1e-2
+  assert max_abs_diff(outs["pre"], outs["post"]) > 1e-2
+
+
+def test_layers_are_stacked():
+  cfg = transformer_config()
+  tr = pf.Transformer(cfg, key=jax.random.key(1))
+  leaves = jax.tree.leaves(eqx.filter(tr.layers, eqx.is_array))
+  assert len(leaves) == 8 and all(x.shape[0] == 2 and x.dtype == jnp.float32 for x in leaves)
+  assert tr.layers.attention.qkv.weight.shape == (2, cfg.emb_size, (4 + 2 * 2) * 8)
+  assert tr.layers.dense.gate_value.weight.shape == (2, cfg.emb_size, 2 * cfg.ffn_size)
+  assert max_abs_diff(tr.layers.attention.qkv.weight[0], tr.layers.attention.qkv.weight[1]) > 0
+
+
+def _loop(tr, x, mask, pos):
+  h, stats = x, []
+  for i in range(tr.config.num_layers):
+    h, max_logit = layer(tr, i)(h, lambda a, y: a(y, mask, pos))
+    stats.append((max_logit, jnp.sqrt(jnp.mean(jnp.square(h)))))
+  return h, stats
+
+
+def test_scan_equals_python_loop():
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(2))
+  pos = positions() * 0.5 + 3
+  out = call(lambda t, x: t(x, PADDING, OFFSET, pos), tr, inputs())
+  h, stats = call(_loop, tr, inputs(), dense_mask(), pos)
+  np.testing.assert_allclose(out.embeddings, h, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out.max_abs_attn_logit, [s[0] for s in stats], rtol=1e-5)
+  np.testing.assert_allclose(out.residual_rms, [s[1] for s in stats], rtol=1e-5)
+
+
+def test_recsys_mask_only_changes_candidates():
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(3))
+  recsys = call(lambda t, x: t(x, PADDING, OFFSET), tr, inputs()).embeddings
+  causal = call(lambda t, x: t(x, PADDING), tr, inputs()).embeddings
+  np.testing.assert_allclose(recsys[:, :OFFSET + 1], causal[:, :OFFSET + 1], atol=1e-6)
+  assert max_abs_diff(recsys[:, OFFSET + 1:], causal[:, OFFSET + 1:]) > 1e-3
+
+
+def test_isolated_path_matches_dense_and_chunks():
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(4))
+  x, pos = inputs(), positions()
+
+  def isolated(t, x):
+    ctx, cache = t.encode_context(x[:, :OFFSET], PADDING[:, :OFFSET], pos[:, :OFFSET])
+    whole = t.score_candidates(x[:, OFFSET:], PADDING[:, OFFSET:], cache, pos[:, OFFSET:])
+    chunks = [t.score_candidates(x[:, s:e], PADDING[:, s:e], cache, pos[:, s:e])
+              for s, e in ((OFFSET, OFFSET + 2), (OFFSET + 2, T))]
+    return ctx, whole, jnp.concatenate([c.embeddings for c in chunks], axis=1)
+
+  ctx, whole, chunked = call(isolated, tr, x)
+  dense = call(lambda t, x: t(x, PADDING, OFFSET, pos), tr, x).embeddings
+  valid = PADDING[:, :, None]
+  np.testing.assert_allclose(jnp.where(valid[:, :OFFSET], ctx.embeddings, 0),
+                             jnp.where(valid[:, :OFFSET], dense[:, :OFFSET], 0), atol=1e-5)
+  np.testing.assert_allclose(whole.embeddings, dense[:, OFFSET:], atol=1e-5)
+  np.testing.assert_allclose(chunked, whole.embeddings, atol=1e-6)
+
+
+def test_rezero_layers_are_identity_at_init():
+  cfg = transformer_config(param_init="rezero")
+  tr = pf.Transformer(cfg, key=jax.random.key(5))
+  assert not np.any(tr.layers.norm_attn_out.scale) and not np.any(tr.layers.norm_dense_out.scale)
+  assert np.all(tr.layers.norm_attn_in.scale == 1)
+  assert np.any(tr.layers.attention.qkv.weight)
+  x = inputs()
+  out = call(lambda t, x: t(x, PADDING, OFFSET), tr, x)
+  np.testing.assert_array_equal(out.embeddings, x)
+  rms = float(jnp.sqrt(jnp.mean(jnp.square(x))))
+  np.testing.assert_allclose(out.residual_rms, [rms, rms], rtol=1e-6)
+  assert np.all(np.asarray(out.max_abs_attn_logit) > 0)
+
+
+def test_zeros_init_matches_release_placeholders():
+  tr = pf.Transformer(transformer_config(param_init="zeros"), key=jax.random.key(6))
+  leaves = jax.tree.leaves(eqx.filter(tr.layers, eqx.is_array))
+  assert all(not np.any(x) for x in leaves)
+
+
+def test_no_cap_equals_huge_cap():
+  args = (inputs() * 4, dense_mask(), positions())
+  out = {}
+  for cap in (None, 1e9, 1.0):
+    cfg = transformer_config(attn_logit_cap=cap, attn_output_multiplier=1.0)
+    out[cap] = call(lambda a, *xs: a(*xs), decoder_layer(cfg, seed=7).attention, *args)
+  np.testing.assert_allclose(out[None][0], out[1e9][0], atol=1e-5)
+  assert float(out[None][1]) > 1.0
+  assert max_abs_diff(out[None][0], out[1.0][0]) > 1e-2
+
+
+def test_padding_mask_shape_is_checked():
+  tr = pf.Transformer(transformer_config(num_layers=1), key=jax.random.key(8))
+  with pytest.raises(ValueError, match="padding_mask"):
+    tr(inputs(), PADDING[:, :-1])
