@@ -1,0 +1,150 @@
+"""Ranking metrics computed on device: every function is jittable and takes a mask.
+
+Shapes: B lists, C candidates per list, A actions; `mask [B, C]` marks valid candidates.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from phoenix_flax.inference import ACTIONS
+
+
+def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
+  """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
+
+  Returns `(auc, valid)`; `valid` is False and `auc` 0.5 unless there is at least one
+  positive (label > 0.5) and one negative. O(N log N): each positive counts the
+  negatives below and tied with it by binary search in the sorted negative scores.
+  """
+  scores_N = jnp.asarray(scores_N, jnp.float32)
+  mask_N = jnp.asarray(mask_N, bool) & ~jnp.isnan(scores_N)
+  pos_N = mask_N & (labels_N > 0.5)
+  neg_N = mask_N & ~(labels_N > 0.5)
+  n_pos, n_neg = jnp.sum(pos_N), jnp.sum(neg_N)
+  sorted_neg_N = jnp.sort(jnp.where(neg_N, scores_N, jnp.inf))
+  below_N = jnp.searchsorted(sorted_neg_N, scores_N, side="left")
+  at_or_below_N = jnp.minimum(jnp.searchsorted(sorted_neg_N, scores_N, side="right"), n_neg)
+  wins_N = (below_N + 0.5 * (at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
+  valid = (n_pos > 0) & (n_neg > 0)
+  auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
+  return jnp.where(valid, auc, 0.5), valid
+
+
+def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
+                   ) -> tuple[Array, Array]:
+  """ROC-AUC of each action over all valid candidates of the batch: `(auc [A], valid [A])`."""
+  A = scores_BCA.shape[-1]
+  mask_N = jnp.broadcast_to(mask_BC, scores_BCA.shape[:-1]).reshape(-1)
+  return jax.vmap(roc_auc, in_axes=(1, 1, None))(scores_BCA.reshape(-1, A),
+                                                  labels_BCA.reshape(-1, A), mask_N)
+
+
+def _masked_mean(x_BCA: Array, mask_BC: Array) -> Array:
+  m_BCA = jnp.broadcast_to(mask_BC[..., None], x_BCA.shape)
+  return jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)) / jnp.maximum(jnp.sum(m_BCA), 1)
+
+
+def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
+  """Mean binary cross-entropy with logits over valid candidates and all actions."""
+  logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
+  bce_BCA = jax.nn.softplus(logits_BCA) - labels_BCA * logits_BCA
+  return _masked_mean(bce_BCA, mask_BC)
+
+
+def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
+                      num_bins: int = 10) -> Array:
+  """Expected calibration error: predictions of all actions pooled into `num_bins` equal
+  bins of [0, 1]; the count-weighted mean |mean prob - label rate| over the bins."""
+  w_N = jnp.broadcast_to(mask_BC[..., None], probs_BCA.shape).reshape(-1).astype(jnp.float32)
+  p_N = jnp.asarray(probs_BCA, jnp.float32).reshape(-1)
+  y_N = jnp.asarray(labels_BCA, jnp.float32).reshape(-1)
+  bin_N = jnp.clip(jnp.floor(p_N * num_bins).astype(jnp.int32), 0, num_bins - 1)
+  count_K = jax.ops.segment_sum(w_N, bin_N, num_bins)
+  prob_K = jax.ops.segment_sum(w_N * p_N, bin_N, num_bins)
+  label_K = jax.ops.segment_sum(w_N * y_N, bin_N, num_bins)
+  return jnp.sum(jnp.abs(prob_K - label_K)) / jnp.maximum(jnp.sum(count_K), 1.0)
+
+
+def _top_k_order(scores_BC: Array, mask_BC: Array, k: int) -> Array:
+  """Indices `[B, k]` of the k best valid candidates (ties: lower slot first)."""
+  masked = jnp.where(mask_BC, jnp.asarray(scores_BC, jnp.float32), -jnp.inf)
+  return jnp.argsort(-masked, axis=-1, stable=True)[:, :k]
+
+
+def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
+  """NDCG@k with linear gains and 1/log2(rank+1) discounts, averaged over the lists
+  whose ideal DCG is positive (0 when there is none)."""
+  k = min(k, scores_BC.shape[-1])
+  gains_BC = jnp.where(mask_BC, jnp.asarray(gains_BC, jnp.float32), 0.0)
+  discount_K = 1.0 / jnp.log2(jnp.arange(k, dtype=jnp.float32) + 2.0)
+  top_BK = _top_k_order(scores_BC, mask_BC, k)
+  dcg_B = jnp.sum(jnp.take_along_axis(gains_BC, top_BK, axis=-1) * discount_K, axis=-1)
+  ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * discount_K, axis=-1)
+  has_B = ideal_B > 0
+  ndcg_B = jnp.where(has_B, dcg_B / jnp.where(has_B, ideal_B, 1.0), 0.0)
+  return jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1)
+
+
+def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) -> Array:
+  """Share of each list's relevant valid candidates ranked in its top k, averaged over
+  the lists with at least one relevant candidate (0 when there is none)."""
+  k = min(k, scores_BC.shape[-1])
+  relevant_BC = jnp.asarray(relevant_BC, bool) & jnp.asarray(mask_BC, bool)
+  top_BK = _top_k_order(scores_BC, mask_BC, k)
+  hits_B = jnp.sum(jnp.take_along_axis(relevant_BC, top_BK, axis=-1), axis=-1)
+  total_B = jnp.sum(relevant_BC, axis=-1)
+  has_B = total_B > 0
+  recall_B = jnp.where(has_B, hits_B / jnp.maximum(total_B, 1), 0.0)
+  return jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1)
+
+
+def _mean_valid(values_A: Array, valid_A: Array) -> Array:
+  return jnp.sum(jnp.where(valid_A, values_A, 0.0)) / jnp.maximum(jnp.sum(valid_A), 1)
+
+
+def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask_BC: Array,
+                    k: int = 5, action_names: Optional[Sequence[str]] = None
+                    ) -> dict[str, Array]:
+  """The model's metrics next to the Bayes-optimal ones (the generator's true `probs`).
+
+  Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
+  negatives in the batch), `auc_gap` (Bayes minus model), `logloss` / `bayes_logloss`,
+  `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
+  probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
+  candidates (favorite label 1), `num_valid_actions`, and `auc/<action>` and
+  `bayes_auc/<action>` per action (0.5 where the action is not valid).
+  """
+  A = logits_BCA.shape[-1]
+  names = action_names or (ACTIONS if A == len(ACTIONS) else
+                           tuple(f"action_{i}" for i in range(A)))
+  if len(names) != A:
+    raise ValueError(f"action_names has {len(names)} names for {A} actions")
+  logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
+  probs_BCA = jnp.asarray(probs_BCA, jnp.float32)
+  auc_A, valid_A = per_action_auc(logits_BCA, labels_BCA, mask_BC)
+  bayes_A, _ = per_action_auc(probs_BCA, labels_BCA, mask_BC)
+  auc_mean, bayes_mean = _mean_valid(auc_A, valid_A), _mean_valid(bayes_A, valid_A)
+  clipped_BCA = jnp.clip(probs_BCA, 1e-7, 1.0 - 1e-7)
+  bayes_logits_BCA = jnp.log(clipped_BCA) - jnp.log1p(-clipped_BCA)
+  favorite_BC = labels_BCA[..., 0] > 0.5
+  out = {
+      "auc_mean": auc_mean,
+      "bayes_auc_mean": bayes_mean,
+      "auc_gap": bayes_mean - auc_mean,
+      "logloss": log_loss(logits_BCA, labels_BCA, mask_BC),
+      "bayes_logloss": log_loss(bayes_logits_BCA, labels_BCA, mask_BC),
+      "calibration_error": calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA, mask_BC),
+      f"ndcg@{k}": ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k),
+      f"recall@{k}": recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k),
+      f"bayes_recall@{k}": recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k),
+      "num_valid_actions": jnp.sum(valid_A).astype(jnp.float32),
+  }
+  for i, name in enumerate(names):
+    out[f"auc/{name}"] = auc_A[i]
+    out[f"bayes_auc/{name}"] = bayes_A[i]
+  return out

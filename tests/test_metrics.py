@@ -1,0 +1,132 @@
+"""On-device metrics against direct numpy references (pairwise AUC, loops over lists)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from phoenix_flax.training import metrics
+
+
+def pairwise_auc(scores, labels, mask):
+  """O(n^2) reference: P(score_pos > score_neg) + 1/2 P(tie) over valid pairs."""
+  s, y, m = np.asarray(scores, np.float64), np.asarray(labels) > 0.5, np.asarray(mask, bool)
+  pos, neg = s[m & y], s[m & ~y]
+  if len(pos) == 0 or len(neg) == 0:
+    return 0.5, False
+  diff = pos[:, None] - neg[None, :]
+  return float(np.mean((diff > 0) + 0.5 * (diff == 0))), True
+
+
+def random_case(seed, n=300, levels=7, pos_rate=0.3, mask_rate=0.8):
+  rng = np.random.default_rng(seed)
+  scores = rng.integers(0, levels, n).astype(np.float32) / levels  # many ties
+  labels = (rng.random(n) < pos_rate).astype(np.float32)
+  mask = rng.random(n) < mask_rate
+  scores[~mask] = rng.normal(size=(~mask).sum()) * 100  # masked entries must not matter
+  return scores, labels, mask
+
+
+auc_jit = jax.jit(metrics.roc_auc)
+
+
+@pytest.mark.parametrize("seed,levels", [(0, 7), (1, 2), (2, 1000), (3, 1)])
+def test_roc_auc_matches_pairwise_reference_with_ties_and_mask(seed, levels):
+  scores, labels, mask = random_case(seed, levels=levels)
+  auc, valid = auc_jit(scores, labels, mask)
+  ref, ref_valid = pairwise_auc(scores, labels, mask)
+  assert bool(valid) == ref_valid
+  np.testing.assert_allclose(float(auc), ref, atol=1e-6)
+
+
+def test_roc_auc_invalid_and_nan_safe():
+  scores = np.array([0.1, 0.4, np.nan, 0.9], np.float32)
+  labels = np.array([1, 1, 0, 1], np.float32)
+  auc, valid = auc_jit(scores, labels, np.ones(4, bool))  # the only negative is NaN
+  assert (float(auc), bool(valid)) == (0.5, False)
+  auc, valid = auc_jit(scores, np.array([1, 0, 0, 1], np.float32), np.ones(4, bool))
+  assert bool(valid) and float(auc) == pytest.approx(pairwise_auc([0.1, 0.4, 0.9], [1, 0, 1],
+                                                                   np.ones(3))[0])
+  auc, valid = auc_jit(np.array([1.0, -np.inf, np.inf], np.float32), np.array([1, 0, 0]),
+                       np.ones(3, bool))
+  assert bool(valid) and float(auc) == pytest.approx(0.5)
+
+
+def test_per_action_auc_matches_reference():
+  rng = np.random.default_rng(4)
+  B, C, A = 6, 5, 4
+  scores = rng.integers(0, 5, (B, C, A)).astype(np.float32)
+  labels = (rng.random((B, C, A)) < 0.4).astype(np.float32)
+  labels[..., 3] = 0  # an action without positives is reported invalid
+  mask = rng.random((B, C)) < 0.7
+  auc, valid = jax.jit(metrics.per_action_auc)(scores, labels, mask)
+  for a in range(A):
+    ref, ref_valid = pairwise_auc(scores[..., a].ravel(), labels[..., a].ravel(), mask.ravel())
+    assert bool(valid[a]) == ref_valid
+    np.testing.assert_allclose(float(auc[a]), ref, atol=1e-6)
+
+
+def test_log_loss_and_calibration_match_reference():
+  rng = np.random.default_rng(5)
+  B, C, A = 4, 6, 3
+  logits = rng.normal(size=(B, C, A)).astype(np.float32) * 3
+  labels = (rng.random((B, C, A)) < 0.3).astype(np.float32)
+  mask = rng.random((B, C)) < 0.6
+  logits[~mask] = np.nan  # padded rows must not leak
+  p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  bce = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+  np.testing.assert_allclose(metrics.log_loss(logits, labels, mask), bce[mask].mean(),
+                             rtol=1e-5)
+  pv, yv = p[mask].ravel(), labels[mask].ravel()
+  bins = np.minimum((pv * 10).astype(int), 9)
+  ece = sum(abs(pv[bins == k].sum() - yv[bins == k].sum()) for k in range(10)) / len(pv)
+  np.testing.assert_allclose(metrics.calibration_error(np.nan_to_num(p).astype(np.float32),
+                                                       labels, mask), ece, rtol=1e-5)
+
+
+def test_ndcg_and_recall_match_reference():
+  rng = np.random.default_rng(6)
+  B, C, k = 5, 7, 3
+  scores = rng.normal(size=(B, C)).astype(np.float32)
+  gains = rng.random((B, C)).astype(np.float32) * (rng.random((B, C)) < 0.5)
+  relevant = rng.random((B, C)) < 0.3
+  mask = rng.random((B, C)) < 0.8
+  gains[4] = 0  # a list without gain is skipped
+  ndcgs, recalls = [], []
+  for b in range(B):
+    idx = np.flatnonzero(mask[b])
+    order = idx[np.argsort(-scores[b, idx], kind="stable")][:k]
+    disc = 1 / np.log2(np.arange(len(order)) + 2)
+    ideal = np.sort(gains[b, idx])[::-1][:k]
+    if ideal.sum() > 0:
+      ndcgs.append((gains[b, order] * disc).sum() / (ideal * disc[:len(ideal)]).sum())
+    if relevant[b, idx].sum() > 0:
+      recalls.append(relevant[b, order].sum() / relevant[b, idx].sum())
+  np.testing.assert_allclose(metrics.ndcg_at_k(scores, gains, mask, k), np.mean(ndcgs),
+                             rtol=1e-5)
+  np.testing.assert_allclose(metrics.recall_at_k(scores, relevant, mask, k), np.mean(recalls),
+                             rtol=1e-5)
+  assert float(metrics.ndcg_at_k(gains, gains, mask, k)) == pytest.approx(1.0)
+
+
+def test_ranking_metrics_bayes_and_keys():
+  rng = np.random.default_rng(7)
+  B, C, A = 16, 8, 19
+  probs = rng.uniform(0.05, 0.95, (B, C, A)).astype(np.float32)
+  labels = (rng.random((B, C, A)) < probs).astype(np.float32)
+  mask = np.ones((B, C), bool)
+  mask[:, -2:] = False
+  bayes_logits = np.log(probs) - np.log1p(-probs)
+  ranking_metrics = jax.jit(metrics.ranking_metrics)
+  out = ranking_metrics(bayes_logits, labels, probs, mask)
+  assert float(out["auc_mean"]) == pytest.approx(float(out["bayes_auc_mean"]), abs=1e-6)
+  assert float(out["ndcg@5"]) == pytest.approx(1.0)
+  assert float(out["logloss"]) == pytest.approx(float(out["bayes_logloss"]), rel=1e-5)
+  ref, _ = pairwise_auc(probs[..., 1][mask], labels[..., 1][mask], np.ones(mask.sum()))
+  assert float(out["auc/reply_score"]) == pytest.approx(ref, abs=1e-6)
+  worse = ranking_metrics(-bayes_logits, labels, probs, mask)
+  assert float(worse["auc_gap"]) > 0.1
+  assert {"calibration_error", "recall@5", "bayes_recall@5", "auc/dwell_time",
+          "bayes_auc/report_score", "num_valid_actions"} <= set(out)

@@ -1,0 +1,200 @@
+"""Synthetic world: config validation, determinism, layout, label link, recency, splits."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
+                                    sample_batch, true_logits, user_interest)
+from phoenix_flax.training.metrics import per_action_auc
+
+SMALL = WorldConfig(num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8,
+                    history_len=12, num_candidates=6, user_buckets=40, post_buckets=128,
+                    author_buckets=16)
+BIG = 2048
+sample = jax.jit(sample_batch, static_argnums=(1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def world(cfg: WorldConfig = SMALL, seed: int = 0):
+  return make_world(cfg, jax.random.PRNGKey(seed))
+
+
+def test_config_validation_names_the_field():
+  for kwargs, field in [(dict(num_topics=0), "num_topics"),
+                        (dict(num_authors=4, num_topics=8), "num_authors"),
+                        (dict(post_buckets=1), "post_buckets"),
+                        (dict(recency_decay=0.0), "recency_decay"),
+                        (dict(interest_mix=1.5), "interest_mix"),
+                        (dict(base_rates=(0.1,) * 3), "base_rates"),
+                        (dict(negative_actions=(14, 19)), "negative_actions"),
+                        (dict(affinity_scale=-1.0), "affinity_scale")]:
+    with pytest.raises(ValueError, match=field):
+      WorldConfig(**kwargs)
+  for kwargs, field in [(dict(min_history=5, max_history=3), "max_history"),
+                        (dict(history_dist="normal"), "history_dist"),
+                        (dict(candidate_order="score"), "candidate_order"),
+                        (dict(relevant_fraction=2.0), "relevant_fraction"),
+                        (dict(num_candidates=4, min_candidates=5), "min_candidates")]:
+    with pytest.raises(ValueError, match=field):
+      SplitConfig(**kwargs)
+  with pytest.raises(ValueError, match="max_history"):
+    SplitConfig(max_history=SMALL.history_len + 1).resolve(SMALL)
+
+
+def test_deterministic_given_key():
+  w1, w2 = make_world(SMALL, jax.random.PRNGKey(3)), make_world(SMALL, jax.random.PRNGKey(3))
+  assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), w1, w2)))
+  a = sample(w1, SplitConfig(), BIG, jax.random.PRNGKey(1))
+  b = sample(w2, SplitConfig(), BIG, jax.random.PRNGKey(1))
+  c = sample(w1, SplitConfig(), BIG, jax.random.PRNGKey(2))
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), a, b)))
+  assert not jnp.array_equal(a.labels, c.labels)
+
+
+def test_shapes_dtypes_and_padding_layout():
+  cfg, split = SMALL, SplitConfig(min_history=0, min_candidates=2, candidate_order="grouped")
+  sb = sample(world(), split, 64, jax.random.PRNGKey(0))
+  B, S, C, A = 64, cfg.history_len, cfg.num_candidates, cfg.num_actions
+  assert pf.types.check_batch(sb.batch, pf.HashConfig(), S) == (B, C)
+  assert sb.labels.shape == sb.probs.shape == (B, C, A)
+  assert sb.labels.dtype == sb.probs.dtype == jnp.float32
+  assert sb.candidate_mask.dtype == jnp.bool_ and sb.user_ids.dtype == jnp.int32
+  b = jax.tree.map(np.asarray, sb.batch)
+  n = np.asarray(sb.history_len)
+  hist_valid = np.arange(S)[None, :] < n[:, None]
+  assert n.min() >= 0 and n.max() <= S
+  for hashes, buckets in [(b.history_post_hashes, cfg.post_buckets),
+                          (b.history_author_hashes, cfg.author_buckets)]:
+    assert np.all((hashes >= 1) & (hashes < buckets) == hist_valid[..., None])
+  assert np.all(b.history_actions[~hist_valid] == 0)
+  assert np.all(b.history_dwell_times[~hist_valid] == 0)
+  assert np.all((np.asarray(sb.history_post_ids) >= 0) == hist_valid)
+  mask = np.asarray(sb.candidate_mask)
+  count = mask.sum(1)
+  assert np.array_equal(mask, np.arange(C)[None, :] < count[:, None])  # valid slots first
+  assert count.min() >= 2 and count.max() == C
+  assert np.all((b.candidate_post_hashes >= 1) & (b.candidate_post_hashes < cfg.post_buckets)
+                == mask[..., None])
+  assert np.all((b.user_hashes >= 1) & (b.user_hashes < cfg.user_buckets))
+  assert np.all(np.asarray(sb.probs)[~mask] == 0) and np.all(np.asarray(sb.labels)[~mask] == 0)
+  assert np.all((np.asarray(sb.candidate_post_ids) >= 0) == mask)
+  assert np.all(np.diff(np.asarray(sb.candidate_relevant, np.int32), axis=1) <= 0)  # grouped
+  assert set(np.unique(np.asarray(sb.labels))) <= {0.0, 1.0}
+  minutes = (b.impression_timestamps[:, None] - b.candidate_post_timestamps) // 60
+  assert np.all((minutes[mask] >= 1) & (minutes[mask] <= 4800))
+  assert np.all(b.candidate_post_timestamps[~mask] == 0)
+  # Hashes are the world's tables applied to the ids, and post_features agrees.
+  w = world()
+  ids = np.asarray(sb.candidate_post_ids)[mask]
+  post_h, author_h, surface = post_features(w, ids)
+  np.testing.assert_array_equal(post_h, b.candidate_post_hashes[mask])
+  np.testing.assert_array_equal(author_h, b.candidate_author_hashes[mask])
+  assert surface.shape == ids.shape and np.all(np.asarray(surface) == 0)
+
+
+def test_hash_tables_collide_and_avoid_padding():
+  w = world()
+  table = np.asarray(w.post_hashes_PK)
+  assert table.shape == (SMALL.num_posts, SMALL.num_item_hashes)
+  assert table.min() >= 1 and table.max() < SMALL.post_buckets
+  assert len(np.unique(table[:, 0])) < SMALL.num_posts  # 200 posts in 127 buckets collide
+
+
+def test_labels_follow_true_probabilities():
+  sb = sample(world(), SplitConfig(), BIG, jax.random.PRNGKey(5))
+  p = np.asarray(sb.probs, np.float64).reshape(-1, SMALL.num_actions)
+  y = np.asarray(sb.labels, np.float64).reshape(-1, SMALL.num_actions)
+  se = np.sqrt(np.sum(p * (1 - p), axis=0)) / p.shape[0]
+  assert np.all(np.abs(y.mean(0) - p.mean(0)) < 5 * se + 1e-9)
+  # Within probability bins of the favorite action as well (calibration of the labels).
+  bins = np.digitize(p[:, 0], [0.1, 0.2, 0.4, 0.6])
+  for k in np.unique(bins):
+    sel = bins == k
+    se_k = np.sqrt(np.sum(p[sel, 0] * (1 - p[sel, 0]))) / sel.sum()
+    assert abs(y[sel, 0].mean() - p[sel, 0].mean()) < 5 * se_k + 1e-9
+
+
+def test_default_world_bayes_auc_is_informative():
+  cfg = WorldConfig()
+  w = make_world(cfg, jax.random.PRNGKey(0))
+  sb = sample(w, SplitConfig(), 1024, jax.random.PRNGKey(1))
+  auc, valid = per_action_auc(sb.probs, sb.labels, sb.candidate_mask)
+  assert bool(jnp.all(valid))
+  assert 0.72 < float(jnp.mean(auc)) < 0.9
+  # Negative actions fall with affinity: their true probs anti-correlate with favorites.
+  p = np.asarray(sb.probs).reshape(-1, cfg.num_actions)
+  assert np.corrcoef(p[:, 0], p[:, 15])[0, 1] < -0.3
+
+
+def _probs_from_history(w, sb, history_ids):
+  interest = user_interest(w, sb.user_ids, history_ids, sb.history_len)
+  b = sb.batch
+  age_h = (b.impression_timestamps[:, None] - b.candidate_post_timestamps) / 3600.0
+  logits = true_logits(w, interest[:, None, :], sb.candidate_post_ids, b.candidate_product_surface,
+                       age_h, w.user_bias_U[sb.user_ids][:, None])
+  return jax.nn.sigmoid(logits)
+
+
+def test_recent_history_moves_probabilities_more_than_old_history():
+  w = world()
+  sb = sample(w, SplitConfig(), BIG, jax.random.PRNGKey(2))
+  base = _probs_from_history(w, sb, sb.history_post_ids)
+  np.testing.assert_allclose(base, sb.probs, atol=1e-6)  # the public link reproduces probs
+  T, rows = SMALL.num_topics, jnp.arange(BIG)
+  ids, n = sb.history_post_ids, sb.history_len
+  long_B = (n >= 6)[:, None, None]
+
+  def shifted(position):  # move one history item to the next topic
+    old = ids[rows, position]
+    return ids.at[rows, position].set((old + 1) % T + (old // T) * T)
+
+  newest = jnp.mean(jnp.abs(_probs_from_history(w, sb, shifted(n - 1)) - base), where=long_B)
+  oldest = jnp.mean(jnp.abs(_probs_from_history(w, sb, shifted(jnp.zeros_like(n))) - base),
+                    where=long_B)
+  assert float(newest) > 3 * float(oldest) > 0
+
+
+def test_split_history_lengths_shift_order_and_composition():
+  w = world()
+  train = sample(w, SplitConfig(max_history=4), 256, jax.random.PRNGKey(0))
+  shifted = sample(w, SplitConfig(min_history=8, max_history=12, candidate_order="relevance"),
+                   256, jax.random.PRNGKey(0))
+  longtail = sample(w, SplitConfig(history_dist="log_uniform", relevant_fraction=0.0), 256,
+                    jax.random.PRNGKey(0))
+  assert set(np.unique(train.history_len)) == {1, 2, 3, 4}
+  assert set(np.unique(shifted.history_len)) == set(range(8, 13))
+  assert np.all(np.asarray(shifted.batch.history_post_hashes)[:, :8] > 0)
+  n = np.asarray(longtail.history_len)
+  assert n.min() >= 1 and n.max() <= SMALL.history_len
+  assert np.mean(n <= 3) > 0.3 and np.mean(n >= 9) > 0.1  # short-heavy with a long tail
+  assert np.all(np.diff(np.asarray(shifted.probs[..., 0]), axis=1) <= 0)  # relevance order
+  assert np.any(train.candidate_relevant) and not np.any(longtail.candidate_relevant)
+
+
+def test_list_correlation_gives_each_list_one_session_topic():
+  split = SplitConfig(relevant_fraction=1.0, list_correlation=1.0, num_candidates=9)
+  session = sample(world(), split, 64, jax.random.PRNGKey(0))
+  topics = np.asarray(session.candidate_post_ids) % SMALL.num_topics
+  assert topics.shape == (64, 9) and np.all(topics == topics[:, :1])
+  assert len(np.unique(topics[:, 0])) > 1
+
+
+def test_post_age_decays_positive_actions_only():
+  cfg = dataclasses.replace(SMALL, post_age=True, age_decay_per_day=2.0)
+  w = dataclasses.replace(world(), cfg=cfg)  # post_age only changes the link
+  interest = w.user_taste_UL[:4]
+  post, surface = jnp.arange(4), jnp.zeros(4, jnp.int32)
+  fresh = true_logits(w, interest, post, surface, jnp.zeros(4), jnp.zeros(4))
+  day_old = true_logits(w, interest, post, surface, jnp.full(4, 24.0), jnp.zeros(4))
+  drop = np.asarray(fresh - day_old)
+  negative = np.isin(np.arange(cfg.num_actions), cfg.negative_actions)
+  np.testing.assert_allclose(drop[:, ~negative], 2.0, rtol=1e-5)
+  np.testing.assert_allclose(drop[:, negative], 0.0, atol=1e-6)
