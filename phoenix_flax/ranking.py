@@ -215,15 +215,11 @@ class PhoenixModel(eqx.Module):
     if c.candidate_isolation and c.attention_impl == "isolated":
       ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
       cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
-      ctx_out, cache = self.transformer.encode_context(ctx, ctx_mask,
-                                                       self.context_positions(ctx_mask))
-      cand_out = self.transformer.score_candidates(cand, cand_mask, cache,
-                                                   self.candidate_positions(cand_mask))
-      N, C = ctx.shape[1], cand.shape[1]
-      diag = Diagnostics(
-          jnp.maximum(ctx_out.max_abs_attn_logit, cand_out.max_abs_attn_logit),
-          jnp.sqrt((N * ctx_out.residual_rms ** 2 + C * cand_out.residual_rms ** 2) / (N + C)))
-      return self._head(cand_out.embeddings), diag
+      out = self.transformer.isolated(ctx, ctx_mask, cand, cand_mask,
+                                      self.context_positions(ctx_mask),
+                                      self.candidate_positions(cand_mask))
+      return (self._head(out.embeddings[:, ctx.shape[1]:]),
+              Diagnostics(out.max_abs_attn_logit, out.residual_rms))
     tokens, mask, offset = self.build_inputs(batch, embeddings)
     positions = None
     if c.right_anchored_rope:

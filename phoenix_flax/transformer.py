@@ -2,11 +2,12 @@
 
 * Dense path (the reference): one `[B, 1, T, T]` mask (padding x causal or recsys) and
   full `T x T` attention, exactly as the release computes it.
-* Isolated path (candidate isolation on): the context (user + history) runs causally and
-  leaves its per-layer keys/values in a `ContextCache`; candidates then attend to those
-  cached keys plus their own key only. No `C x C` block and no `T x T` mask is built,
-  and the same two calls let a runner encode a context once and score candidates in
-  chunks.
+* Isolated path (candidate isolation on): the context (user + history) attends causally
+  to itself; each candidate attends to the context keys plus its own key only. No `C x C`
+  block and no `T x T` mask is built. `isolated` runs context and candidates in one pass
+  (one q|k|v, output and GeGLU matmul per layer over all tokens); `encode_context` leaves
+  the context's per-layer keys/values in a `ContextCache` and `score_candidates` scores
+  any number of candidates against it, so a runner can score candidates in chunks.
 """
 
 from __future__ import annotations
@@ -101,29 +102,60 @@ def _default_positions(batch: int, length: int, offset: int = 0) -> Array:
                           (batch, length))
 
 
-def _isolated_candidate_attention(attention: MultiHeadAttention, x_BCD: Array,
-                                  positions_BC: Array, ctx_k: Array, ctx_v: Array,
-                                  ctx_mask_BN: Array, cand_mask_BC: Array):
-  """Candidates attend to the cached context keys and to their own key only."""
-  cfg = attention.config
-  q_BCKGd, k_BCKd, v_BCKd = attention.project(x_BCD, positions_BC)
-  mult = cfg.attn_output_multiplier
-  raw_ctx = jnp.einsum("bckgd,bnkd->bkgcn", q_BCKGd, ctx_k,
-                       preferred_element_type=jnp.float32) * mult
-  raw_self = jnp.einsum("bckgd,bckd->bkgc", q_BCKGd, k_BCKd,
-                        preferred_element_type=jnp.float32)[..., None] * mult
-  keep_ctx = ctx_mask_BN[:, None, None, None, :]
-  keep_self = cand_mask_BC[:, None, None, :, None]
-  max_logit = jnp.maximum(jnp.max(jnp.where(keep_ctx, jnp.abs(raw_ctx), 0.0)),
-                          jnp.max(jnp.where(keep_self, jnp.abs(raw_self), 0.0)))
-  cap = cfg.attn_logit_cap
-  logits_ctx = jnp.where(keep_ctx, soft_cap(raw_ctx, cap), MASK_VALUE)
-  logits_self = jnp.where(keep_self, soft_cap(raw_self, cap), MASK_VALUE)
-  weights = jax.nn.softmax(jnp.concatenate([logits_ctx, logits_self], axis=-1), axis=-1)
-  weights = weights.astype(q_BCKGd.dtype)
-  attn = jnp.einsum("bkgcn,bnkd->bckgd", weights[..., :-1], ctx_v)
-  attn = attn + jnp.einsum("bkgc,bckd->bckgd", weights[..., -1], v_BCKd)
-  return attention.output(attn), max_logit
+def _swap_time_heads(x: Array) -> Array:
+  """`[B, T, KV, ...]` <-> `[B, KV, T, ...]`: heads-first makes attention batched GEMMs."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _logit_stats(raw: Array, keep: Array, cap: Optional[float]) -> tuple[Array, Array]:
+  """Masked, soft-capped logits and the max |raw logit| over the kept entries."""
+  max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
+  return jnp.where(keep, soft_cap(raw, cap), MASK_VALUE), max_logit
+
+
+def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Array,
+                        ctx_v_BNKd: Array, ctx_mask_BN: Array,
+                        candidates: Optional[tuple[Array, Array, Array]] = None
+                        ) -> tuple[Array, Array]:
+  """Attention of context or candidate queries against the context keys; no `C x C` block.
+
+  Without `candidates` the queries are the context itself and attend causally. With
+  `candidates = (k_BTKd, v_BTKd, mask_BT)` they are candidates: each attends to every
+  context key and to its own key (kept where `mask_BT` is set), and one softmax spans both
+  parts without concatenating them, equal to the release's masked softmax over its row.
+  Masks come from iota comparisons and are never stored. Returns the attended values
+  `[B,T,KV,G,d]` (before the output projection) and the max |logit| over kept entries.
+  """
+  B, T, KV, G, d = q_BTKGd.shape
+  N = ctx_k_BNKd.shape[1]
+  mult, cap = cfg.attn_output_multiplier, cfg.attn_logit_cap
+  q_BKTGd = _swap_time_heads(q_BTKGd)
+  raw = jnp.einsum("bkqd,bkdn->bkqn", q_BKTGd.reshape(B, KV, T * G, d),
+                   jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1)), preferred_element_type=jnp.float32)
+  keep = ctx_mask_BN[:, None, None, None, :]
+  if candidates is None:
+    keep = keep & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
+  logits, max_logit = _logit_stats(raw.reshape(B, KV, T, G, N) * mult, keep, cap)
+  top = jnp.max(logits, axis=-1)
+  if candidates is not None:
+    k_BTKd, v_BTKd, mask_BT = candidates
+    raw_self = jnp.einsum("bktgd,bktd->bktg", q_BKTGd, _swap_time_heads(k_BTKd),
+                          preferred_element_type=jnp.float32) * mult
+    logits_self, max_self = _logit_stats(raw_self, mask_BT[:, None, :, None], cap)
+    top = jnp.maximum(top, logits_self)
+    max_logit = jnp.maximum(max_logit, max_self)
+    exp_self = jnp.exp(logits_self - top)
+  exp = jnp.exp(logits - top[..., None])
+  total = jnp.sum(exp, axis=-1)
+  if candidates is not None:
+    total = total + exp_self
+  weights = (exp / total[..., None]).astype(q_BTKGd.dtype)
+  attn = jnp.einsum("bkqn,bknd->bkqd", weights.reshape(B, KV, T * G, N),
+                    _swap_time_heads(ctx_v_BNKd)).reshape(B, KV, T, G, d)
+  if candidates is not None:
+    w_self = (exp_self / total).astype(q_BTKGd.dtype)
+    attn = attn + w_self[..., None] * _swap_time_heads(v_BTKd)[:, :, :, None]
+  return _swap_time_heads(attn), max_logit
 
 
 class Transformer(eqx.Module):
@@ -175,8 +207,7 @@ class Transformer(eqx.Module):
                      ) -> tuple[TransformerOutput, ContextCache]:
     """Runs the context (user + history) causally and caches each layer's keys/values."""
     B, N, _ = embeddings_BND.shape
-    mask = padding_mask_BN[:, None, None, :].astype(embeddings_BND.dtype)
-    mask = mask * causal_mask(N, embeddings_BND.dtype)
+    padding_mask_BN = padding_mask_BN.astype(bool)
     pos = _default_positions(B, N) if positions_BN is None else positions_BN
     params, static = eqx.partition(self.layers, eqx.is_array)
 
@@ -187,13 +218,14 @@ class Transformer(eqx.Module):
       def attend(attention, x):
         q, k, v = attention.project(x, pos)
         kv.append((k, v))
-        return attention.attend(q, k, v, mask)
+        attn, max_logit = _isolated_attention(self.config, q, k, v, padding_mask_BN)
+        return attention.output(attn), max_logit
 
       out, max_logit = layer(h, attend)
       return out, (max_logit, _rms(out), kv[0])
 
     h, (max_logits, rms, (keys, values)) = jax.lax.scan(body, embeddings_BND, params)
-    cache = ContextCache(keys, values, padding_mask_BN.astype(bool))
+    cache = ContextCache(keys, values, padding_mask_BN)
     return TransformerOutput(h, max_logits, rms), cache
 
   def score_candidates(self, embeddings_BCD: Array, padding_mask_BC: Array,
@@ -206,9 +238,39 @@ class Transformer(eqx.Module):
     cand_mask = padding_mask_BC.astype(bool)
 
     def attend(attention, x, kv):
-      return _isolated_candidate_attention(attention, x, pos, kv[0], kv[1],
-                                           cache.padding_mask, cand_mask)
+      q, k, v = attention.project(x, pos)
+      attn, max_logit = _isolated_attention(self.config, q, kv[0], kv[1], cache.padding_mask,
+                                            (k, v, cand_mask))
+      return attention.output(attn), max_logit
 
     h, max_logits, rms = self._scan(embeddings_BCD, attend, (cache.keys, cache.values))
     return TransformerOutput(h, max_logits, rms)
 
+  def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
+               candidate_mask_BC: Array, context_positions_BN: Optional[Array] = None,
+               candidate_positions_BC: Optional[Array] = None) -> TransformerOutput:
+    """Context + isolated candidates in one pass over `[B, N+C, D]` (outputs in that order).
+
+    Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
+    output and GeGLU matmul over all tokens, and only attention is split in two.
+    """
+    B, N, _ = context_BND.shape
+    C = candidates_BCD.shape[1]
+    ctx_pos = _default_positions(B, N) if context_positions_BN is None else context_positions_BN
+    cand_pos = (_default_positions(B, C, N) if candidate_positions_BC is None
+                else candidate_positions_BC)
+    pos = jnp.concatenate([ctx_pos, cand_pos], axis=1)
+    ctx_mask, cand_mask = context_mask_BN.astype(bool), candidate_mask_BC.astype(bool)
+
+    def attend(attention, x, _):
+      q, k, v = attention.project(x, pos)
+      ctx_k, ctx_v = k[:, :N], v[:, :N]
+      attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
+      attn_cand, max_cand = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
+                                                (k[:, N:], v[:, N:], cand_mask))
+      attn = jnp.concatenate([attn_ctx, attn_cand], axis=1)
+      return attention.output(attn), jnp.maximum(max_ctx, max_cand)
+
+    h, max_logits, rms = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
+                                    attend)
+    return TransformerOutput(h, max_logits, rms)

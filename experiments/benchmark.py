@@ -1,0 +1,383 @@
+"""Speed and memory of the ranking forward: isolation-aware fast path vs dense reference.
+
+    python -m experiments.benchmark --configs=demo,serve,1k,chunked --out=benchmark.json
+
+Everything is measured in one process, after compilation, in float32. For each
+configuration: median forward time of the fast path (`attention_impl="isolated"`) and of
+the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
+compile time, peak memory of each compiled program, achieved GFLOP/s from an analytic
+count of useful FLOPs (`useful_flops`), and model FLOP utilisation (MFU): achieved GFLOP/s
+over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked` case
+serves one user through `RankingRunner.rank_chunked` (context encoded once, candidates
+scored in chunks); its reference is `RankingRunner.rank` on all candidates at once. Also
+reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
+deep model relative to a shallow one.
+
+Every timing round runs each timed call once, alternating, so load from other processes
+hits all of them alike; ratios are more trustworthy than absolute times on a busy host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+from absl import app, flags
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import phoenix_flax as pf
+
+KEY_SIZE = 64
+WIDENING_FACTOR = 2.0
+ATTN_OUTPUT_MULTIPLIER = 0.125
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A benchmark configuration; `chunk` set = one-user serving in chunks of that size."""
+
+  batch: int
+  history: int
+  candidates: int
+  emb: int
+  layers: int
+  q_heads: int
+  kv_heads: int
+  chunk: Optional[int] = None
+
+
+CASES = {
+    "demo": Case(batch=8, history=32, candidates=8, emb=128, layers=2, q_heads=2, kv_heads=2),
+    "serve": Case(batch=64, history=128, candidates=32, emb=256, layers=4, q_heads=4,
+                  kv_heads=2),
+    "1k": Case(batch=4, history=128, candidates=1024, emb=256, layers=4, q_heads=4,
+               kv_heads=2),
+    "chunked": Case(batch=1, history=128, candidates=10_000, emb=256, layers=4, q_heads=4,
+                    kv_heads=2, chunk=1_000),
+}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("configs", ["demo", "serve", "1k", "chunked"],
+                  f"Configurations to run, from {sorted(CASES)}.")
+flags.DEFINE_integer("iters", 10, "Timed calls per path (the median is reported).")
+flags.DEFINE_integer("warmup", 2, "Untimed calls per path after compilation.")
+flags.DEFINE_float("min_seconds", 5.0, "Keep timing rounds (beyond --iters, up to 1000) until "
+                   "they add up to this many seconds per configuration.")
+flags.DEFINE_string("out", "benchmark.json", "JSON results file (written atomically).")
+flags.DEFINE_integer("chunk_size", None, "Chunk size of the chunked case (default 1000).")
+flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator).")
+flags.DEFINE_bool("compile_check", True, "Compare compile times of a deep and a shallow model.")
+flags.DEFINE_list("compile_layers", ["2", "12"], "Shallow and deep layer counts to compile.")
+flags.DEFINE_integer("seed", 0, "Seed of parameters and inputs.")
+
+
+def model_config(case: Case, attention_impl: str = "isolated",
+                 layers: Optional[int] = None) -> pf.PhoenixModelConfig:
+  """The release's model shape (key 64, widening 2, multiplier 1/8) at the case's size."""
+  tc = pf.TransformerConfig(emb_size=case.emb, key_size=KEY_SIZE, num_q_heads=case.q_heads,
+                            num_kv_heads=case.kv_heads, num_layers=layers or case.layers,
+                            widening_factor=WIDENING_FACTOR,
+                            attn_output_multiplier=ATTN_OUTPUT_MULTIPLIER)
+  return pf.PhoenixModelConfig(model=tc, emb_size=case.emb, history_seq_len=case.history,
+                               candidate_seq_len=case.candidates,
+                               attention_impl=attention_impl)
+
+
+def make_inputs(config: pf.PhoenixModelConfig, batch: int, seed: int):
+  """Fully valid inputs (no padding), so that every counted FLOP is useful work."""
+  return pf.example_batch(config, batch, jax.random.key(seed),
+                          history_lengths=[config.history_seq_len] * batch)
+
+
+def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int) -> int:
+  """FLOPs (multiply + add = 2) of the isolation-aware forward with every token valid.
+
+  `model` may be abstract (`eqx.filter_eval_shape`): only its config and shapes are read.
+
+  With context length `N = 1 + S`, `H` query and `KV` key/value heads of size `d`, GeGLU
+  width `F`, `A` actions, `U` user hashes and `L` layers, per user:
+
+    tokens = (N + C) * L * (2*D*(H + 2*KV)*d + 2*H*d*D + 2*D*2F + 2*F*D)
+               q|k|v projection, output projection, GeGLU (both branches + output)
+    attend = L * 4*H*d * (N*(N+1)/2 + C*(N+1))
+               QK and AV over allowed keys only: the causal context, and each
+               candidate over the context plus itself
+    inputs = 2*D * (U*D + S*(hist_in + A) + C*cand_in)
+               user, history and candidate input projections, action projection
+    head   = 2*D*A * C
+               unembedding
+
+  Masked work, norms, RoPE, softmax, soft-cap, gelu and the one-hot surface lookup get no
+  credit. The total is `batch` times the per-user count.
+  """
+  c, tc = model.config, model.config.model
+  D, d, H, KV = tc.emb_size, tc.key_size, tc.num_q_heads, tc.num_kv_heads
+  L, F = tc.num_layers, tc.ffn_size
+  S, A, U, C = c.history_seq_len, c.num_actions, c.hash_config.num_user_hashes, candidates
+  N = 1 + S
+  tokens = (N + C) * L * (2 * D * (H + 2 * KV) * d + 2 * H * d * D + 2 * D * 2 * F
+                          + 2 * F * D)
+  attend = L * 4 * H * d * (N * (N + 1) // 2 + C * (N + 1))
+  hist_in, cand_in = model.proj_mat_3.shape[0], model.proj_mat_2.shape[0]
+  inputs = 2 * D * (U * D + S * (hist_in + A) + C * cand_in)
+  head = 2 * D * A * C
+  return batch * (tokens + attend + inputs + head)
+
+
+def compile_fn(fn: Callable, *args) -> tuple[Callable, float, int]:
+  """Jit-compiles `fn(*args)`: (executable, seconds to trace + compile, peak bytes).
+
+  Peak bytes come from XLA's buffer assignment of the compiled program (arguments +
+  outputs + temporaries - aliased): the memory the program needs while it runs.
+  """
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  seconds = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+          - mem.alias_size_in_bytes)
+  return compiled, seconds, int(peak)
+
+
+def time_rounds(calls: dict[str, Callable[[], object]], iters: int, warmup: int,
+                min_seconds: float = 0.0, max_rounds: int = 1000) -> dict[str, float]:
+  """Median seconds per call; each round runs every call once, in turn.
+
+  Runs at least `iters` rounds, and more (up to `max_rounds`) until the timed rounds
+  add up to `min_seconds`, so that millisecond-scale calls get a stable median.
+  """
+  for _ in range(warmup):
+    for call in calls.values():
+      jax.block_until_ready(call())
+  times = {name: [] for name in calls}
+  spent, rounds = 0.0, 0
+  while rounds < iters or (spent < min_seconds and rounds < max_rounds):
+    for name, call in calls.items():
+      start = time.perf_counter()
+      jax.block_until_ready(call())
+      times[name].append(time.perf_counter() - start)
+      spent += times[name][-1]
+    rounds += 1
+  return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def matmul_call(size: int) -> Callable[[], jax.Array]:
+  """A compiled `[size, size] @ [size, size]` fp32 matmul (`2 * size**3` FLOPs a call)."""
+  a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32)
+  f = jax.jit(jnp.matmul).lower(a, b).compile()
+  return lambda: f(a, b)
+
+
+def _logits_fn(static) -> Callable:
+  return lambda params, batch, emb: eqx.combine(params, static)(batch, emb).logits
+
+
+def _max_abs_diff(a, b) -> float:
+  return float(jnp.max(jnp.abs(jnp.asarray(a) - jnp.asarray(b))))
+
+
+def bench_full(case: Case, iters: int, warmup: int, min_seconds: float, seed: int,
+               matmul: Callable) -> dict:
+  """Whole-batch forward: fast path vs dense reference, same parameters and inputs."""
+  batch, emb = make_inputs(model_config(case), case.batch, seed + 1)
+  result, calls = {}, {}
+  for name, impl in (("fast", "isolated"), ("reference", "dense")):
+    model = pf.PhoenixModel(model_config(case, impl), key=jax.random.key(seed))
+    params, static = eqx.partition(model, eqx.is_array)
+    exe, seconds, peak = compile_fn(_logits_fn(static), params, batch, emb)
+    calls[name] = lambda exe=exe, params=params: exe(params, batch, emb)
+    result[name] = {"compile_s": seconds, "peak_bytes": peak, "kind": impl}
+  result["max_abs_logit_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
+  medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
+  for name in calls:
+    result[name]["median_s"] = medians[name]
+  result["matmul_median_s"] = medians["matmul"]
+  return result
+
+
+def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed: int,
+                  matmul: Callable) -> dict:
+  """One user through `RankingRunner`: `rank_chunked` (fast) vs `rank` (reference).
+
+  Compile time is the first call minus a steady call. Peak bytes are those of the larger
+  of the two programs a chunked call runs (context encoding, one chunk), and of the
+  one-shot forward.
+  """
+  model = pf.PhoenixModel(model_config(case), key=jax.random.key(seed))
+  batch, emb = make_inputs(model.config, 1, seed + 1)
+  runner = pf.RankingRunner(model)
+  calls = {"fast": lambda: runner.rank_chunked(batch, emb, case.chunk).scores,
+           "reference": lambda: runner.rank(batch, emb).scores}
+  result = {}
+  for name, call in calls.items():
+    start = time.perf_counter()
+    jax.block_until_ready(call())
+    result[name] = {"first_call_s": time.perf_counter() - start}
+  result["max_abs_prob_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
+  medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
+  for name in calls:
+    result[name]["median_s"] = medians[name]
+    result[name]["compile_s"] = result[name]["first_call_s"] - medians[name]
+  result["matmul_median_s"] = medians["matmul"]
+
+  params, static = eqx.partition(model, eqx.is_array)
+  chunk_batch, chunk_emb = make_inputs(dataclasses.replace(model.config,
+                                                           candidate_seq_len=case.chunk),
+                                       1, seed + 1)
+  encode = lambda p, b, e: eqx.combine(p, static).encode_context(b, e)
+  cache = jax.eval_shape(encode, params, batch, emb)
+  score = lambda p, c, b, e: eqx.combine(p, static).score_candidates(c, b, e, jnp.int32(0))
+  peaks = [compile_fn(encode, params, batch, emb)[2],
+           compile_fn(score, params, cache, chunk_batch, chunk_emb)[2]]
+  result["fast"].update(kind=f"rank_chunked({case.chunk})", peak_bytes=max(peaks),
+                        num_chunks=-(-case.candidates // case.chunk))
+  result["reference"].update(kind="rank (one call)",
+                             peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
+  return result
+
+
+def bench_case(name: str, case: Case, iters: int, warmup: int, min_seconds: float, seed: int,
+               matmul_size: int) -> dict:
+  """Times one case; its MFU uses the matmul timed in the same rounds."""
+  run = bench_chunked if case.chunk else bench_full
+  result = run(case, iters, warmup, min_seconds, seed, matmul_call(matmul_size))
+  model = eqx.filter_eval_shape(pf.PhoenixModel, model_config(case), key=jax.random.key(seed))
+  flops = useful_flops(model, case.batch, case.candidates)
+  fast_s = result["fast"]["median_s"]
+  gflops = flops / fast_s / 1e9
+  matmul_gflops = 2 * matmul_size ** 3 / result["matmul_median_s"] / 1e9
+  result.update(name=name, case=dataclasses.asdict(case), useful_gflop=flops / 1e9,
+                speedup=result["reference"]["median_s"] / fast_s,
+                candidates_per_s=case.batch * case.candidates / fast_s,
+                achieved_gflops=gflops, matmul_gflops=matmul_gflops,
+                mfu=gflops / matmul_gflops)
+  return result
+
+
+def kv_cache_table(case: Case) -> list[dict]:
+  """KV-cache bytes per user context (`1 + S` tokens) for every KV-head count dividing H."""
+  rows = []
+  for kv in (k for k in range(case.q_heads, 0, -1) if case.q_heads % k == 0):
+    tc = model_config(dataclasses.replace(case, kv_heads=kv)).model
+    rows.append({"q_heads": case.q_heads, "kv_heads": kv, "context_len": 1 + case.history,
+                 "float32_bytes": tc.kv_cache_bytes(1 + case.history, "float32"),
+                 "bfloat16_bytes": tc.kv_cache_bytes(1 + case.history, "bfloat16")})
+  return rows
+
+
+def compile_scaling(case: Case, layer_counts: Sequence[int], seed: int) -> dict:
+  """Seconds to trace + compile the fast forward at each depth (best of two)."""
+  seconds = {}
+  for layers in layer_counts:
+    model = pf.PhoenixModel(model_config(case, layers=layers), key=jax.random.key(seed))
+    batch, emb = make_inputs(model.config, case.batch, seed + 1)
+    params, static = eqx.partition(model, eqx.is_array)
+    seconds[str(layers)] = min(compile_fn(_logits_fn(static), params, batch, emb)[1]
+                               for _ in range(2))
+  shallow, deep = (str(n) for n in layer_counts)
+  return {"layers": list(layer_counts), "seconds": seconds,
+          "ratio": seconds[deep] / seconds[shallow]}
+
+
+def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: int = 10,
+                  warmup: int = 2, min_seconds: float = 0.0, seed: int = 0,
+                  matmul_size: int = 2048,
+                  compile_case: Optional[Case] = None,
+                  compile_layers: Sequence[int] = (2, 12)) -> dict:
+  """Runs the named cases, the KV-cache table and (with `compile_case`) compile scaling."""
+  unknown = [n for n in names if n not in cases]
+  if unknown:
+    raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
+  if len(compile_layers) != 2:
+    raise ValueError(f"compile_layers={list(compile_layers)} must name two layer counts")
+  report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
+            "matmul_size": matmul_size, "iters": iters, "warmup": warmup,
+            "min_seconds": min_seconds,
+            "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
+                                      matmul_size) for n in names}}
+  report["kv_cache"] = kv_cache_table(cases["serve"] if "serve" in cases else cases[names[0]])
+  if compile_case is not None:
+    report["compile_scaling"] = compile_scaling(compile_case, compile_layers, seed)
+  report["process_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return report
+
+
+def write_json(report: dict, path: str) -> None:
+  """Writes `report` to `path` atomically (temporary file in the same folder, then rename)."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".benchmark-", suffix=".json")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(report, f, indent=2)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def format_table(report: dict) -> str:
+  """The report as markdown tables (times in ms, memory in MiB)."""
+  mib = lambda b: b / 2 ** 20
+  lines = [
+      f"{report['device']}, jax {report['jax_version']}, float32, median over at least "
+      f"{report['iters']} rounds and {report['min_seconds']:g} s; MFU = achieved GFLOP/s / "
+      f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds",
+      "",
+      "| config | fast ms | ref ms | ref/fast | cand/s | compile s fast / ref "
+      "| peak MiB fast / ref | useful GFLOP | GFLOP/s | matmul GFLOP/s | MFU |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for name, r in report["configs"].items():
+    fast, ref = r["fast"], r["reference"]
+    lines.append(
+        f"| {name} | {1e3 * fast['median_s']:.1f} | {1e3 * ref['median_s']:.1f} "
+        f"| {r['speedup']:.2f}x | {r['candidates_per_s']:,.0f} "
+        f"| {fast['compile_s']:.1f} / {ref['compile_s']:.1f} "
+        f"| {mib(fast['peak_bytes']):.1f} / {mib(ref['peak_bytes']):.1f} "
+        f"| {r['useful_gflop']:.2f} | {r['achieved_gflops']:.0f} | {r['matmul_gflops']:.0f} "
+        f"| {100 * r['mfu']:.0f}% |")
+  refs = "; ".join(f"{n}: {r['fast']['kind']} vs {r['reference']['kind']}"
+                   for n, r in report["configs"].items())
+  lines += ["", f"fast vs reference: {refs}.",
+            "", "| q heads | kv heads | KV cache per user context, fp32 | bf16 |",
+            "|---|---|---|---|"]
+  for row in report["kv_cache"]:
+    lines.append(f"| {row['q_heads']} | {row['kv_heads']} "
+                 f"| {row['float32_bytes'] / 1024:.0f} KiB ({row['context_len']} tokens) "
+                 f"| {row['bfloat16_bytes'] / 1024:.0f} KiB |")
+  if "compile_scaling" in report:
+    cs = report["compile_scaling"]
+    shallow, deep = (str(n) for n in cs["layers"])
+    lines += ["", f"compile time, {deep} vs {shallow} layers: {cs['seconds'][deep]:.2f} s vs "
+              f"{cs['seconds'][shallow]:.2f} s = {cs['ratio']:.2f}x"]
+  lines.append(f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  cases = dict(CASES)
+  if FLAGS.chunk_size:
+    cases = {n: dataclasses.replace(c, chunk=FLAGS.chunk_size) if c.chunk else c
+             for n, c in cases.items()}
+  report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
+                         FLAGS.seed, FLAGS.matmul_size,
+                         cases["serve"] if FLAGS.compile_check else None,
+                         [int(n) for n in FLAGS.compile_layers])
+  report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
+  write_json(report, FLAGS.out)
+  print(format_table(report))
+  print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

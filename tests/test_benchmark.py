@@ -1,0 +1,105 @@
+"""experiments/benchmark.py: runs on tiny configurations and reports every field (no timing
+assertions: timings depend on the machine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import pytest
+
+import phoenix_flax as pf
+from experiments import benchmark
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = {
+    "full": benchmark.Case(batch=2, history=4, candidates=3, emb=32, layers=1, q_heads=2,
+                           kv_heads=1),
+    "chunked": benchmark.Case(batch=1, history=4, candidates=10, emb=32, layers=1,
+                              q_heads=2, kv_heads=1, chunk=4),
+}
+
+
+def test_useful_flops_counts_the_isolated_computation():
+  case = dataclasses.replace(TINY["full"], layers=2)
+  model = eqx.filter_eval_shape(pf.PhoenixModel, benchmark.model_config(case),
+                                key=jax.random.key(0))
+  D, d, H, KV, F, N, C, A = 32, 64, 2, 1, model.config.model.ffn_size, 5, 3, 19
+  per_token = 2 * D * (H + 2 * KV) * d + 2 * H * d * D + 6 * D * F
+  attend = 4 * H * d * (N * (N + 1) // 2 + C * (N + 1))
+  inputs = 2 * D * (2 * D + 4 * (6 * D + A) + C * 5 * D)
+  expected = 2 * (2 * ((N + C) * per_token + attend) + inputs + 2 * D * A * C)
+  assert benchmark.useful_flops(model, 2, C) == expected
+  # One more candidate costs its tokens, its attention row (N + 1 keys) and its head.
+  extra = benchmark.useful_flops(model, 1, C + 1) - benchmark.useful_flops(model, 1, C)
+  assert extra == 2 * (per_token + 4 * H * d * (N + 1)) + 2 * D * (5 * D + A)
+
+
+def test_run_benchmark_reports_every_field(tmp_path):
+  report = benchmark.run_benchmark(["full", "chunked"], TINY, iters=2, warmup=0,
+                                   matmul_size=64, compile_case=TINY["full"],
+                                   compile_layers=(1, 2))
+  for name in ("full", "chunked"):
+    r = report["configs"][name]
+    for path in ("fast", "reference"):
+      for field in ("median_s", "compile_s", "peak_bytes", "kind"):
+        assert field in r[path], (name, path, field)
+      assert r[path]["median_s"] > 0 and r[path]["peak_bytes"] > 0
+    for field in ("speedup", "candidates_per_s", "achieved_gflops", "matmul_gflops", "mfu",
+                  "useful_gflop"):
+      assert r[field] > 0, (name, field)
+  assert report["configs"]["full"]["max_abs_logit_diff"] <= 1e-5
+  assert report["configs"]["chunked"]["max_abs_prob_diff"] <= 1e-5
+  assert report["configs"]["chunked"]["fast"]["num_chunks"] == 3
+  assert report["configs"]["full"]["reference"]["kind"] == "dense"
+
+  kv = {row["kv_heads"]: row["float32_bytes"] for row in report["kv_cache"]}
+  assert set(kv) == {2, 1} and kv[2] == 2 * kv[1]
+  assert kv[1] == 2 * 1 * 1 * 64 * 5 * 4          # K and V, 1 layer, 1 head, d=64, N=5
+  assert set(report["compile_scaling"]["seconds"]) == {"1", "2"}
+  assert report["compile_scaling"]["ratio"] > 0
+  assert report["process_max_rss_bytes"] > 0
+
+  path = tmp_path / "out" / "bench.json"
+  benchmark.write_json(report, str(path))
+  assert json.loads(path.read_text()) == json.loads(json.dumps(report))
+  assert os.listdir(path.parent) == ["bench.json"]
+  table = benchmark.format_table(report)
+  assert "| full |" in table and "| chunked |" in table and "compile time" in table
+
+
+def test_time_rounds_runs_iters_then_until_min_seconds():
+  calls = []
+  call = lambda: (calls.append(1), time.sleep(0.01))[0]
+  assert benchmark.time_rounds({"a": call}, iters=3, warmup=1)["a"] >= 0.01
+  assert len(calls) == 4
+  calls.clear()
+  start = time.perf_counter()
+  benchmark.time_rounds({"a": call}, iters=2, warmup=0, min_seconds=0.1)
+  assert time.perf_counter() - start >= 0.1
+  assert 2 <= len(calls) <= 10            # every call sleeps at least 0.01 s
+
+
+def test_run_benchmark_rejects_unknown_configs():
+  with pytest.raises(ValueError, match="unknown configs"):
+    benchmark.run_benchmark(["nope"], TINY)
+
+
+@pytest.mark.slow
+def test_cli_writes_json_and_table(tmp_path):
+  out = tmp_path / "bench.json"
+  proc = subprocess.run(
+      [sys.executable, "-m", "experiments.benchmark", "--configs=demo", "--iters=1",
+       "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}"],
+      capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr
+  report = json.loads(out.read_text())
+  assert set(report["configs"]) == {"demo"}
+  assert report["command"].startswith("python -m experiments.benchmark")
+  assert "| demo |" in proc.stdout
