@@ -1,0 +1,119 @@
+r"""Train and evaluate one configuration on the synthetic world.
+
+    python -m experiments.run --config=experiments/configs/ranking.py --workdir=/tmp/rank
+    python -m experiments.run --config=experiments/configs/ranking.py:smoke \
+        --config.model.num_layers=4 --config.num_seeds=3 --workdir=/tmp/rank_l4
+
+Writes TensorBoard events, config.json, metrics.jsonl, checkpoints and result.json to the
+workdir (one seed) or to `<workdir>/seed_<k>/` (several seeds). Re-running the same
+command resumes an interrupted run from its last checkpoint and skips a finished one.
+Prints one progress line per host call (steps/s, examples/s, loss, ETA) and the final
+metrics. An invalid flag or config value exits with status 2 and a message naming it,
+before any work starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None,
+    "Experiment config file, optionally with a preset after a colon: "
+    "experiments/configs/ranking.py (ranking task, default preset 'cpu'), "
+    "experiments/configs/ranking.py:smoke, experiments/configs/retrieval.py[:smoke|full]. "
+    "Any field can then be overridden with --config.<section>.<field>=<value>, e.g. "
+    "--config.model.num_layers=4, --config.optim.learning_rate=1e-3, "
+    "--config.model.attn_logit_cap=None, --config.num_seeds=3. Sections: task, seed, "
+    "num_seeds, world_seed, eval_seed, world.* (synthetic world), train_split.* and "
+    "eval_split.* (how batches are drawn), model.* (shape and ablation switches), "
+    "optim.* (AdamW, warmup + cosine, clipping), train.* (steps, batch, eval and "
+    "checkpoint cadence), retrieval.*, mesh.* (devices, sharding, multi-host), output.*; "
+    "every field is documented in phoenix_flax/training/schema.py.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None,
+    "Output directory of the run (created if missing). Re-using it resumes an "
+    "interrupted run and skips a finished one; a different config there is an error.")
+_QUIET = flags.DEFINE_bool(
+    "quiet", False, "Print only the final summary, not a progress line per host call.")
+
+EXIT_BAD_INPUT = 2
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(max(seconds, 0))
+  return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def print_progress(p: Progress, batch_size: int) -> None:
+  """One line per host call: step, rate, loss, ETA (plus eval AUC when evaluated)."""
+  loss = " ".join(f"{x:.4f}" for x in p.loss)
+  line = (f"step {p.step}/{p.num_steps} ({100 * p.step / p.num_steps:3.0f}%) | "
+          f"{p.steps_per_second:.1f} steps/s | {p.steps_per_second * batch_size:.0f} ex/s "
+          f"| loss {loss} | eta {_duration(p.eta_seconds)}")
+  if p.num_diverged:
+    line += f" | diverged {p.num_diverged}"
+  for key in ("eval/auc_mean", "eval/recall@10"):
+    if key in p.evaluated:
+      line += f" | {key} " + " ".join(f"{x:.4f}" for x in p.evaluated[key])
+  if "eval/bayes_auc_mean" in p.evaluated:
+    line += " (bayes " + " ".join(f"{x:.4f}" for x in p.evaluated["eval/bayes_auc_mean"]) + ")"
+  print(line, flush=True)
+
+
+def _fail(message: str) -> None:
+  sys.stderr.write(f"error: {message}\n")
+  sys.exit(EXIT_BAD_INPUT)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that turns every bad flag or override into a message + exit 2."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+      lines = [lines[0], lines[-1]]
+    _fail("\n".join(lines) + "\nRun with --helpfull to see every flag.")
+  except (AttributeError, KeyError) as e:
+    _fail(f"a --config.* override names a field the config does not have ({e}); the "
+          "schema is in phoenix_flax/training/schema.py")
+  except (TypeError, ValueError) as e:
+    _fail(f"bad --config value: {e}")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  config = _CONFIG.value
+  if config is None:
+    _fail("--config is required, e.g. --config=experiments/configs/ranking.py")
+  if not _WORKDIR.value:
+    _fail("--workdir is required")
+  batch = config.train.batch_size * config.num_seeds
+  report = None if _QUIET.value else (lambda p: print_progress(p, batch))
+  try:
+    results = run_experiment(config, _WORKDIR.value, progress=report)
+  except ConfigError as e:
+    _fail(str(e))
+  dirs = run_dirs(config, _WORKDIR.value)
+  for seed, r in results.items():
+    final = r["final"]
+    summary = " ".join(f"{k}={final[k]:.4f}" for k in
+                       ("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc",
+                        "recall@10", "bayes_recall@10")
+                       if isinstance(final.get(k), float))
+    state = f"diverged at step {r['diverged_at_step']}" if r["diverged"] else "finished"
+    print(f"seed {seed}: {state} after {r['steps']} steps in {r['wall_seconds']:.0f}s | "
+          f"{summary} | {dirs[seed]}/result.json", flush=True)
+
+
+if __name__ == "__main__":
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  app.run(main, flags_parser=parse_flags)

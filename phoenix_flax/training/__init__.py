@@ -1,0 +1,19 @@
+"""Training on the synthetic world: systems, losses, the scanned loop, the runner."""
+
+from phoenix_flax.training.loop import (Trainer, TrainState, make_optimizer, make_schedule,
+                                        make_system)
+from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ranking_loss
+from phoenix_flax.training.runner import (LoadedRun, Progress, load_run, run_dirs,
+                                          run_experiment)
+from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
+                                          parse_config, split_config, world_config)
+from phoenix_flax.training.sharding import Placement, make_placement
+from phoenix_flax.training.system import HashEmbeddingTables, RankingSystem, RetrievalSystem
+
+__all__ = [
+    "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
+    "Progress", "RankingSystem", "RetrievalSystem", "TrainState", "Trainer", "base_config",
+    "first_positive", "in_batch_softmax_loss", "load_run", "make_optimizer",
+    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss",
+    "run_dirs", "run_experiment", "split_config", "world_config",
+]

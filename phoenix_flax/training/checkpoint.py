@@ -1,0 +1,59 @@
+"""Equinox-native checkpoints (`eqx.tree_serialise_leaves`, no pickle), written atomically.
+
+A run directory holds `checkpoint/step_<N>.eqx` files, the newest `keep` of them. Each
+file is written to a temporary name, synced and renamed, so a kill at any moment leaves
+either the previous set or the new one, never a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import equinox as eqx
+
+CHECKPOINT_DIR = "checkpoint"
+_PATTERN = re.compile(r"step_(\d+)\.eqx")
+
+
+def checkpoint_dir(run_dir: str) -> str:
+  return os.path.join(run_dir, CHECKPOINT_DIR)
+
+
+def available_steps(run_dir: str) -> list[int]:
+  """Steps with a complete checkpoint in `run_dir`, ascending."""
+  path = checkpoint_dir(run_dir)
+  if not os.path.isdir(path):
+    return []
+  steps = [int(m.group(1)) for m in map(_PATTERN.fullmatch, os.listdir(path)) if m]
+  return sorted(steps)
+
+
+def _path(run_dir: str, step: int) -> str:
+  return os.path.join(checkpoint_dir(run_dir), f"step_{step:09d}.eqx")
+
+
+def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
+  """Writes `tree` as the checkpoint of `step`; deletes all but the newest `keep`."""
+  if keep < 1:
+    raise ValueError(f"keep={keep} must be >= 1")
+  os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
+  path = _path(run_dir, step)
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with open(tmp, "wb") as f:
+    eqx.tree_serialise_leaves(f, tree)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  for old in available_steps(run_dir)[:-keep]:
+    os.remove(_path(run_dir, old))
+  return path
+
+
+def load(run_dir: str, step: int, like: Any) -> Any:
+  """Reads the checkpoint of `step` into the structure (and leaf types) of `like`."""
+  path = _path(run_dir, step)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
+  return eqx.tree_deserialise_leaves(path, like)

@@ -1,0 +1,350 @@
+"""The on-device training loop: scanned steps, vmapped seeds, divergence guard, evaluation.
+
+A `TrainState` holds only arrays (parameters, optimizer state, step, the seed's data key,
+divergence flags), stacked over seeds. `Trainer.train_chunk` runs `steps_per_call` steps
+of every seed in one jitted call: batches are sampled from the synthetic world inside the
+scanned step, nothing returns to the host until the chunk ends, and the state's buffers
+are donated. A step whose loss or gradient norm is not finite marks its seed diverged
+(with the step) and freezes that seed's parameters; other seeds train on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, PyTree
+
+from phoenix_flax.ranking import Diagnostics
+from phoenix_flax.retrieval import retrieve_top_k
+from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
+                                    sample_batch, true_logits)
+from phoenix_flax.training import metrics
+from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ranking_loss
+from phoenix_flax.training.schema import ExperimentSpec
+from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
+from phoenix_flax.training.system import RankingSystem, RetrievalSystem
+from phoenix_flax.types import RecsysBatch, RecsysModelOutput
+
+System = Union[RankingSystem, RetrievalSystem]
+CANDIDATE_FIELDS = ("candidate_post_hashes", "candidate_author_hashes",
+                    "candidate_product_surface", "candidate_post_timestamps")
+
+
+class TrainState(eqx.Module):
+  """Everything that evolves during training (arrays only; stacked over seeds)."""
+
+  params: PyTree
+  opt_state: PyTree
+  step: Array            # int32, updates applied so far
+  data_key: Array        # uint32[2], this seed's training-batch key
+  diverged: Array        # bool
+  diverged_step: Array   # int32, 1-based step of the first non-finite loss, -1 if none
+
+
+def make_system(spec: ExperimentSpec, key) -> System:
+  """A freshly initialised system for the spec's task."""
+  w, scale = spec.world, spec.config.model.embedding_init_scale
+  cls = RankingSystem if spec.task == "ranking" else RetrievalSystem
+  return cls(spec.model, w.user_buckets, w.post_buckets, w.author_buckets, key=key,
+             init_scale=scale)
+
+
+def _decay_mask(params: PyTree) -> PyTree:
+  """Weight decay on matrices only: not on norm scales, not on the hash tables."""
+  def decays(path, x):
+    names = [getattr(k, "name", None) for k in path]
+    stacked = "transformer" in names
+    return (x.ndim - stacked >= 2 and names[-1] != "scale"
+            and not any(n in TABLE_FIELDS for n in names))
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_schedule(spec: ExperimentSpec) -> optax.Schedule:
+  """Linear warmup from 0 to the peak, cosine decay to `end_lr_fraction` of it."""
+  o, steps = spec.config.optim, spec.config.train.num_steps
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
+      decay_steps=max(steps, o.warmup_steps + 1), end_value=o.learning_rate * o.end_lr_fraction)
+
+
+def make_optimizer(spec: ExperimentSpec) -> optax.GradientTransformation:
+  """Global-norm clipping (optional) then AdamW on the schedule."""
+  o = spec.config.optim
+  adamw = optax.adamw(make_schedule(spec), b1=o.b1, b2=o.b2, eps=o.eps,
+                      weight_decay=o.weight_decay, mask=_decay_mask)
+  if o.grad_clip_norm is None:
+    return adamw
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+
+
+def _where_tree(pred: Array, new: PyTree, old: PyTree) -> PyTree:
+  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def mix_companions(batch: RecsysBatch, keep_C: Array) -> RecsysBatch:
+  """Candidate slots with `keep_C` keep their candidate; the others take the candidate of
+  the same slot in the next user's list (the batch rolled by one)."""
+  fields = {}
+  for name in CANDIDATE_FIELDS:
+    own = getattr(batch, name)
+    if own is None:
+      continue
+    keep = keep_C.reshape((1, -1) + (1,) * (own.ndim - 2))
+    fields[name] = jnp.where(keep, own, jnp.roll(own, 1, axis=0))
+  return batch._replace(**fields)
+
+
+def forward_with_new_companions(system: RankingSystem, batch: RecsysBatch, mask_BC: Array
+                                ) -> tuple[RecsysModelOutput, Diagnostics, Array, Array]:
+  """The batch's output and diagnostics, plus the sum and count of |logit change| when
+  each candidate's list companions are replaced (the score-consistency figure).
+
+  Even slots keep their candidates while odd slots take another user's, then the reverse,
+  so every candidate is re-scored in its own slot among new companions. The three
+  forwards run as one `lax.map` (one compiled body, the same arithmetic for every
+  variant), so with candidate isolation the change is exactly 0.
+  """
+  C = mask_BC.shape[1]
+  even_C = jnp.arange(C) % 2 == 0
+  variants = jax.tree.map(lambda *xs: jnp.stack(xs),
+                          batch, mix_companions(batch, even_C), mix_companions(batch, ~even_C))
+  outs, diags = jax.lax.map(system.forward, variants)
+  logits_VBCA = outs.logits.astype(jnp.float32)
+  moved_BCA = jnp.where(even_C[None, :, None], logits_VBCA[1], logits_VBCA[2]) - logits_VBCA[0]
+  m_BCA = jnp.broadcast_to(mask_BC[..., None], moved_BCA.shape)
+  first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+  return (first(outs), first(diags), jnp.sum(jnp.where(m_BCA, jnp.abs(moved_BCA), 0.0)),
+          jnp.sum(m_BCA))
+
+
+def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: int, k: int,
+                       budget: int = 1 << 24) -> Array:
+  """Post ids `[B, k]` with the highest true logit of `action` over the whole corpus
+  (surface 0, age 0), scored in user chunks of at most ~`budget` elements."""
+  B, L = interest_BL.shape
+  N, A = world.cfg.num_posts, world.cfg.num_actions
+  chunk = max(1, min(B, budget // (N * (L + A))))
+  while B % chunk:
+    chunk -= 1
+  ids_1N = jnp.arange(N)[None, :]
+  zeros_1N = jnp.zeros((1, N), jnp.int32)
+
+  def top(args):
+    interest_cL, bias_c = args
+    logits = true_logits(world, interest_cL[:, None, :], ids_1N, zeros_1N, zeros_1N,
+                         bias_c[:, None])[..., action]
+    return jax.lax.top_k(logits, k)[1]
+
+  out = jax.lax.map(top, (interest_BL.reshape(B // chunk, chunk, L),
+                          bias_B.reshape(B // chunk, chunk)))
+  return out.reshape(B, k)
+
+
+class Trainer:
+  """Builds the world, optimizer and jitted functions of one experiment spec."""
+
+  def __init__(self, spec: ExperimentSpec, placement: Placement = Placement()):
+    self.spec = spec
+    self.placement = placement
+    c = spec.config
+    self.world: World = placement.replicate(
+        eqx.filter_jit(make_world)(spec.world, jax.random.PRNGKey(c.world_seed)))
+    self.optimizer = make_optimizer(spec)
+    self.schedule = make_schedule(spec)
+    is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    abstract = eqx.filter_eval_shape(make_system, spec, jax.random.PRNGKey(0))
+    self.static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)[1]
+    self._init = eqx.filter_jit(eqx.filter_vmap(self._init_one))
+    self._chunk = eqx.filter_jit(eqx.filter_vmap(self._chunk_one, in_axes=(None, 0)),
+                                 donate="all-except-first")
+    self._eval = eqx.filter_jit(eqx.filter_vmap(self._eval_one, in_axes=(None, 0)))
+
+  # -- state -------------------------------------------------------------------------
+
+  def system(self, params: PyTree) -> System:
+    return eqx.combine(params, self.static)
+
+  def _init_one(self, seed_key: Array) -> TrainState:
+    init_key, data_key = jax.random.split(seed_key)
+    params = eqx.filter(make_system(self.spec, init_key), eqx.is_array)
+    return TrainState(params=params, opt_state=self.optimizer.init(params),
+                      step=jnp.zeros((), jnp.int32), data_key=data_key,
+                      diverged=jnp.zeros((), bool), diverged_step=jnp.full((), -1, jnp.int32))
+
+  def init(self, seeds: Sequence[int]) -> TrainState:
+    """Fresh states of `seeds`, stacked on a leading axis and placed on the mesh."""
+    keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
+    return self.placement.place_state(self._init(keys))
+
+  # -- training ------------------------------------------------------------------------
+
+  def _loss(self, params: PyTree, sb) -> tuple[Array, dict]:
+    system = self.system(params)
+    if self.spec.task == "ranking":
+      out, diag = system.forward(sb.batch)
+      w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
+      loss = ranking_loss(out.logits, sb.labels, sb.candidate_mask, w)
+      return loss, {"max_attn_logit": diag.max_abs_attn_logit,
+                    "residual_rms": diag.residual_rms}
+    loss, has_B = self._retrieval_loss(system, sb)
+    return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32))}
+
+  def _retrieval_loss(self, system: RetrievalSystem, sb) -> tuple[Array, Array]:
+    user_BD = system.user_representation(sb.batch)
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    idx_B, has_B = first_positive(sb.labels, sb.candidate_mask,
+                                  self.spec.config.retrieval.positive_action)
+    rows = jnp.arange(idx_B.shape[0])
+    loss = in_batch_softmax_loss(user_BD, cand_BCD[rows, idx_B], has_B,
+                                 self.spec.config.retrieval.temperature,
+                                 sb.candidate_post_ids[rows, idx_B])
+    return loss, has_B
+
+  def sample_train_batch(self, world: World, state: TrainState):
+    """The training batch of the state's next step (drawn from the seed's data key)."""
+    key = jax.random.fold_in(state.data_key, state.step)
+    sb = sample_batch(world, self.spec.train_split, self.spec.config.train.batch_size, key)
+    return self.placement.constrain_batch(sb)
+
+  def update(self, state: TrainState, sb) -> tuple[TrainState, dict]:
+    """One optimizer step of one seed on a given batch (skipped once diverged)."""
+    (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, sb)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ok = finite & ~state.diverged
+    newly = ~finite & ~state.diverged
+    new_state = TrainState(
+        params=_where_tree(ok, params, state.params),
+        opt_state=_where_tree(ok, opt_state, state.opt_state),
+        step=state.step + 1,
+        data_key=state.data_key,
+        diverged=state.diverged | ~finite,
+        diverged_step=jnp.where(newly, state.step + 1, state.diverged_step))
+    stats = {"loss": loss, "grad_norm": grad_norm,
+             "learning_rate": self.schedule(state.step), **aux}
+    return new_state, stats
+
+  def _chunk_one(self, world: World, state: TrainState) -> tuple[TrainState, dict]:
+    step = lambda s, _: self.update(s, self.sample_train_batch(world, s))
+    state, stats = jax.lax.scan(step, state, None,
+                                length=self.spec.config.train.steps_per_call)
+    return self.placement.constrain_state(state), stats
+
+  def train_chunk(self, state: TrainState) -> tuple[TrainState, dict]:
+    """`steps_per_call` steps of every seed; `state` is donated. Stats are `[seeds, steps]`
+    (plus a trailing layer axis for the per-layer diagnostics)."""
+    return self._chunk(self.world, state)
+
+  # -- evaluation ----------------------------------------------------------------------
+
+  def _eval_keys(self) -> Array:
+    c = self.spec.config
+    base = jax.random.PRNGKey(c.eval_seed)
+    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(c.train.eval_batches))
+
+  def _sample_eval(self, world: World, split: SplitConfig, key: Array):
+    sb = sample_batch(world, split, self.spec.config.train.eval_batch_size, key)
+    return self.placement.constrain_batch(sb)
+
+  def _ranking_eval(self, system: RankingSystem, world: World, split: SplitConfig,
+                    consistency: bool) -> dict[str, Array]:
+    def one(key):
+      sb = self._sample_eval(world, split, key)
+      res = {}
+      if consistency:
+        out, diag, res["moved"], res["count"] = forward_with_new_companions(
+            system, sb.batch, sb.candidate_mask)
+      else:
+        out, diag = system.forward(sb.batch)
+      res.update(logits=out.logits.astype(jnp.float32), labels=sb.labels, probs=sb.probs,
+                 mask=sb.candidate_mask, max_logit=diag.max_abs_attn_logit,
+                 rms=diag.residual_rms)
+      return res
+
+    r = jax.lax.map(one, self._eval_keys())
+    flat = lambda x: x.reshape((-1,) + x.shape[2:])
+    logits, labels = flat(r["logits"]), flat(r["labels"])
+    probs, mask = flat(r["probs"]), flat(r["mask"])
+    out = dict(metrics.ranking_metrics(logits, labels, probs, mask))
+    w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
+    out["loss"] = ranking_loss(logits, labels, mask, w)
+    out["max_attn_logit"] = jnp.max(r["max_logit"])
+    rms_L = jnp.mean(r["rms"], axis=0)
+    for i in range(rms_L.shape[0]):
+      out[f"residual_rms/layer_{i}"] = rms_L[i]
+    if consistency:
+      out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)
+    return out
+
+  def _retrieval_eval(self, system: RetrievalSystem, world: World, split: SplitConfig
+                      ) -> dict[str, Array]:
+    rc = self.spec.config.retrieval
+    a, ks = rc.positive_action, tuple(rc.recall_k)
+    N = self.spec.world.num_posts
+    post_h, author_h, _ = post_features(world, jnp.arange(N))
+    corpus_ND = system.corpus_representation(post_h, author_h)
+
+    def recall(top_BK, ids_BC, positive_BC):
+      hit_BCK = ids_BC[:, :, None] == top_BK[:, None, :]
+      found_BC = jnp.any(hit_BCK, axis=-1) & positive_BC
+      total_B = jnp.sum(positive_BC, axis=1)
+      return jnp.sum(found_BC, axis=1), total_B
+
+    def one(key):
+      sb = self._sample_eval(world, split, key)
+      user_BD = system.user_representation(sb.batch)
+      cand_BCD, _ = system.candidate_representation(sb.batch)
+      positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
+      model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
+      bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,
+                                     max(ks))
+      res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
+                 labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
+                 loss=self._retrieval_loss(system, sb)[0])
+      for k in ks:
+        res[f"found@{k}"], res["total"] = recall(model_top[:, :k], sb.candidate_post_ids,
+                                                 positive_BC)
+        res[f"bayes_found@{k}"], _ = recall(bayes_top[:, :k], sb.candidate_post_ids,
+                                            positive_BC)
+      return res
+
+    r = jax.lax.map(one, self._eval_keys())
+    flat = lambda x: x.reshape(-1)
+    total, has = flat(r["total"]), flat(r["total"]) > 0
+    per_user = lambda found: jnp.sum(jnp.where(has, flat(found) / jnp.maximum(total, 1), 0.0))
+    out = {"loss": jnp.mean(r["loss"])}
+    for k in ks:
+      out[f"recall@{k}"] = per_user(r[f"found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
+      out[f"bayes_recall@{k}"] = per_user(r[f"bayes_found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
+    m = flat(r["mask"])
+    out["auc"] = metrics.roc_auc(flat(r["scores"]), flat(r["labels"]), m)[0]
+    out["bayes_auc"] = metrics.roc_auc(flat(r["probs"]), flat(r["labels"]), m)[0]
+    return out
+
+  def _eval_one(self, world: World, params: PyTree) -> dict[str, Array]:
+    system = self.system(params)
+    out = {}
+    for name, split in self.spec.eval_splits.items():
+      if self.spec.task == "ranking":
+        consistency = name == "eval" and self.spec.config.train.score_consistency
+        res = self._ranking_eval(system, world, split, consistency)
+      else:
+        res = self._retrieval_eval(system, world, split)
+      out.update({f"{name}/{k}": v for k, v in res.items()})
+    return out
+
+  def evaluate(self, state: TrainState) -> dict[str, Array]:
+    """Metrics of every eval split (`"<split>/<metric>"`), each `[seeds]`, on the fixed
+    evaluation batches (the same for every seed)."""
+    return self._eval(self.world, state.params)
+
+
+def unstack(tree: Any, index: int) -> Any:
+  """Seed `index` of a seed-stacked pytree."""
+  return jax.tree.map(lambda x: x[index], tree)

@@ -1,0 +1,58 @@
+"""Training losses: per-action BCE for ranking, in-batch sampled softmax for retrieval."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array
+
+NEG_INF = -1e9
+
+
+def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
+                 action_weights_A: Optional[Array] = None) -> Array:
+  """Weighted mean binary cross-entropy over valid candidates and actions.
+
+  `sum_{b,c valid} sum_a w_a * bce(b,c,a) / (#valid * sum_a w_a)`; with no weights this
+  is the mean BCE per (candidate, action), the same scale as the log-loss metric.
+  """
+  logits = logits_BCA.astype(jnp.float32)
+  per_BCA = optax.sigmoid_binary_cross_entropy(logits, labels_BCA.astype(jnp.float32))
+  A = logits.shape[-1]
+  w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
+      action_weights_A, jnp.float32)
+  m_BC = mask_BC.astype(jnp.float32)
+  total = jnp.sum(per_BCA * w_A * m_BC[..., None])
+  return total / jnp.maximum(jnp.sum(m_BC) * jnp.sum(w_A), 1e-9)
+
+
+def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Array, Array]:
+  """Index `[B]` of each user's first valid candidate with `labels[..., action] = 1`, and
+  whether one exists `[B]` (index 0 where none does)."""
+  engaged_BC = (labels_BCA[..., action] > 0) & mask_BC.astype(bool)
+  return jnp.argmax(engaged_BC, axis=1), jnp.any(engaged_BC, axis=1)
+
+
+def in_batch_softmax_loss(user_BD: Array, positive_BD: Array, valid_B: Array,
+                          temperature: float, positive_ids_B: Optional[Array] = None
+                          ) -> Array:
+  """Sampled softmax where every user's positive is every other user's negative.
+
+  Row b scores user b against all positives of the batch (`u @ p.T / temperature`) and
+  is trained to pick its own. Users without a positive (`valid_B` false) contribute no
+  row and no negative column; when `positive_ids_B` is given, another user's positive
+  that is the same post is not counted as a negative. Mean over valid rows.
+  """
+  logits_BB = (user_BD.astype(jnp.float32) @ positive_BD.astype(jnp.float32).T) / temperature
+  B = logits_BB.shape[0]
+  eye_BB = jnp.eye(B, dtype=bool)
+  keep_BB = valid_B[None, :] & ~eye_BB
+  if positive_ids_B is not None:
+    keep_BB &= positive_ids_B[None, :] != positive_ids_B[:, None]
+  logits_BB = jnp.where(keep_BB | eye_BB, logits_BB, NEG_INF)
+  per_B = jax.nn.logsumexp(logits_BB, axis=1) - jnp.diagonal(logits_BB)
+  v_B = valid_B.astype(jnp.float32)
+  return jnp.sum(per_B * v_B) / jnp.maximum(jnp.sum(v_B), 1.0)

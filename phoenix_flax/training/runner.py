@@ -1,0 +1,305 @@
+"""`run_experiment`: train one config (one or several vmapped seeds) into a workdir.
+
+Layout: one seed writes into `workdir` itself; several seeds write into
+`workdir/seed_<k>/` (`config.output.seed_subdirs=True` gives that layout to one seed too).
+Each run directory holds `config.json` (the seed's own config), `events.out.tfevents.*`,
+`metrics.jsonl`, `checkpoint/` (the newest is the final model once finished) and, once
+finished, `result.json`:
+
+  {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...},
+   "diverged": bool, "diverged_at_step": int | null, "steps": int, "seed": int,
+   "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int}
+
+`final` holds the primary eval split's metrics under their own names and the extra
+splits' as "<split>/<metric>" (NaN/inf are written as null). `wall_seconds` is the run's
+whole time (over resumes); `examples_per_second` counts the training examples of every
+vmapped seed per second of training chunks, the compiling first chunk excluded.
+
+A run with `result.json` is skipped; one with checkpoints resumes from the newest step
+that every seed of the call has, and ends with the same numbers as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from phoenix_flax.training import checkpoint
+from phoenix_flax.training.loop import Trainer, TrainState, unstack
+from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
+                                          flatten, parse_config, seed_config)
+from phoenix_flax.training.sharding import (Placement, initialize_distributed,
+                                            make_placement, to_host)
+from phoenix_flax.training.writers import RunWriter, jsonable, read_json, write_json
+
+RESULT_FILE = "result.json"
+CONFIG_FILE = "config.json"
+
+
+class Progress(NamedTuple):
+  """What a progress callback receives after every chunk."""
+
+  step: int
+  num_steps: int
+  steps_per_second: float       # over the latest chunk
+  eta_seconds: float
+  loss: tuple[float, ...]       # mean training loss of the chunk, per seed
+  num_diverged: int
+  evaluated: dict               # "<split>/<metric>" -> per-seed values, on eval steps
+
+
+def run_dirs(config: ml_collections.ConfigDict, workdir: str) -> dict[int, str]:
+  """Seed -> its run directory under `workdir`."""
+  seeds = range(config.seed, config.seed + config.num_seeds)
+  sub = config.output.seed_subdirs
+  sub = config.num_seeds > 1 if sub is None else sub
+  return {k: os.path.join(workdir, f"seed_{k}") if sub else workdir for k in seeds}
+
+
+def _check_existing_config(run_dir: str, expected: dict) -> None:
+  path = os.path.join(run_dir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return
+  found = flatten(read_json(path), skip=RUNTIME_SECTIONS)
+  wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
+  diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
+  if diff:
+    raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}); "
+                      "use another workdir, or delete that run to start it again")
+
+
+def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
+  n, t, w = placement.num_devices, spec.config.train, spec.world
+  for f in ("batch_size", "eval_batch_size"):
+    if t[f] % n:
+      raise ConfigError(f"config.train.{f}={t[f]} is invalid: must be a multiple of the "
+                        f"{n} devices of the mesh")
+  if placement.shard_hash_tables:
+    for f in ("user_buckets", "post_buckets", "author_buckets"):
+      if getattr(w, f) % n:
+        raise ConfigError(f"config.world.{f}={getattr(w, f)} is invalid: sharding the hash "
+                          f"tables needs a multiple of the {n} devices")
+
+
+_TRAINERS: dict[str, Trainer] = {}
+
+
+def _trainer(spec: ExperimentSpec) -> Trainer:
+  """The Trainer of a spec, reused (with its compiled functions) by the next call whose
+  config differs only in seeds or output layout, e.g. seeds run one at a time."""
+  key = json.dumps(jsonable(flatten(spec.config, skip=("seed", "num_seeds", "output"))),
+                   sort_keys=True)
+  if key not in _TRAINERS:
+    placement = make_placement(spec.config.mesh.num_devices,
+                               spec.config.mesh.shard_hash_tables)
+    _validate_placement(spec, placement)
+    _TRAINERS.clear()
+    _TRAINERS[key] = Trainer(spec, placement)
+  return _TRAINERS[key]
+
+
+def _resume_step(dirs: list[str]) -> int:
+  common = set.intersection(*(set(checkpoint.available_steps(d)) for d in dirs))
+  return max(common, default=0)
+
+
+def _train_scalars(stats: dict, i: int) -> dict[str, float]:
+  out = {"train/loss": float(np.mean(stats["loss"][i])),
+         "train/grad_norm": float(np.mean(stats["grad_norm"][i])),
+         "train/learning_rate": float(stats["learning_rate"][i][-1])}
+  if "max_attn_logit" in stats:
+    per_layer = np.max(stats["max_attn_logit"][i], axis=0)
+    out["train/max_attn_logit"] = float(np.max(per_layer))
+    for layer, v in enumerate(per_layer):
+      out[f"train/max_attn_logit/layer_{layer}"] = float(v)
+    for layer, v in enumerate(np.mean(stats["residual_rms"][i], axis=0)):
+      out[f"train/residual_rms/layer_{layer}"] = float(v)
+  if "positive_fraction" in stats:
+    out["train/positive_fraction"] = float(np.mean(stats["positive_fraction"][i]))
+  return out
+
+
+def _final_metrics(evaluated: dict, i: int, train: dict) -> dict[str, float]:
+  final = {}
+  for key, values in evaluated.items():
+    split, metric = key.split("/", 1)
+    final[metric if split == "eval" else key] = float(values[i])
+  for key in ("train/loss", "train/grad_norm"):
+    if key in train:
+      final[key] = train[key]
+  return final
+
+
+def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
+                   progress: Optional[Callable[[Progress], None]] = None
+                   ) -> dict[int, dict]:
+  """Trains (or resumes, or skips) every seed of `config`; returns seed -> result dict.
+
+  Raises `ConfigError` (a `ValueError` naming the field) before any work when the config
+  is invalid or a run directory holds a different config.
+  """
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise TypeError(f"config must be an ml_collections.ConfigDict, got "
+                    f"{type(config).__name__}")
+  if config.mesh.distributed is True:
+    initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
+                           config.mesh.process_id)
+  spec = parse_config(config)
+  dirs = run_dirs(config, workdir)
+  results, pending = {}, []
+  for k, d in dirs.items():
+    _check_existing_config(d, seed_config(config, k).to_dict())
+    if os.path.exists(os.path.join(d, RESULT_FILE)):
+      results[k] = read_json(os.path.join(d, RESULT_FILE))
+    else:
+      pending.append(k)
+  if not pending:
+    return results
+  results.update(_train(_trainer(spec), pending, {k: dirs[k] for k in pending}, progress))
+  return dict(sorted(results.items()))
+
+
+class _Group:
+  """The seeds trained together in one call: their state, directories and writers."""
+
+  def __init__(self, trainer: Trainer, seeds: list[int], dirs: dict[int, str]):
+    self.t_start = time.perf_counter()
+    self.trainer, self.seeds, self.dirs = trainer, seeds, dirs
+    self.config = trainer.spec.config
+    self.main = jax.process_index() == 0
+    self.step = _resume_step(list(dirs.values()))
+    if self.step:
+      self.state, self.prior_wall = self._restore()
+    else:
+      self.state, self.prior_wall = trainer.init(seeds), [0.0] * len(seeds)
+    self.writers = {}
+    if self.main:
+      for k in seeds:
+        os.makedirs(dirs[k], exist_ok=True)
+        cfg_k = seed_config(self.config, k)
+        write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
+        self.writers[k] = RunWriter(dirs[k], flatten(cfg_k, skip=RUNTIME_SECTIONS),
+                                    self.step or None)
+
+  def _restore(self) -> tuple[TrainState, list[float]]:
+    fresh = to_host(self.trainer.init(self.seeds[:1]))
+    like = {"state": unstack(fresh, 0), "wall_seconds": np.zeros((), np.float64)}
+    loaded = [checkpoint.load(self.dirs[k], self.step, like) for k in self.seeds]
+    state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[c["state"] for c in loaded])
+    return (self.trainer.placement.place_state(state),
+            [float(c["wall_seconds"]) for c in loaded])
+
+  def wall(self, i: int) -> float:
+    return self.prior_wall[i] + time.perf_counter() - self.t_start
+
+  def save(self) -> None:
+    host = to_host(self.state)
+    if self.main:
+      for i, k in enumerate(self.seeds):
+        checkpoint.save(self.dirs[k], self.step,
+                        {"state": unstack(host, i),
+                         "wall_seconds": np.asarray(self.wall(i), np.float64)},
+                        keep=self.config.output.keep_checkpoints)
+
+  def log(self, rows: dict[int, dict]) -> None:
+    if self.main:
+      for i, k in enumerate(self.seeds):
+        self.writers[k].log(self.step, rows[i], self.wall(i))
+
+  def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
+    diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
+    results = {}
+    for i, k in enumerate(self.seeds):
+      results[k] = jsonable({
+          "final": _final_metrics(evaluated, i, train_rows.get(i, {})),
+          "diverged": bool(diverged[i]),
+          "diverged_at_step": int(div_step[i]) if diverged[i] else None,
+          "steps": self.step,
+          "seed": k,
+          "wall_seconds": self.wall(i),
+          "examples_per_second": throughput,
+          "num_seeds_vmapped": len(self.seeds),
+      })
+      if self.main:
+        write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
+        self.writers[k].close(finished=True)
+    return results
+
+
+def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
+           progress: Optional[Callable[[Progress], None]]) -> dict[int, dict]:
+  """Chunks of scanned steps until `num_steps` (or every seed diverged), with evaluation,
+  logging and checkpoints at chunk ends; then the final evaluation and result.json."""
+  g = _Group(trainer, seeds, dirs)
+  t = trainer.spec.config.train
+  examples_per_chunk = t.steps_per_call * t.batch_size * len(seeds)
+  train_seconds, timed_chunks, chunks = 0.0, 0, 0
+  evaluated, eval_step, train_rows = {}, -1, {}
+  diverged = to_host(g.state.diverged)
+  while g.step < t.num_steps:
+    t0 = time.perf_counter()
+    g.state, stats = trainer.train_chunk(g.state)
+    stats = to_host(stats)
+    dt = time.perf_counter() - t0
+    g.step += t.steps_per_call
+    chunks += 1
+    if chunks > 1 or g.step == t.num_steps:  # the first chunk also compiles
+      train_seconds, timed_chunks = train_seconds + dt, timed_chunks + 1
+    diverged = to_host(g.state.diverged)
+    train_rows = {i: _train_scalars(stats, i) for i in range(len(seeds))}
+    new_eval = {}
+    if g.step == t.num_steps or diverged.all() or (t.eval_every and g.step % t.eval_every == 0):
+      new_eval = evaluated = to_host(trainer.evaluate(g.state))
+      eval_step = g.step
+    g.log({i: {**row, "perf/steps_per_second": t.steps_per_call / dt,
+               "perf/examples_per_second": examples_per_chunk / dt,
+               **{key: float(v[i]) for key, v in new_eval.items()}}
+           for i, row in train_rows.items()})
+    if t.checkpoint_every and g.step % t.checkpoint_every == 0 and g.step < t.num_steps:
+      g.save()
+    if progress is not None:
+      rate = t.steps_per_call / dt
+      mean_rate = timed_chunks * t.steps_per_call / train_seconds if timed_chunks else rate
+      progress(Progress(g.step, t.num_steps, rate, (t.num_steps - g.step) / mean_rate,
+                        tuple(r["train/loss"] for r in train_rows.values()),
+                        int(diverged.sum()), new_eval))
+    if diverged.all():
+      break
+  if eval_step != g.step:
+    evaluated = to_host(trainer.evaluate(g.state))
+  g.save()
+  throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  return g.finish(evaluated, train_rows, throughput)
+
+
+class LoadedRun(NamedTuple):
+  """A trained run restored from its directory."""
+
+  system: Any                   # RankingSystem or RetrievalSystem
+  trainer: Trainer              # its world (`trainer.world`), spec and jitted functions
+  step: int
+
+
+def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
+  """The system of a run from its config.json and checkpoint (the newest, or `step`),
+  on one device."""
+  cfg = ml_collections.ConfigDict(read_json(os.path.join(run_dir, CONFIG_FILE)))
+  cfg.mesh.num_devices = 1
+  cfg.mesh.distributed = False
+  steps = checkpoint.available_steps(run_dir)
+  if not steps:
+    raise FileNotFoundError(f"{run_dir} has no checkpoint")
+  step = steps[-1] if step is None else step
+  trainer = Trainer(parse_config(cfg))
+  like = {"state": unstack(to_host(trainer.init([cfg.seed])), 0),
+          "wall_seconds": np.zeros((), np.float64)}
+  state = checkpoint.load(run_dir, step, like)["state"]
+  params = jax.tree.map(jnp.asarray, state.params)
+  return LoadedRun(trainer.system(params), trainer, step)

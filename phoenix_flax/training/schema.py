@@ -1,0 +1,319 @@
+"""The experiment config (an `ml_collections.ConfigDict`) and its validation.
+
+Schema (`base_config(task)` builds it with defaults; every field can be overridden, on the
+command line as `--config.<section>.<field>=value`):
+
+  task                "ranking" (PhoenixModel, per-action BCE) or "retrieval" (two towers,
+                      in-batch sampled softmax).
+  seed, num_seeds     seeds `seed .. seed+num_seeds-1` train together (vmapped). Seed k
+                      draws the model init and the training batches; one seed writes into
+                      the workdir itself, several into `<workdir>/seed_<k>/`.
+  world_seed          the synthetic world, shared by every seed.
+  eval_seed           the fixed evaluation batches, shared by every seed and split.
+  world.*             `phoenix_flax.synthetic.WorldConfig` fields (entity counts, S, C,
+                      hashing and bucket sizes, the action link).
+  train_split.*       `SplitConfig` of the training batches.
+  eval_split.*        `SplitConfig` of the primary evaluation (metrics `eval/<name>`).
+  extra_eval_splits   name -> `SplitConfig` fields; evaluated alongside, logged as
+                      `<name>/<metric>` (e.g. a history-length or list-size shift).
+  model.*             transformer shape and ablation switches (`TransformerConfig`,
+                      `PhoenixModelConfig` fields); `fprop_dtype` None picks bfloat16 on
+                      GPU/TPU and float32 on CPU; `embedding_init_scale` is the std of the
+                      hash tables; `enable_linear_proj` is the retrieval candidate tower.
+                      S, C, A, hash counts and the surface vocabulary come from `world`.
+  optim.*             AdamW: `learning_rate` (peak), `warmup_steps` (linear from 0), then
+                      cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
+                      `weight_decay` (matrices only; not norms, not the hash tables), `b1`,
+                      `b2`, `eps`; `grad_clip_norm` (global norm, None = off).
+  train.*             `num_steps`, `batch_size` (per seed, global over devices),
+                      `steps_per_call` (steps scanned per host call; divides num_steps,
+                      eval_every and checkpoint_every), `eval_every` (0 = at the end only),
+                      `checkpoint_every` (0 = never), `eval_batch_size`, `eval_batches`,
+                      `action_weights` (None or one weight >= 0 per action, for the loss),
+                      `score_consistency` (re-score eval lists with new companions).
+  retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
+                      positive is its first candidate with this label), `recall_k` (K of
+                      recall@K against the corpus of every post).
+  mesh.*              `num_devices` (1 = no mesh, -1 = all; batch sharded over a "data"
+                      axis, parameters replicated), `shard_hash_tables` (rows of the hash
+                      tables sharded over "data"), `distributed` (call
+                      `jax.distributed.initialize`, with `coordinator_address`,
+                      `num_processes`, `process_id` when given; auto-detected otherwise).
+  output.*            `seed_subdirs`: None = `<workdir>/seed_<k>/` only when num_seeds > 1,
+                      True = always, False = never (one seed only); `keep_checkpoints`:
+                      newest checkpoints kept per run (the last is the final model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping, Optional
+
+import jax
+import ml_collections
+from ml_collections import config_dict
+
+from phoenix_flax.config import (HashConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
+                                 TransformerConfig)
+from phoenix_flax.synthetic import SplitConfig, WorldConfig
+
+TASKS = ("ranking", "retrieval")
+RUNTIME_SECTIONS = ("mesh", "output")
+RESERVED_SPLIT_NAMES = ("train", "eval", "perf")
+
+
+class ConfigError(ValueError):
+  """A config value is invalid; the message names the field (`config.<path>`)."""
+
+
+def nullable(value: Any) -> config_dict.FieldReference:
+  """A field that accepts None and any value (`--config.x=None` works on the command line)."""
+  return config_dict.FieldReference(value, field_type=object)
+
+
+def _dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
+  """ConfigDict of a dataclass's fields and defaults; None-default fields stay nullable."""
+  section = ml_collections.ConfigDict()
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = set(overrides) - names
+  if unknown:
+    raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; "
+                      f"valid: {sorted(names)}")
+  for f in dataclasses.fields(cls):
+    value = overrides.get(f.name, f.default)
+    section[f.name] = nullable(value) if f.default is None else value
+  return section
+
+
+def world_config(**overrides) -> ml_collections.ConfigDict:
+  """`WorldConfig` fields as a config section."""
+  return _dataclass_section(WorldConfig, **overrides)
+
+
+def split_config(**overrides) -> ml_collections.ConfigDict:
+  """`SplitConfig` fields as a config section (e.g. for `config.extra_eval_splits.<name>`)."""
+  return _dataclass_section(SplitConfig, **overrides)
+
+
+def base_config(task: str = "ranking") -> ml_collections.ConfigDict:
+  """The full schema with defaults for `task` (see the module docstring)."""
+  if task not in TASKS:
+    raise ConfigError(f"config.task={task!r} is invalid: use one of {TASKS}")
+  c = ml_collections.ConfigDict()
+  c.task = task
+  c.seed = 0
+  c.num_seeds = 1
+  c.world_seed = 0
+  c.eval_seed = 10_000
+  c.world = world_config()
+  c.train_split = split_config()
+  c.eval_split = split_config()
+  c.extra_eval_splits = ml_collections.ConfigDict()
+  c.model = ml_collections.ConfigDict(dict(
+      emb_size=64, key_size=16, num_q_heads=4, num_kv_heads=2, num_layers=2,
+      widening_factor=2.0, attn_output_multiplier=0.25, attn_logit_cap=nullable(30.0),
+      norm_layout="sandwich", param_init="variance_scaling", right_anchored_rope=False,
+      candidate_isolation=True, attention_impl="isolated", fprop_dtype=nullable(None),
+      post_age_granularity_mins=nullable(None), enable_linear_proj=True,
+      embedding_init_scale=1.0))
+  c.optim = ml_collections.ConfigDict(dict(
+      learning_rate=3e-3, warmup_steps=100, end_lr_fraction=0.1, weight_decay=0.01,
+      b1=0.9, b2=0.99, eps=1e-8, grad_clip_norm=nullable(1.0)))
+  c.train = ml_collections.ConfigDict(dict(
+      num_steps=1000, batch_size=64, steps_per_call=50, eval_every=250,
+      checkpoint_every=250, eval_batch_size=256, eval_batches=4,
+      action_weights=nullable(None), score_consistency=True))
+  c.retrieval = ml_collections.ConfigDict(dict(
+      temperature=0.05, positive_action=0, recall_k=(10, 100)))
+  c.mesh = ml_collections.ConfigDict(dict(
+      num_devices=1, shard_hash_tables=False, distributed=False,
+      coordinator_address=nullable(None), num_processes=nullable(None),
+      process_id=nullable(None)))
+  c.output = ml_collections.ConfigDict(dict(seed_subdirs=nullable(None), keep_checkpoints=2))
+  return c
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSpec:
+  """A validated config with its typed parts built."""
+
+  config: ml_collections.ConfigDict
+  world: WorldConfig
+  train_split: SplitConfig
+  eval_splits: dict            # name -> SplitConfig; "eval" first
+  model: Any                   # PhoenixModelConfig or PhoenixRetrievalModelConfig
+  action_weights: Optional[tuple]
+
+  @property
+  def task(self) -> str:
+    return self.config.task
+
+  @property
+  def seeds(self) -> tuple[int, ...]:
+    return tuple(range(self.config.seed, self.config.seed + self.config.num_seeds))
+
+
+def _check(ok: bool, path: str, value: Any, fix: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{path}={value!r} is invalid: {fix}")
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _build(path: str, fn, **kwargs):
+  try:
+    return fn(**kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"config.{path}: {e}") from e
+
+
+def default_fprop_dtype() -> str:
+  """bfloat16 on accelerators, float32 on CPU."""
+  return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
+  m = c.model
+  transformer = _build("model", TransformerConfig, emb_size=m.emb_size, key_size=m.key_size,
+                       num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
+                       num_layers=m.num_layers, widening_factor=m.widening_factor,
+                       attn_output_multiplier=m.attn_output_multiplier,
+                       attn_logit_cap=m.attn_logit_cap, norm_layout=m.norm_layout,
+                       param_init=m.param_init)
+  hashes = HashConfig(world.num_user_hashes, world.num_item_hashes, world.num_author_hashes)
+  common = dict(model=transformer, emb_size=m.emb_size, history_seq_len=world.history_len,
+                candidate_seq_len=world.num_candidates, hash_config=hashes,
+                num_actions=world.num_actions,
+                product_surface_vocab_size=world.product_surface_vocab_size,
+                fprop_dtype=m.fprop_dtype or default_fprop_dtype())
+  if c.task == "ranking":
+    return _build("model", PhoenixModelConfig, right_anchored_rope=m.right_anchored_rope,
+                  candidate_isolation=m.candidate_isolation, attention_impl=m.attention_impl,
+                  post_age_granularity_mins=m.post_age_granularity_mins, **common)
+  return _build("model", PhoenixRetrievalModelConfig,
+                enable_linear_proj=m.enable_linear_proj, **common)
+
+
+def _split(path: str, fields, world: WorldConfig) -> SplitConfig:
+  split = _build(path, SplitConfig, **fields.to_dict())
+  _build(path, split.resolve, world_cfg=world)
+  return split
+
+
+def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
+  """Validates every field; raises `ConfigError` naming the first bad one."""
+  c = config
+  _check(c.task in TASKS, "task", c.task, f"use one of {TASKS}")
+  for f in ("seed", "world_seed", "eval_seed"):
+    _check(_is_int(c[f]) and c[f] >= 0, f, c[f], "must be an integer >= 0")
+  _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
+         "must be an integer >= 1")
+  world = _build("world", WorldConfig, **c.world.to_dict())
+  train_split = _split("train_split", c.train_split, world)
+  eval_splits = {"eval": _split("eval_split", c.eval_split, world)}
+  for name, fields in c.extra_eval_splits.items():
+    _check(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None
+           and name not in RESERVED_SPLIT_NAMES, "extra_eval_splits", name,
+           f"split names are identifiers other than {RESERVED_SPLIT_NAMES}")
+    eval_splits[name] = _split(f"extra_eval_splits.{name}", fields, world)
+  model = _model_config(c, world)
+  _check(_is_num(c.model.embedding_init_scale) and c.model.embedding_init_scale > 0,
+         "model.embedding_init_scale", c.model.embedding_init_scale, "must be > 0")
+
+  o = c.optim
+  _check(_is_num(o.learning_rate) and o.learning_rate > 0, "optim.learning_rate",
+         o.learning_rate, "must be a finite number > 0")
+  _check(_is_int(o.warmup_steps) and o.warmup_steps >= 0, "optim.warmup_steps",
+         o.warmup_steps, "must be an integer >= 0")
+  _check(_is_num(o.end_lr_fraction) and 0 <= o.end_lr_fraction <= 1, "optim.end_lr_fraction",
+         o.end_lr_fraction, "must be in [0, 1]")
+  _check(_is_num(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay",
+         o.weight_decay, "must be >= 0")
+  for f in ("b1", "b2"):
+    _check(_is_num(o[f]) and 0 <= o[f] < 1, f"optim.{f}", o[f], "must be in [0, 1)")
+  _check(_is_num(o.eps) and o.eps > 0, "optim.eps", o.eps, "must be > 0")
+  _check(o.grad_clip_norm is None or (_is_num(o.grad_clip_norm) and o.grad_clip_norm > 0),
+         "optim.grad_clip_norm", o.grad_clip_norm, "must be > 0, or None for no clipping")
+
+  t = c.train
+  for f in ("num_steps", "batch_size", "steps_per_call", "eval_batch_size", "eval_batches"):
+    _check(_is_int(t[f]) and t[f] >= 1, f"train.{f}", t[f], "must be an integer >= 1")
+  _check(t.num_steps % t.steps_per_call == 0, "train.steps_per_call", t.steps_per_call,
+         f"must divide train.num_steps={t.num_steps}")
+  for f in ("eval_every", "checkpoint_every"):
+    _check(_is_int(t[f]) and t[f] >= 0 and t[f] % t.steps_per_call == 0, f"train.{f}", t[f],
+           f"must be 0 (off) or a multiple of train.steps_per_call={t.steps_per_call}")
+  _check(t.eval_batch_size >= 2, "train.eval_batch_size", t.eval_batch_size,
+         "must be >= 2 (score consistency borrows companions from the next user)")
+  _check(c.task == "ranking" or t.batch_size >= 2, "train.batch_size", t.batch_size,
+         "retrieval needs >= 2 users per batch (in-batch negatives)")
+  _check(isinstance(t.score_consistency, bool), "train.score_consistency",
+         t.score_consistency, "must be a bool")
+  weights = None
+  if t.action_weights is not None:
+    weights = tuple(t.action_weights) if isinstance(t.action_weights, (tuple, list)) else ()
+    _check(len(weights) == world.num_actions and all(_is_num(w) and w >= 0 for w in weights)
+           and sum(weights) > 0, "train.action_weights", t.action_weights,
+           f"give {world.num_actions} weights >= 0 (one per action) with a positive sum, "
+           "or None")
+    weights = tuple(float(w) for w in weights)
+
+  r = c.retrieval
+  _check(_is_num(r.temperature) and r.temperature > 0, "retrieval.temperature",
+         r.temperature, "must be > 0")
+  _check(_is_int(r.positive_action) and 0 <= r.positive_action < world.num_actions,
+         "retrieval.positive_action", r.positive_action,
+         f"must be an action index in [0, {world.num_actions})")
+  ks = tuple(r.recall_k) if isinstance(r.recall_k, (tuple, list)) else ()
+  _check(len(ks) >= 1 and all(_is_int(k) and 1 <= k <= world.num_posts for k in ks),
+         "retrieval.recall_k", r.recall_k,
+         f"give one or more integers in [1, world.num_posts={world.num_posts}]")
+
+  m = c.mesh
+  _check(_is_int(m.num_devices) and (m.num_devices >= 1 or m.num_devices == -1),
+         "mesh.num_devices", m.num_devices, "must be -1 (all devices) or an integer >= 1")
+  for f in ("shard_hash_tables", "distributed"):
+    _check(isinstance(m[f], bool), f"mesh.{f}", m[f], "must be a bool")
+  out = c.output
+  _check(out.seed_subdirs in (None, True, False), "output.seed_subdirs", out.seed_subdirs,
+         "must be None (auto), True or False")
+  _check(out.seed_subdirs is not False or c.num_seeds == 1, "output.seed_subdirs",
+         out.seed_subdirs, "False needs num_seeds=1 (several seeds need one directory each)")
+  _check(_is_int(out.keep_checkpoints) and out.keep_checkpoints >= 1,
+         "output.keep_checkpoints", out.keep_checkpoints, "must be an integer >= 1")
+  return ExperimentSpec(config=c, world=world, train_split=train_split,
+                        eval_splits=eval_splits, model=model, action_weights=weights)
+
+
+def seed_config(config: ml_collections.ConfigDict, seed: int) -> ml_collections.ConfigDict:
+  """The config of one seed's run (`seed=seed, num_seeds=1`): what its config.json holds."""
+  single = ml_collections.ConfigDict(config.to_dict())
+  single.seed = seed
+  single.num_seeds = 1
+  return single
+
+
+def flatten(config: Mapping[str, Any], skip: tuple = ()) -> dict[str, Any]:
+  """`{"model.num_layers": 2, ...}` of every leaf of a ConfigDict or nested dict, skipping
+  the top-level sections `skip`."""
+  out = {}
+
+  def walk(prefix: str, node) -> None:
+    for key, value in node.items():
+      path = f"{prefix}{key}"
+      if isinstance(value, Mapping):
+        walk(f"{path}.", value)
+      else:
+        out[path] = value
+
+  tree = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
+  walk("", {k: v for k, v in tree.items() if k not in skip})
+  return out

@@ -1,0 +1,107 @@
+"""Data parallelism on a `jax.sharding.Mesh` with one "data" axis.
+
+Batches are sharded over "data" (their leading axis), parameters and optimizer state are
+replicated, except that the hash-embedding tables (and their optimizer moments) can be
+sharded by rows. Without a mesh every helper is the identity, so the same training code
+runs on one device, several, or several hosts (`jax.distributed.initialize`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from phoenix_flax.training.schema import ConfigError
+
+DATA_AXIS = "data"
+TABLE_FIELDS = ("user_table", "post_table", "author_table")
+
+_distributed_initialized = False
+
+
+def initialize_distributed(coordinator_address: Optional[str] = None,
+                           num_processes: Optional[int] = None,
+                           process_id: Optional[int] = None) -> None:
+  """`jax.distributed.initialize` once per process (arguments auto-detected when None)."""
+  global _distributed_initialized
+  if _distributed_initialized:
+    return
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+  _distributed_initialized = True
+
+
+def _is_table(path) -> bool:
+  return any(getattr(k, "name", None) in TABLE_FIELDS for k in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where arrays live: `mesh` None means a single device and no constraints."""
+
+  mesh: Optional[Mesh] = None
+  shard_hash_tables: bool = False
+
+  @property
+  def num_devices(self) -> int:
+    return 1 if self.mesh is None else self.mesh.size
+
+  def _state_spec(self, path, leaf, seed_axis: bool) -> P:
+    if self.shard_hash_tables and _is_table(path) and getattr(leaf, "ndim", 0) >= 2:
+      return P(None, DATA_AXIS) if seed_axis else P(DATA_AXIS)
+    return P()
+
+  def place_state(self, tree: Any, seed_axis: bool = True) -> Any:
+    """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded."""
+    if self.mesh is None:
+      return tree
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.device_put(x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis))),
+        tree)
+
+  def replicate(self, tree: Any) -> Any:
+    if self.mesh is None:
+      return tree
+    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
+  def constrain_state(self, tree: Any) -> Any:
+    """Inside jit (per seed): keeps the state's layout from one call to the next."""
+    if self.mesh is None:
+      return tree
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=False))), tree)
+
+  def constrain_batch(self, tree: Any) -> Any:
+    """Inside jit (per seed): shards every array's leading (batch) axis over "data"."""
+    if self.mesh is None:
+      return tree
+    sharding = NamedSharding(self.mesh, P(DATA_AXIS))
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, sharding) if x.ndim >= 1 else x, tree)
+
+
+def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
+  """A data-parallel mesh over the first `num_devices` devices (-1 = all; 1 = no mesh)."""
+  devices = jax.devices()
+  n = len(devices) if num_devices == -1 else num_devices
+  if n > len(devices):
+    raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid: only "
+                      f"{len(devices)} devices are visible")
+  if n == 1:
+    return Placement(None, False)
+  return Placement(Mesh(np.asarray(devices[:n]), (DATA_AXIS,)), shard_hash_tables)
+
+
+def to_host(tree: Any) -> Any:
+  """numpy copies of a pytree's arrays, gathering those spread over several processes."""
+  def fetch(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+  return jax.tree.map(fetch, tree)

@@ -1,0 +1,123 @@
+"""What a run writes: TensorBoard events (tensorboardX, no TensorFlow), metrics.jsonl and
+atomic JSON files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import re
+from typing import Any, Mapping, Optional
+
+import numpy as np
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summary
+
+METRICS_FILE = "metrics.jsonl"
+HPARAM_METRICS = ("eval/auc_mean", "eval/bayes_auc_mean", "eval/logloss", "eval/auc",
+                  "train/loss")
+
+
+def jsonable(value: Any) -> Any:
+  """Python scalars/lists for JSON; NaN and inf become None (strict JSON has neither)."""
+  if isinstance(value, Mapping):
+    return {str(k): jsonable(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [jsonable(v) for v in value]
+  if isinstance(value, (np.ndarray, np.generic)):
+    return jsonable(value.tolist())
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  return value
+
+
+def write_json(path: str, payload: Any) -> None:
+  """Writes JSON to a temporary file, syncs and renames it over `path`."""
+  tmp = f"{path}.tmp.{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(jsonable(payload), f, indent=2, sort_keys=True, allow_nan=False)
+    f.write("\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def read_json(path: str) -> Any:
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def tensorboard_tag(name: str) -> str:
+  """The TensorBoard tag of a metric name: characters TensorBoard rejects (e.g. "@" in
+  "recall@5") become "_"; metrics.jsonl and result.json keep the name itself."""
+  return re.sub(r"[^-/\w.]", "_", name)
+
+
+def _hparam_value(value: Any) -> Any:
+  if isinstance(value, (bool, int, float, str)):
+    return value
+  return str(value)
+
+
+class RunWriter:
+  """Scalars of one run to TensorBoard and metrics.jsonl.
+
+  metrics.jsonl has one JSON object per host call: `{"step", "wall_seconds", "train/...",
+  "perf/...", and on evaluation steps "eval/..." and "<split>/..."}`. TensorBoard gets the
+  same scalars (tags from `tensorboard_tag`) plus the run's hparams (HParams dashboard).
+  `resume_step` None starts afresh (old events and rows are removed); an int keeps the rows
+  up to that step and tells TensorBoard to drop the events logged after it.
+  """
+
+  def __init__(self, run_dir: str, hparams: Mapping[str, Any], resume_step: Optional[int]):
+    os.makedirs(run_dir, exist_ok=True)
+    self.run_dir = run_dir
+    self.metrics_path = os.path.join(run_dir, METRICS_FILE)
+    if resume_step is None:
+      for old in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        os.remove(old)
+      rows = []
+    else:
+      rows = [r for r in self._rows() if r.get("step", 0) <= resume_step]
+    tmp = f"{self.metrics_path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+    os.replace(tmp, self.metrics_path)
+    purge = None if resume_step is None else resume_step + 1
+    self.tb = SummaryWriter(run_dir, purge_step=purge, flush_secs=10)
+    if resume_step is None:
+      exp, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()},
+                                    {tensorboard_tag(m): 0.0 for m in HPARAM_METRICS})
+      self.tb.file_writer.add_summary(exp)
+      self.tb.file_writer.add_summary(ssi)
+    self._hparams = dict(hparams)
+
+  def _rows(self) -> list[dict]:
+    if not os.path.exists(self.metrics_path):
+      return []
+    with open(self.metrics_path, encoding="utf-8") as f:
+      rows = []
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:
+          break
+      return rows
+
+  def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
+    """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
+    for name, value in scalars.items():
+      self.tb.add_scalar(tensorboard_tag(name), float(value), step)
+    row = {"step": step, "wall_seconds": wall_seconds, **scalars}
+    with open(self.metrics_path, "a", encoding="utf-8") as f:
+      f.write(json.dumps(jsonable(row), sort_keys=True) + "\n")
+
+  def close(self, finished: bool) -> None:
+    """Flushes; on a finished run also records the HParams session end."""
+    if finished:
+      _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()},
+                                  {tensorboard_tag(m): 0.0 for m in HPARAM_METRICS})
+      self.tb.file_writer.add_summary(sei)
+    self.tb.flush()
+    self.tb.close()

@@ -1,0 +1,104 @@
+"""Checkpoints: a run killed mid-way resumes to the same result; finished runs are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from experiments.configs import ranking as ranking_configs
+from phoenix_flax.training import ConfigError, checkpoint, run_experiment
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The smoke preset (40 steps, 10 per host call, checkpoints at 20) that kills itself with
+# SIGKILL when its progress callback reports KILL_AT_STEP: after the step-20 checkpoint
+# and the step-30 metrics row, before the end.
+KILLABLE_RUN = """
+import os, signal, sys
+from experiments.configs import ranking
+from phoenix_flax.training import run_experiment
+kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
+def progress(p):
+  if p.step == kill_at:
+    os.kill(os.getpid(), signal.SIGKILL)
+run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
+"""
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  """Subprocess environment sharing one persistent compilation cache."""
+  cache = tmp_path_factory.mktemp("jax_cache")
+  return dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache),
+              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def _rows(run_dir):
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _curve(run_dir):
+  """Every logged value except timings."""
+  return [{k: v for k, v in row.items() if k != "wall_seconds" and not k.startswith("perf/")}
+          for row in _rows(run_dir)]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
+  straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+  cli = subprocess.run(
+      [sys.executable, "-m", "experiments.run",
+       "--config=experiments/configs/ranking.py:smoke", f"--workdir={straight}"],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert cli.returncode == 0, cli.stderr[-3000:]
+  progress = [line for line in cli.stdout.splitlines() if line.startswith("step ")]
+  assert len(progress) == 4 and "steps/s" in progress[0] and "eta" in progress[0]
+  assert "result.json" in cli.stdout.splitlines()[-1]
+
+  first = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO,
+                         env=dict(env, KILL_AT_STEP="30"), capture_output=True, text=True,
+                         timeout=600)
+  assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+  assert not os.path.exists(os.path.join(killed, "result.json"))
+  assert checkpoint.available_steps(killed) == [20]
+  assert [r["step"] for r in _rows(killed)] == [10, 20, 30]
+
+  again = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  want = json.load(open(os.path.join(straight, "result.json")))
+  got = json.load(open(os.path.join(killed, "result.json")))
+  assert got["final"] == want["final"]
+  assert got["steps"] == want["steps"] == 40 and got["diverged"] is False
+  assert _curve(killed) == _curve(straight)
+  assert checkpoint.available_steps(killed)[-1] == 40
+
+  # Finished: the same call is skipped (nothing rewritten); another config is refused.
+  before = {f: os.path.getmtime(os.path.join(killed, f)) for f in os.listdir(killed)}
+  skipped = run_experiment(ranking_configs.get_config("smoke"), killed)
+  assert skipped[0]["final"] == want["final"]
+  assert before == {f: os.path.getmtime(os.path.join(killed, f)) for f in os.listdir(killed)}
+  other = ranking_configs.get_config("smoke")
+  other.optim.learning_rate = 1e-4
+  with pytest.raises(ConfigError, match="optim.learning_rate"):
+    run_experiment(other, killed)
+
+
+def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
+  tree = {"a": np.arange(3, dtype=np.float32), "b": np.zeros((), np.int32)}
+  for step in (10, 20, 30):
+    checkpoint.save(str(tmp_path), step, {"a": tree["a"] + step, "b": tree["b"]}, keep=2)
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
+  assert not [f for f in os.listdir(tmp_path / "checkpoint") if ".tmp" in f]
+  loaded = checkpoint.load(str(tmp_path), 20, tree)
+  np.testing.assert_array_equal(loaded["a"], tree["a"] + 20)
+  with pytest.raises(FileNotFoundError, match="step 10"):
+    checkpoint.load(str(tmp_path), 10, tree)

@@ -1,0 +1,55 @@
+"""experiments/run.py: flags, help, and clean failures before any work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from experiments.configs import ranking, retrieval
+from phoenix_flax.training import parse_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args):
+  return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+                        text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", [ranking, retrieval])
+@pytest.mark.parametrize("preset", ["cpu", "smoke", "full"])
+def test_every_preset_is_valid(module, preset):
+  spec = parse_config(module.get_config(preset))
+  assert spec.task == module.__name__.rsplit(".", 1)[-1]
+
+
+def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
+  workdir = tmp_path / "never"
+  cases = [
+      (["--config.model.num_kv_heads=3"], "num_kv_heads"),
+      (["--config.train.steps_per_call=7"], "config.train.steps_per_call"),
+      (["--config.model.no_such_field=1"], "no_such_field"),
+      (["--config.optim.learning_rate=fast"], "learning_rate"),
+      (["--config.mesh.num_devices=64"], "mesh.num_devices"),
+  ]
+  for extra, needle in cases:
+    proc = _run("--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
+                *extra)
+    assert proc.returncode == 2, (extra, proc.stderr[-2000:])
+    assert needle in proc.stderr, (extra, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert not workdir.exists()
+  missing = _run("--config=experiments/configs/ranking.py:smoke")
+  assert missing.returncode == 2 and "--workdir is required" in missing.stderr
+
+
+def test_helpfull_explains_every_flag():
+  proc = _run("--helpfull")
+  assert proc.returncode in (0, 1), proc.stderr  # absl exits 1 after printing help
+  for flag, words in (("--config:", "--config.model.num_layers"),
+                      ("--workdir:", "resumes"), ("quiet:", "progress line")):
+    assert flag in proc.stdout and words in proc.stdout, flag

@@ -1,0 +1,105 @@
+"""TensorBoard output, read back by tensorboard itself (event reader and a live server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from experiments.configs import ranking as ranking_configs
+from phoenix_flax.training import run_experiment
+
+SERVER_WAIT_S = 90
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  """A finished smoke ranking run."""
+  path = str(tmp_path_factory.mktemp("tb") / "smoke_run")
+  run_experiment(ranking_configs.get_config("smoke"), path)
+  return path
+
+
+def _accumulator(path):
+  acc = event_accumulator.EventAccumulator(path, size_guidance={event_accumulator.SCALARS: 0})
+  acc.Reload()
+  return acc
+
+
+@pytest.mark.slow
+def test_event_files_hold_every_metric_and_the_hparams(run_dir):
+  acc = _accumulator(run_dir)
+  tags = set(acc.Tags()["scalars"])
+  expected = {"train/loss", "train/grad_norm", "train/learning_rate", "train/max_attn_logit",
+              "train/residual_rms/layer_0", "eval/auc_mean", "eval/bayes_auc_mean",
+              "eval/logloss", "eval/calibration_error", "eval/score_consistency",
+              "eval/max_attn_logit", "eval/recall_5", "eval/auc/favorite_score",
+              "perf/examples_per_second"}
+  assert expected <= tags, expected - tags
+  rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+  loss = acc.Scalars("train/loss")
+  assert [e.step for e in loss] == [r["step"] for r in rows] == [10, 20, 30, 40]
+  for event, row in zip(loss, rows):
+    assert event.value == pytest.approx(row["train/loss"], rel=1e-6)
+  auc = acc.Scalars("eval/auc_mean")
+  assert [e.step for e in auc] == [20, 40]
+  result = json.load(open(os.path.join(run_dir, "result.json")))
+  assert auc[-1].value == pytest.approx(result["final"]["auc_mean"], rel=1e-6)
+
+  content = acc.PluginTagToContent("hparams")
+  assert {"_hparams_/experiment", "_hparams_/session_start_info",
+          "_hparams_/session_end_info"} <= set(content)
+  start = plugin_data_pb2.HParamsPluginData.FromString(
+      content["_hparams_/session_start_info"]).session_start_info
+  assert start.hparams["model.num_layers"].number_value == 1
+  assert start.hparams["model.norm_layout"].string_value == "sandwich"
+  experiment = plugin_data_pb2.HParamsPluginData.FromString(
+      content["_hparams_/experiment"]).experiment
+  assert "eval/auc_mean" in {m.name.tag for m in experiment.metric_infos}
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tensorboard_server_serves_the_run_scalars(run_dir):
+  port = _free_port()
+  logdir = os.path.dirname(run_dir)
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
+       "--port", str(port), "--reload_interval", "1"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
+  tags = {}
+  try:
+    deadline = time.monotonic() + SERVER_WAIT_S
+    while time.monotonic() < deadline:
+      assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+      try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+          tags = json.load(response).get(os.path.basename(run_dir), {})
+      except (urllib.error.URLError, ConnectionError, TimeoutError):
+        tags = {}
+      if "eval/auc_mean" in tags:
+        break
+      time.sleep(0.5)
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+  assert {"train/loss", "eval/auc_mean", "eval/bayes_auc_mean"} <= set(tags), tags

@@ -1,0 +1,193 @@
+"""Training system, losses, optimizer, the scanned loop and run_experiment (in process)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import ranking as ranking_configs
+from experiments.configs import retrieval as retrieval_configs
+from phoenix_flax.synthetic import make_world, sample_batch
+from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem,
+                                   first_positive, in_batch_softmax_loss, make_optimizer,
+                                   make_system, parse_config, ranking_loss, run_experiment)
+from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
+from phoenix_flax.training.runner import load_run
+
+
+def smoke_config(**train):
+  c = ranking_configs.get_config("smoke")
+  c.train.update(train)
+  return c
+
+
+def test_hash_tables_padding_is_zero_and_gets_no_gradient():
+  tables = HashEmbeddingTables(5, 7, 3, 4, key=jax.random.PRNGKey(0))
+  hashes = jnp.array([[0, 2], [4, 0]])
+  post, _ = tables.post_embeddings(hashes, hashes % 3)
+  assert np.all(np.asarray(post[0, 0]) == 0) and np.all(np.asarray(post[1, 1]) == 0)
+  np.testing.assert_allclose(post[0, 1], tables.post_table[2])
+  grads = jax.grad(lambda t: jnp.sum(t.post_embeddings(hashes, hashes % 3)[0] ** 2))(tables)
+  assert np.all(np.asarray(grads.post_table[0]) == 0)
+  assert np.any(np.asarray(grads.post_table[2]) != 0)
+  with pytest.raises(ValueError, match="post_buckets"):
+    HashEmbeddingTables(5, 1, 3, 4, key=jax.random.PRNGKey(0))
+
+
+def test_ranking_loss_is_weighted_masked_bce():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 4)).astype(np.float32)
+  labels = (rng.random((2, 3, 4)) < 0.4).astype(np.float32)
+  mask = np.array([[True, True, False], [True, False, False]])
+  w = np.array([1.0, 0.0, 2.0, 1.0], np.float32)
+  bce = np.logaddexp(0, logits) - labels * logits
+  expected = (bce * w * mask[..., None]).sum() / (mask.sum() * w.sum())
+  np.testing.assert_allclose(ranking_loss(logits, labels, mask, w), expected, rtol=1e-5)
+  np.testing.assert_allclose(ranking_loss(logits, labels, mask),
+                             bce[mask].mean(), rtol=1e-5)
+
+
+def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
+  rng = np.random.default_rng(1)
+  user = rng.normal(size=(4, 3)).astype(np.float32)
+  pos = rng.normal(size=(4, 3)).astype(np.float32)
+  valid = np.array([True, True, False, True])
+  ids = np.array([7, 8, 9, 7])
+  t = 0.5
+  logits = user @ pos.T / t
+  expected = []
+  for b in (0, 1, 3):
+    cols = [j for j in range(4) if j == b or (valid[j] and ids[j] != ids[b])]
+    expected.append(np.log(np.exp(logits[b, cols]).sum()) - logits[b, b])
+  got = in_batch_softmax_loss(user, pos, valid, t, ids)
+  np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
+  labels = np.zeros((2, 3, 2), np.float32)
+  labels[0, 2, 1] = labels[0, 1, 1] = 1
+  idx, has = first_positive(labels, np.ones((2, 3), bool), action=1)
+  assert idx.tolist()[0] == 1 and has.tolist() == [True, False]
+
+
+def test_weight_decay_skips_hash_tables_and_norms():
+  spec = parse_config(smoke_config())
+  opt = make_optimizer(spec)
+
+  @eqx.filter_jit
+  def second_update(key):
+    params = eqx.filter(make_system(spec, key), eqx.is_array)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    _, state = opt.update(zero, opt.init(params), params)   # step 0: warmup lr is 0
+    return opt.update(zero, state, params)[0]               # zero grads: only decay acts
+
+  updates = second_update(jax.random.PRNGKey(0))
+  assert np.all(np.asarray(updates.tables.post_table) == 0)
+  assert np.all(np.asarray(updates.model.final_norm.scale) == 0)
+  assert np.all(np.asarray(updates.model.transformer.layers.norm_attn_in.scale) == 0)
+  assert np.any(np.asarray(updates.model.unembeddings) != 0)
+  assert np.any(np.asarray(updates.model.transformer.layers.dense.out.weight) != 0)
+
+
+@pytest.mark.slow
+def test_score_consistency_is_zero_with_isolation_only():
+  world = eqx.filter_jit(make_world)(parse_config(smoke_config()).world,
+                                    jax.random.PRNGKey(0))
+  moved = {}
+  for isolation in (True, False):
+    cfg = smoke_config()
+    cfg.model.candidate_isolation = isolation
+    spec = parse_config(cfg)
+    system = eqx.filter_jit(lambda k: RankingSystem(spec.model, 256, 512, 64, key=k))(
+        jax.random.PRNGKey(1))
+    sb = jax.jit(sample_batch, static_argnums=(1, 2))(world, spec.train_split, 6,
+                                                      jax.random.PRNGKey(2))
+    out, _, total, count = eqx.filter_jit(forward_with_new_companions)(
+        system, sb.batch, sb.candidate_mask)
+    assert out.logits.shape == (6, 4, 19)
+    moved[isolation] = float(total / count)
+  assert moved[True] == 0.0
+  assert moved[False] > 1e-4
+  keep = jnp.array([True, False, True, False])
+  mixed = mix_companions(sb.batch, keep)
+  np.testing.assert_array_equal(mixed.candidate_post_hashes[1, 1],
+                                sb.batch.candidate_post_hashes[0, 1])
+  np.testing.assert_array_equal(mixed.candidate_post_hashes[1, 0],
+                                sb.batch.candidate_post_hashes[1, 0])
+
+
+def test_bad_config_values_name_the_field():
+  for path, value, match in (("optim.learning_rate", -1.0, "optim.learning_rate"),
+                             ("train.steps_per_call", 7, "train.steps_per_call"),
+                             ("train.action_weights", (1.0, 2.0), "train.action_weights"),
+                             ("world.num_users", 0, "config.world"),
+                             ("eval_split.max_history", 99, "config.eval_split"),
+                             ("model.norm_layout", "middle", "norm_layout")):
+    c = smoke_config()
+    section, field = path.split(".")
+    c[section][field] = value
+    with pytest.raises(ConfigError, match=match):
+      parse_config(c)
+
+
+def _finals(result):
+  return {k: v for k, v in result["final"].items() if v is not None}
+
+
+@pytest.mark.slow
+def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path):
+  c = smoke_config(score_consistency=False)
+  c.num_seeds = 2
+  together = run_experiment(c, str(tmp_path / "both"))
+  assert sorted(together) == [0, 1]
+  assert sorted(os.listdir(tmp_path / "both")) == ["seed_0", "seed_1"]
+  a, b = _finals(together[0]), _finals(together[1])
+  assert a["logloss"] != b["logloss"]
+  for seed in (0, 1):
+    single = smoke_config(score_consistency=False)
+    single.seed = seed
+    alone = run_experiment(single, str(tmp_path / f"alone_{seed}"))[seed]
+    got, want = _finals(alone), _finals(together[seed])
+    for key in ("logloss", "loss", "auc_mean", "bayes_auc_mean", "train/loss"):
+      np.testing.assert_allclose(got[key], want[key], atol=1e-4, err_msg=key)
+    cfg_alone = json.load(open(tmp_path / f"alone_{seed}" / "config.json"))
+    cfg_together = json.load(open(tmp_path / "both" / f"seed_{seed}" / "config.json"))
+    assert cfg_alone == cfg_together
+  result = json.load(open(tmp_path / "both" / "seed_1" / "result.json"))
+  assert set(result) >= {"final", "diverged", "diverged_at_step", "steps", "wall_seconds",
+                         "examples_per_second"}
+  assert result["steps"] == 40 and result["diverged"] is False
+  assert result["final"]["bayes_auc_mean"] > 0.5
+  loaded = load_run(str(tmp_path / "both" / "seed_1"))
+  assert loaded.step == 40
+  sb = jax.jit(sample_batch, static_argnums=(1, 2))(
+      loaded.trainer.world, loaded.trainer.spec.train_split, 2, jax.random.PRNGKey(0))
+  assert eqx.filter_jit(loaded.system)(sb.batch).shape == (2, 4, 19)
+
+
+@pytest.mark.slow
+def test_divergence_is_recorded_not_raised(tmp_path):
+  c = smoke_config(num_steps=40, eval_every=0, checkpoint_every=0)
+  c.optim.update(dict(learning_rate=1e12, grad_clip_norm=None, weight_decay=0.0,
+                      warmup_steps=0))
+  result = run_experiment(c, str(tmp_path))[0]
+  assert result["diverged"] is True
+  assert 1 <= result["diverged_at_step"] <= 40
+  saved = json.load(open(tmp_path / "result.json"))
+  assert saved["diverged_at_step"] == result["diverged_at_step"]
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert rows and rows[-1]["step"] <= 40
+
+
+@pytest.mark.slow
+def test_retrieval_task_trains_and_reports_recall(tmp_path):
+  c = retrieval_configs.get_config("smoke")
+  result = run_experiment(c, str(tmp_path))[0]
+  final = result["final"]
+  for key in ("loss", "recall@5", "recall@20", "bayes_recall@20", "auc", "bayes_auc"):
+    assert key in final and final[key] is not None, key
+  assert 0.0 <= final["recall@5"] <= final["recall@20"] <= 1.0
+  assert final["bayes_recall@20"] >= final["bayes_recall@5"]
