@@ -1,0 +1,1 @@
+"""Ablation suite: one script per Phoenix component, a shared sweep helper and reports."""

@@ -1,0 +1,75 @@
+"""Grouped-query attention: fewer key/value heads should cost little quality and save
+serving memory.
+
+Hypothesis: with 8 query heads, sharing each key/value head among 2, 4 or 8 query heads
+shrinks the per-user KV cache (what a server keeps to score a user's candidates in
+chunks) and the attention parameters proportionally, while the ranking AUC barely moves,
+so the AUC per KV-cache byte improves as the KV heads shrink.
+
+Task knobs: `model.num_q_heads=8` fixed, the default ranking task otherwise.
+
+Variants: `kv8` (8 KV heads, no grouping, as in the released example config; baseline),
+`kv4`, `kv2`, `kv1` (multi-query attention).
+
+Metrics: `auc_mean`, `params/transformer` and `params/total` (trained parameters),
+`kv_cache_bytes` (keys and values of one user context, 1 + S tokens, in the forward
+dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch, best of 5,
+after compiling), `logloss`, `diverged`; `gqa_tradeoff.png` plots AUC against KV-cache
+bytes and parameters.
+"""
+
+import os
+
+from ablations import probes, report, sweep
+
+
+def task(cfg, preset):
+  cfg.model.num_q_heads = 8
+
+
+def probe(ctx):
+  first = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])[0]
+  model = ctx.spec.model
+  return {"params/transformer": probes.count_params(ctx.system.model.transformer),
+          "params/total": probes.count_params(ctx.system),
+          "kv_cache_bytes": model.model.kv_cache_bytes(model.candidate_start_offset,
+                                                       model.fprop_dtype),
+          "scoring_candidates_per_s": probes.scoring_throughput(ctx.system, first.batch)}
+
+
+def plot_tradeoff(results, workdir):
+  """gqa_tradeoff.png: mean AUC (95% CI) against KV-cache bytes and parameters."""
+  fig, axes = report.figure(1, 2, (8.4, 3.2))
+  for ax, x_metric in zip(axes.flat, ("kv_cache_bytes", "params/transformer")):
+    for name, v in results["variants"].items():
+      auc, x = v["metrics"]["auc_mean"], v["metrics"][x_metric]
+      if auc["mean"] is None or x["mean"] is None:
+        continue
+      err = 0.0 if auc["ci95"] is None else (auc["ci95"][1] - auc["ci95"][0]) / 2
+      ax.errorbar(x["mean"], auc["mean"], yerr=err, fmt="o", capsize=3)
+      ax.annotate(name, (x["mean"], auc["mean"]), fontsize=7, xytext=(4, 4),
+                  textcoords="offset points")
+    ax.set_xlabel(x_metric, fontsize=8)
+    ax.set_ylabel("auc_mean", fontsize=8)
+  report.save_figure(fig, os.path.join(workdir, "gqa_tradeoff.png"))
+  return "gqa_tradeoff.png"
+
+
+ABLATION = sweep.Ablation(
+    name="gqa_ratio",
+    doc=__doc__,
+    arms={f"kv{k}": {"model.num_kv_heads": k} for k in (8, 4, 2, 1)},
+    baseline="kv8",
+    metrics=("auc_mean", "scoring_candidates_per_s", "kv_cache_bytes", "params/transformer",
+             "params/total", "logloss", "diverged"),
+    headline=("auc_mean", "scoring_candidates_per_s"),
+    preset_overrides={"cpu": {"train.num_steps": 300, "train.eval_every": 150,
+                              "train.checkpoint_every": 150}},
+    task=task,
+    probe=probe,
+    plots=(plot_tradeoff,),
+    better={"scoring_candidates_per_s": "higher", "kv_cache_bytes": "lower"},
+)
+
+if __name__ == "__main__":
+  sweep.main(ABLATION)

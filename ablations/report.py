@@ -1,0 +1,365 @@
+"""REPORT.md and PNG plots from a sweep's results.json (see `ablations.sweep`).
+
+Meant to be read in a minute: the verdict in plain sentences, one table per headline
+metric (value per variant, paired difference to the baseline with its CI and p-value, a
+verdict), a table of the other metrics, then the training curves (from each run's
+metrics.jsonl) and the effect sizes with their 95% confidence intervals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Mapping, Optional, Sequence
+
+import matplotlib
+from matplotlib.figure import Figure
+
+ALPHA = 0.05
+MAX_CURVE_PANELS = 12
+MAX_EFFECT_PANELS = 6
+
+
+def write_atomic(path: str, text: str) -> None:
+  """Writes `text` to `path` through a temporary file and a rename."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def figure(rows: int, cols: int, figsize: tuple[float, float]):
+  """(figure, 2-D array of axes) rendered by Agg, without pyplot's global state (so
+  importing this module changes no notebook's backend)."""
+  fig = Figure(figsize=figsize, layout="constrained")
+  return fig, fig.subplots(rows, cols, squeeze=False)
+
+
+def save_figure(fig, path: str) -> None:
+  """Saves a figure as PNG atomically."""
+  tmp = f"{path}.tmp{os.getpid()}"
+  fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+  os.replace(tmp, path)
+
+
+def fmt(value: Optional[float], digits: int = 4) -> str:
+  """`digits` significant digits (scientific outside [1e-3, 1e5)), or "n/a"."""
+  if value is None:
+    return "n/a"
+  if value == 0:
+    return "0"
+  if 1e-3 <= abs(value) < 1e5:
+    return f"{value:.{digits}g}"
+  return f"{value:.{max(digits - 2, 1)}e}"
+
+
+def fmt_ci(ci: Optional[Sequence[float]]) -> str:
+  return "n/a" if ci is None else f"[{fmt(ci[0], 3)}, {fmt(ci[1], 3)}]"
+
+
+def fmt_p(p: Optional[float]) -> str:
+  if p is None:
+    return "n/a"
+  return "<0.001" if p < 1e-3 else f"{p:.3f}"
+
+
+def p_phrase(label: str, p: Optional[float]) -> str:
+  """"p = 0.214", "p < 0.001" or "p = n/a"."""
+  text = fmt_p(p)
+  return f"{label} < 0.001" if text == "<0.001" else f"{label} = {text}"
+
+
+def significant(comparison: Mapping) -> bool:
+  """Holm-adjusted p < 0.05 (raw p when no adjustment is recorded)."""
+  p = comparison.get("p_holm", comparison.get("p_value"))
+  return p is not None and p < ALPHA and bool(comparison.get("delta"))
+
+
+def verdict(comparison: Mapping, better: Optional[str]) -> str:
+  """Plain reading of one comparison."""
+  if comparison.get("p_value") is None or comparison.get("delta") is None:
+    return f"not testable ({comparison.get('n', 0)} complete pairs)"
+  if not significant(comparison):
+    return "no significant difference"
+  side = "higher" if comparison["delta"] > 0 else "lower"
+  if better is None:
+    return f"significantly {side}"
+  return f"significantly {side} ({'better' if side == better else 'worse'})"
+
+
+def headline_lines(results: Mapping) -> list[str]:
+  """One sentence per headline comparison: pooled over conditions when the sweep has
+  them, per variant otherwise."""
+  better = results.get("better", {})
+  scope = " (pooled over all conditions)" if results.get("pooled_comparisons") else ""
+  lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope}, `{c['metric']}`: "
+           f"{verdict(c, better.get(c['metric']))} (Δ = {fmt(c['delta'])}, "
+           f"95% CI {fmt_ci(c['ci95'])}, {p_phrase('p', c['p_value'])}, "
+           f"{p_phrase('Holm p', c.get('p_holm'))}, {c['n']} pairs)."
+           for c in headline_comparisons(results)]
+  return lines or ["- No comparison with the baseline could be computed."]
+
+
+def short_verdict(comparison: Mapping, results: Mapping) -> str:
+  """"+0.026 (p <0.001) *": the difference, its p-value, a star when significant; for
+  `diverged`, the divergence counts of the variant and of its baseline."""
+  if comparison["metric"] == "diverged":
+    runs = lambda name: (results["variants"][name]["diverged"],
+                         len(results["variants"][name]["seeds"]))
+    (k, n), (kb, nb) = runs(comparison["variant"]), runs(comparison["baseline"])
+    return f"{k}/{n} vs {kb}/{nb} (p {fmt_p(comparison['p_value'])})"
+  if comparison.get("delta") is None:
+    return "n/a"
+  star = " *" if significant(comparison) else ""
+  delta = "0" if comparison["delta"] == 0 else f"{comparison['delta']:+.3g}"
+  return f"{delta} (p {fmt_p(comparison['p_value'])}){star}"
+
+
+def condition_matrix(results: Mapping, metric: str) -> list[str]:
+  """Markdown table of one metric's difference to the baseline, arm x condition level
+  (a star marks significance after the Holm correction); empty without conditions."""
+  cells = list(dict.fromkeys(v["cell"] for v in results["variants"].values()))
+  if len(cells) < 2:
+    return []
+  comps = {(results["variants"][c["variant"]]["arm"], results["variants"][c["variant"]]["cell"]):
+           c for c in results.get("comparisons", []) if c["metric"] == metric}
+  arms = [a for a in results["arms"] if a != results["baseline"]]
+  head = "diverged runs" if metric == "diverged" else f"Δ `{metric}`"
+  rows = [f"| {head} | " + " | ".join(cells) + " |", "| --- |" + " --- |" * len(cells)]
+  return rows + [f"| {arm} | " + " | ".join(short_verdict(comps[(arm, cell)], results)
+                                             if (arm, cell) in comps else "n/a"
+                                             for cell in cells) + " |" for arm in arms]
+
+
+def _cell(summary: Optional[Mapping]) -> str:
+  if not summary or summary.get("mean") is None:
+    return "n/a"
+  if summary.get("ci95") is None:
+    return f"{fmt(summary['mean'])} (n={summary['n']})"
+  half = (summary["ci95"][1] - summary["ci95"][0]) / 2
+  return f"{fmt(summary['mean'])} ± {fmt(half, 2)}"
+
+
+def metric_table(results: Mapping, metric: str) -> list[str]:
+  """Markdown rows: value per variant and its paired difference to the baseline."""
+  comps = {c["variant"]: c for c in results.get("comparisons", []) if c["metric"] == metric}
+  better = results.get("better", {}).get(metric)
+  rows = [f"| variant | runs | diverged | `{metric}` (mean ± 95% CI) | Δ vs baseline "
+          "[95% CI] | p | Holm p | verdict |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, v in results["variants"].items():
+    head = f"| {name} | {len(v['seeds'])} | {v['diverged']} | {_cell(v['metrics'].get(metric))}"
+    c = comps.get(name)
+    if v["arm"] == results["baseline"]:
+      rows.append(f"{head} | baseline | | | |")
+    elif c is None:
+      rows.append(f"{head} | n/a | | | |")
+    else:
+      rows.append(f"{head} | {fmt(c['delta'])} {fmt_ci(c['ci95'])} | {fmt_p(c['p_value'])} "
+                  f"| {fmt_p(c.get('p_holm'))} | {verdict(c, better)} |")
+  return rows
+
+
+def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
+  """Means of `metrics` per variant; metrics run down the rows when there are more of
+  them than variants (a narrow table either way)."""
+  variants = results["variants"]
+  if len(metrics) > len(variants):
+    rows = ["| metric | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+    return rows + [f"| `{m}` | " + " | ".join(_cell(v["metrics"].get(m)) for v in variants.values())
+                   + " |" for m in metrics]
+  rows = ["| variant | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+          "| --- |" + " --- |" * len(metrics)]
+  return rows + [f"| {name} | " + " | ".join(_cell(v["metrics"].get(m)) for m in metrics) + " |"
+                 for name, v in variants.items()]
+
+
+def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
+  """The REPORT.md text of one sweep."""
+  better = results.get("better", {})
+  headline = results.get("headline", [results["primary_metric"]])
+  out = [f"# Ablation `{results['ablation']}` ({results['preset']} preset)", ""]
+  if results.get("hypothesis"):
+    out += [results["hypothesis"], ""]
+  if results.get("command"):
+    out += ["Command:", "", f"    {results['command']}", ""]
+  conditions = "; ".join(f"{axis} = " + ", ".join(map(str, levels))
+                         for axis, levels in (results.get("conditions") or {}).items())
+  out += [f"Baseline (the released setting): **{results['baseline']}**. "
+          f"Seeds per variant: {len(results.get('seeds', []))}. "
+          + (f"Conditions: {conditions}. " if conditions else "")
+          + "Direction of improvement: "
+          + ", ".join(f"`{m}` {better.get(m) or 'none'}" for m in headline) + ".", "",
+          "## Verdict", ""] + headline_lines(results) + [""]
+  matrices = [condition_matrix(results, metric) for metric in headline]
+  if any(matrices):
+    out += ["Per condition (difference to the baseline of the same condition, its p-value; "
+            "* = significant after the Holm correction):", ""]
+    out += [line for m in matrices if m for line in m + [""]]
+  for metric in headline:
+    out += [f"## `{metric}`", ""] + metric_table(results, metric) + [""]
+  others = [m for m in results.get("metrics", []) if m not in headline]
+  if others:
+    out += ["## Other metrics (mean ± 95% CI over the runs that did not diverge)", ""]
+    out += other_metrics_table(results, others) + [""]
+  if plots:
+    out += ["## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots] + [""]
+  out += ["## How to read this", "",
+          "Values are the mean ± the half-width of the t-based 95% confidence interval over "
+          "seeds. Each variant is compared with the baseline run of the same seed (and the "
+          "same condition): a paired t-test on the differences, or the exact McNemar test "
+          "for `diverged` (which needs at least 6 pairs that disagree, all in one "
+          "direction, to reach p < 0.05: read the divergence counts directly when there "
+          "are fewer). `Holm p` corrects for the number of comparisons of one metric; "
+          "a verdict says *significant* only when it is below 0.05, so a real but small "
+          "effect can read *no significant difference* with few seeds. A diverged run "
+          "(non-finite loss) counts in `diverged` and has no other final metric: it is "
+          "left out of the means and of the pairs it belongs to (the pair count says how "
+          "many remained).", ""]
+  return "\n".join(out)
+
+
+def read_rows(run_dir: str) -> list[dict]:
+  """The rows of a run's metrics.jsonl (none when the file is missing)."""
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
+  """(steps, values) of one metrics.jsonl key; missing and non-finite values skipped."""
+  pairs = [(r["step"], r[key]) for r in rows
+           if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+  return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) -> bool:
+  """One panel per (condition, key), one colour per arm, one line per seed."""
+  variants = results["variants"]
+  cells = list(dict.fromkeys(v["cell"] for v in variants.values()))
+  panels = [(cell, k) for cell in cells for k in keys][:MAX_CURVE_PANELS]
+  palette = matplotlib.colormaps["tab10"]
+  colours = {a: palette(i % 10) for i, a in enumerate(results["arms"])}
+  cols = min(len(panels), max(len(keys), 4 if len(panels) > 4 else len(panels)))
+  rows_n = math.ceil(len(panels) / cols)
+  fig, axes = figure(rows_n, cols, (4.0 * cols, 3.0 * rows_n))
+  drawn = False
+  for ax, (cell, key) in zip(axes.flat, panels):
+    for name, v in variants.items():
+      if v["cell"] != cell:
+        continue
+      for i, seed in enumerate(v["seeds"]):
+        steps, values = curve(read_rows(os.path.join(workdir, name, f"seed_{seed}")), key)
+        if steps:
+          ax.plot(steps, values, color=colours[v["arm"]], lw=1.1, alpha=0.8,
+                  marker="o" if len(steps) < 3 else None, label=v["arm"] if i == 0 else None)
+          drawn = True
+    ax.set_title(key + (f" | {cell}" if cell else ""), fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    ax.tick_params(labelsize=7)
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  if drawn:
+    save_figure(fig, path)
+  return drawn
+
+
+def plot_effects(results: Mapping, metrics: Sequence[str], path: str) -> bool:
+  """Δ vs the baseline with 95% CI error bars (red: significant), one panel per metric,
+  every panel on the same rows (variants, then arms pooled over conditions)."""
+  comps = results.get("comparisons", []) + [
+      dict(c, variant=f"{c['variant']} (pooled)") for c in results.get("pooled_comparisons", [])]
+  comps = [c for c in comps if c["metric"] in metrics and c["delta"] is not None]
+  panels = [m for m in metrics if any(c["metric"] == m for c in comps)][:MAX_EFFECT_PANELS]
+  if not panels:
+    return False
+  labels = list(dict.fromkeys(c["variant"] for c in comps))
+  row = {label: len(labels) - 1 - i for i, label in enumerate(labels)}
+  cols = min(len(panels), 3)
+  rows_n = math.ceil(len(panels) / cols)
+  fig = Figure(figsize=(1.5 + 3.6 * cols, (0.9 + 0.28 * len(labels)) * rows_n),
+               layout="constrained")
+  axes = fig.subplots(rows_n, cols, squeeze=False, sharey=True)
+  for ax, metric in zip(axes.flat, panels):
+    for c in (c for c in comps if c["metric"] == metric):
+      lo, hi = c["ci95"] or (c["delta"], c["delta"])
+      ax.errorbar(c["delta"], row[c["variant"]], xerr=[[c["delta"] - lo], [hi - c["delta"]]],
+                  fmt="o", capsize=3, color="tab:red" if significant(c) else "tab:gray")
+    ax.axvline(0.0, color="black", lw=0.8)
+    ax.set_title(f"Δ {metric}", fontsize=9)
+    ax.tick_params(labelsize=7)
+  axes[0, 0].set_yticks(list(row.values()))
+  axes[0, 0].set_yticklabels(list(row), fontsize=7)
+  axes[0, 0].set_ylim(-0.6, len(labels) - 0.4)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  fig.suptitle(f"difference to {results['baseline']} (95% CI; red = significant after Holm)",
+               fontsize=9)
+  save_figure(fig, path)
+  return True
+
+
+def write_report(results: Mapping, workdir: str, curve_keys: Sequence[str] = (),
+                 extra_plots: Sequence = ()) -> str:
+  """Writes curves.png, effects.png, the extra plots and REPORT.md into `workdir`;
+  returns the path of REPORT.md."""
+  plots = []
+  if curve_keys and plot_curves(results, workdir, curve_keys,
+                                os.path.join(workdir, "curves.png")):
+    plots.append("curves.png")
+  headline = results.get("headline", [results["primary_metric"]])
+  if plot_effects(results, headline, os.path.join(workdir, "effects.png")):
+    plots.append("effects.png")
+  for plot in extra_plots:
+    name = plot(results, workdir)
+    if name:
+      plots.append(name)
+  path = os.path.join(workdir, "REPORT.md")
+  write_atomic(path, markdown(results, plots))
+  return path
+
+
+def headline_comparisons(results: Mapping) -> list[Mapping]:
+  """The comparisons the verdict states: pooled over conditions when there are any."""
+  source = results.get("pooled_comparisons") or results.get("comparisons", [])
+  return [c for metric in results.get("headline", [results["primary_metric"]])
+          for c in source if c["metric"] == metric]
+
+
+def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, preset: str,
+                      command: str = "") -> str:
+  """One page over several sweeps: a summary table of every headline comparison, then
+  per ablation its hypothesis, per-condition effects, effect plot and a link to its full
+  report. `entries` are (directory relative to `workdir`, results)."""
+  out = [f"# Phoenix ablations ({preset} preset)", ""]
+  if command:
+    out += ["Command:", "", f"    {command}", ""]
+  out += ["Each row: a variant against the released setting (pooled over the sweep's "
+          "conditions where it has several), paired over seeds; significant means Holm-"
+          "adjusted p < 0.05.", "",
+          "| ablation | variant vs baseline | metric | Δ [95% CI] | p | Holm p | verdict |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+  for rel, results in entries:
+    better = results.get("better", {})
+    for c in headline_comparisons(results):
+      out.append(f"| [{results['ablation']}]({rel}/REPORT.md) | {c['variant']} vs "
+                 f"{c['baseline']} | `{c['metric']}` | {fmt(c['delta'])} {fmt_ci(c['ci95'])} "
+                 f"| {fmt_p(c['p_value'])} | {fmt_p(c.get('p_holm'))} | "
+                 f"{verdict(c, better.get(c['metric']))} |")
+  out.append("")
+  for rel, results in entries:
+    out += [f"## [{results['ablation']}]({rel}/REPORT.md)", ""]
+    if results.get("hypothesis"):
+      out += [results["hypothesis"], ""]
+    for metric in results.get("headline", []):
+      matrix = condition_matrix(results, metric)
+      if matrix:
+        out += matrix + [""]
+    if os.path.exists(os.path.join(workdir, rel, "effects.png")):
+      out += [f"![{results['ablation']}]({rel}/effects.png)", ""]
+  return "\n".join(out)

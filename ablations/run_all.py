@@ -1,0 +1,58 @@
+"""Runs every ablation at one preset and writes one combined report.
+
+    python -m ablations.run_all --preset=cpu --workdir=/tmp/phoenix_ablations/cpu
+
+Each ablation writes its runs, results.json, REPORT.md and plots to
+`<workdir>/<ablation>/`; `<workdir>/REPORT.md` gathers their verdicts and effect plots,
+and `<workdir>/results.json` maps each ablation to its results. Re-running the command
+resumes an interrupted sweep and skips finished runs. The flags are those of the single
+ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`), plus `--ablations`.
+"""
+
+import os
+
+from absl import app, flags, logging
+
+from ablations import (candidate_isolation, gqa_ratio, report, rope_anchoring,
+                       sandwich_norm, soft_capping, sweep)
+
+ABLATIONS = {m.ABLATION.name: m.ABLATION for m in (
+    candidate_isolation, rope_anchoring, soft_capping, sandwich_norm, gqa_ratio)}
+
+flags.DEFINE_list("ablations", list(ABLATIONS),
+                  f"Comma-separated ablations to run (default: all of {list(ABLATIONS)}).")
+FLAGS = flags.FLAGS
+
+
+def run_all(names, workdir: str, make_sweep=sweep.sweep_from_flags, command: str = "") -> str:
+  """Runs the named ablations into `<workdir>/<name>/`; returns the combined REPORT.md.
+  Every ablation's configs are built (and validated) before any training starts."""
+  sweeps = [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
+  entries = []
+  for name, sw in zip(names, sweeps):
+    logging.info("=== %s ===", name)
+    entries.append((name, sw.run()))
+  sweep.write_json(os.path.join(workdir, "results.json"), dict(entries))
+  path = os.path.join(workdir, "REPORT.md")
+  report.write_atomic(path, report.combined_markdown(entries, workdir, sweeps[0].preset,
+                                                     command))
+  return path
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  unknown = [n for n in FLAGS.ablations if n not in ABLATIONS]
+  if unknown:
+    raise app.UsageError(f"--ablations: unknown {unknown}; choose from {list(ABLATIONS)}")
+  if FLAGS.variants:
+    raise app.UsageError("--variants selects variants of one ablation; run that "
+                         "ablation's script instead")
+  workdir = FLAGS.workdir or os.path.join("/tmp/phoenix_ablations", FLAGS.preset)
+  path = run_all(FLAGS.ablations, workdir, command=sweep.command_line())
+  print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
+
+
+if __name__ == "__main__":
+  sweep.expose_flags()
+  app.run(main)

@@ -1,0 +1,192 @@
+"""Statistics over seeds, numpy and the standard library only.
+
+Student-t distribution (CDF and quantile from the regularized incomplete beta function,
+evaluated by its continued fraction), per-variant summaries with t-based 95% confidence
+intervals, paired comparisons against a baseline (paired t-test for continuous metrics,
+exact McNemar test for 0/1 outcomes such as divergence) and Holm's step-down adjustment.
+
+Missing values (`None`, e.g. the AUC of a diverged run) are never imputed: summaries use
+the values present and say how many that was; paired comparisons use the pairs in which
+both sides are present.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+_EPS = 1e-15
+_TINY = 1e-300
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+  """Continued fraction of I_x(a, b) (modified Lentz), convergent for x < (a+1)/(a+b+2)."""
+  c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+  d = 1.0 / (d if abs(d) > _TINY else _TINY)
+  result = d
+  for m in range(1, 10_000):
+    for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                      -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+      d = 1.0 + numerator * d
+      d = 1.0 / (d if abs(d) > _TINY else _TINY)
+      c = 1.0 + numerator / c
+      c = c if abs(c) > _TINY else _TINY
+      result *= c * d
+    if abs(c * d - 1.0) < _EPS:
+      return result
+  raise ArithmeticError(f"incomplete beta did not converge for a={a}, b={b}, x={x}")
+
+
+def betainc(a: float, b: float, x: float) -> float:
+  """Regularized incomplete beta function I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
+  if not (a > 0 and b > 0):
+    raise ValueError(f"betainc needs a > 0 and b > 0, got a={a}, b={b}")
+  if not 0.0 <= x <= 1.0:
+    raise ValueError(f"betainc needs 0 <= x <= 1, got x={x}")
+  if x in (0.0, 1.0):
+    return x
+  log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+               + a * math.log(x) + b * math.log1p(-x))
+  if x < (a + 1.0) / (a + b + 2.0):
+    return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+  return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+  """P(T <= t) for Student's t with `df` degrees of freedom."""
+  if not df > 0:
+    raise ValueError(f"degrees of freedom must be > 0, got {df}")
+  if math.isinf(t):
+    return 1.0 if t > 0 else 0.0
+  tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
+  return 1.0 - tail if t > 0 else tail
+
+
+def t_ppf(q: float, df: float) -> float:
+  """Quantile of Student's t: the t with `t_cdf(t, df) == q`, by bisection."""
+  if not 0.0 < q < 1.0:
+    raise ValueError(f"quantile level must lie in (0, 1), got {q}")
+  if q == 0.5:
+    return 0.0
+  lo, hi = -1.0, 1.0
+  while t_cdf(lo, df) > q:
+    lo *= 2.0
+  while t_cdf(hi, df) < q:
+    hi *= 2.0
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    if t_cdf(mid, df) < q:
+      lo = mid
+    else:
+      hi = mid
+    if hi - lo < 1e-12 * max(1.0, abs(mid)):
+      break
+  return 0.5 * (lo + hi)
+
+
+def two_sided_p(t: float, df: float) -> float:
+  """Two-sided p-value of a t statistic."""
+  if math.isnan(t):
+    return 1.0
+  return min(1.0, 2.0 * t_cdf(-abs(t), df))
+
+
+def _present(values: Sequence[Optional[float]]) -> np.ndarray:
+  return np.asarray([v for v in values if v is not None and math.isfinite(v)], np.float64)
+
+
+def _clean(value: Optional[float]) -> Optional[float]:
+  """JSON-safe float: None for missing or non-finite values."""
+  if value is None or not math.isfinite(value):
+    return None
+  return float(value)
+
+
+def mean_ci(x: np.ndarray, level: float = 0.95) -> tuple[Optional[float], Optional[float],
+                                                           Optional[list]]:
+  """Mean, sample std (ddof=1) and the t-based confidence interval of the mean."""
+  n = x.size
+  if n == 0:
+    return None, None, None
+  mean = float(np.mean(x))
+  if n == 1:
+    return mean, None, None
+  std = float(np.std(x, ddof=1))
+  half = t_ppf(0.5 + level / 2.0, n - 1) * std / math.sqrt(n)
+  return mean, std, [mean - half, mean + half]
+
+
+def summarize(per_seed: Sequence[Optional[float]]) -> dict:
+  """{"mean", "std", "ci95", "n", "per_seed"} over the present values (None = missing)."""
+  x = _present(per_seed)
+  mean, std, ci = mean_ci(x)
+  return {"mean": _clean(mean), "std": _clean(std),
+          "ci95": None if ci is None else [_clean(ci[0]), _clean(ci[1])],
+          "n": int(x.size), "per_seed": [_clean(v) for v in per_seed]}
+
+
+def _pairs(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]):
+  if len(baseline) != len(variant):
+    raise ValueError(f"paired comparison needs equal lengths, got {len(baseline)} "
+                     f"baseline and {len(variant)} variant values")
+  keep = [(b, v) for b, v in zip(baseline, variant)
+          if _clean(b) is not None and _clean(v) is not None]
+  return (np.asarray([b for b, _ in keep], np.float64),
+          np.asarray([v for _, v in keep], np.float64))
+
+
+def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]) -> dict:
+  """Paired t-test of variant - baseline over the pairs where both are present.
+
+  Returns {"delta", "ci95", "p_value", "n", "test"}; with fewer than two pairs the CI and
+  p-value are None. Identical differences (zero spread) give a zero-width CI and
+  p = 1 when they are all zero, p = 0 otherwise.
+  """
+  b, v = _pairs(baseline, variant)
+  diff = v - b
+  n = diff.size
+  out = {"delta": None, "ci95": None, "p_value": None, "n": int(n), "test": "paired t"}
+  if n == 0:
+    return out
+  mean, std, ci = mean_ci(diff)
+  out["delta"] = _clean(mean)
+  if n < 2:
+    return out
+  if std == 0.0:
+    out["ci95"] = [mean, mean]
+    out["p_value"] = 1.0 if mean == 0.0 else 0.0
+    return out
+  out["ci95"] = [_clean(ci[0]), _clean(ci[1])]
+  out["p_value"] = two_sided_p(mean / (std / math.sqrt(n)), n - 1)
+  return out
+
+
+def mcnemar_exact(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]
+                  ) -> dict:
+  """Exact McNemar test for paired 0/1 outcomes (a two-sided sign test on the pairs that
+  disagree). "delta" is the difference in rates; "ci95" the t-interval of the paired
+  differences (zero-width when they are all equal)."""
+  b, v = _pairs(baseline, variant)
+  out = paired_t(b.tolist(), v.tolist())
+  up = int(np.sum((v > 0.5) & (b < 0.5)))
+  down = int(np.sum((v < 0.5) & (b > 0.5)))
+  discordant = up + down
+  tail = sum(math.comb(discordant, k) for k in range(min(up, down) + 1)) / 2.0 ** discordant
+  out["p_value"] = min(1.0, 2.0 * tail) if out["n"] else None
+  out["test"] = "exact McNemar"
+  return out
+
+
+def holm(p_values: Sequence[Optional[float]]) -> list[Optional[float]]:
+  """Holm's step-down adjustment of a family of p-values (None entries are skipped)."""
+  idx = [i for i, p in enumerate(p_values) if p is not None]
+  order = sorted(idx, key=lambda i: p_values[i])
+  m = len(order)
+  adjusted: list[Optional[float]] = [None] * len(p_values)
+  running = 0.0
+  for rank, i in enumerate(order):
+    running = max(running, min(1.0, (m - rank) * p_values[i]))
+    adjusted[i] = running
+  return adjusted

@@ -1,0 +1,522 @@
+"""The shared sweep helper: variants x seeds -> runs -> results.json -> REPORT.md + PNGs.
+
+An ablation (`Ablation`) names *arms*, the settings of the component under test, one of
+them the released setting (the baseline), and optionally *conditions*, axes such as the
+learning rate or the depth across which the comparison should hold. Every arm x
+condition level is a *variant*, trained for every seed by
+`phoenix_flax.training.run_experiment` into `<workdir>/<variant>/seed_<k>/` (seeds are
+vmapped in one call). The runner skips finished runs and resumes interrupted ones, so
+re-running a sweep only does the missing work. A *probe* can then measure what training
+does not (serving-time behaviour, throughput) on each finished run; its numbers are
+cached in `seed_<k>/probes.json`.
+
+Config of a variant, in order: `experiments/configs/ranking.py:get_config(preset)`, the
+sweep preset (`PRESETS`), the ablation's `preset_overrides` and `task(config, preset)`,
+the user's `--override`s, the condition level, the arm, then `num_seeds` (with
+`output.seed_subdirs=True`).
+
+results.json:
+
+    {"ablation": str, "preset": str, "baseline": arm, "primary_metric": str,
+     "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
+     "hypothesis": str, "command": str, "seeds": [int],
+     "arms": [arm], "conditions": {axis: [level]},
+     "variants": {name: {"arm": str, "cell": str, "overrides": {path: value},
+                         "seeds": [int], "diverged": int, "diverged_at_step": [int|null],
+                         "metrics": {metric: {"mean", "std", "ci95": [lo, hi], "n",
+                                              "per_seed": [float|null]}}}},
+     "comparisons": [{"variant", "baseline", "metric", "delta", "ci95": [lo, hi],
+                      "p_value", "p_holm", "n", "test"}],
+     "pooled_comparisons": [the same, with "variant" an arm: pairs over every condition
+                            level x seed, present when the sweep has conditions]}
+
+Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
+variant minus the baseline variant of the same condition, paired by seed (paired t-test;
+exact McNemar test for the 0/1 metric `diverged`); `p_holm` is Holm-adjusted over the
+comparisons of one metric. Diverged runs are never dropped silently: each counts in
+`diverged` and in the `diverged` metric, and has null for every other metric, so means
+and paired differences use the finished runs and `n` says how many. Null also marks what
+cannot be computed (a CI from one value).
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import shlex
+import sys
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from absl import app, flags, logging
+import ml_collections
+
+from ablations import report, stats
+
+SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
+
+# On top of experiments/configs/ranking.py's preset of the same name (ablations may
+# shorten runs further with `Ablation.preset_overrides`). cpu: shorter runs than that
+# preset's single-run default, so that all five ablations fit in under an hour on 2
+# cores; smoke: the tiny world, a handful of steps. Score consistency costs two extra
+# forwards per evaluation batch, so only the ablation that reports it turns it on.
+PRESETS = {
+    "smoke": {"train.num_steps": 20, "train.steps_per_call": 10, "train.eval_every": 0,
+              "train.checkpoint_every": 10, "train.eval_batches": 1,
+              "train.score_consistency": False},
+    "cpu": {"train.num_steps": 600, "train.steps_per_call": 50, "train.eval_every": 200,
+            "train.checkpoint_every": 200, "train.eval_batches": 4,
+            "train.score_consistency": False},
+    "full": {"train.score_consistency": False},
+}
+
+BETTER = {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower", "diverged": "lower",
+          "calibration_error": "lower", "score_consistency": "lower", "ndcg@5": "higher",
+          "recall@5": "higher"}
+
+Overrides = Mapping[str, Any]
+Conditions = Mapping[str, Mapping[str, Overrides]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One trained configuration: an arm at one condition level (cell)."""
+
+  name: str
+  arm: str
+  cell: str
+  overrides: Overrides
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """What a probe gets for one finished, non-diverged run: its directory, seed and
+  variant, the parsed config (`spec`: world, splits, model config), the synthetic world
+  and the trained `RankingSystem` (final checkpoint)."""
+
+  run_dir: str
+  seed: int
+  variant: Variant
+  preset: str
+  spec: Any
+  world: Any
+  system: Any
+
+
+Probe = Callable[[RunContext], Mapping[str, Any]]
+Plot = Callable[[Mapping, str], Optional[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Ablation:
+  """Everything a script states about one ablation.
+
+  Attributes:
+    name: directory and report name.
+    doc: the script's docstring; its first and "Hypothesis:" paragraphs open the report.
+    arms: arm -> config overrides (dotted paths, e.g. "model.attn_logit_cap").
+    baseline: the arm with the released setting; every other arm is compared with it.
+    metrics: every reported metric (result.json finals such as "auc_mean" or
+      "long/auc_mean", probe outputs, "diverged"), in report order.
+    primary_metric: the metric of the main table (default: the first of `metrics`).
+    headline: metrics whose comparisons the verdict spells out (default: primary and
+      "diverged").
+    preset_overrides: {preset: overrides} on top of `PRESETS` (e.g. shorter runs for a
+      sweep with many variants), applied before `task`.
+    task: `task(config, preset)` sets the task knobs on the preset's config in place.
+    conditions: `conditions(preset) -> {axis: {level: overrides}}`; variants = arms x
+      levels.
+    probe: post-training measurements of one run (cached in probes.json).
+    derived: `derived(found) -> {metric: value}`, metrics computed from one run's
+      flattened finals and probe outputs (e.g. a ratio of two of them).
+    curves: metrics.jsonl keys drawn in curves.png.
+    plots: extra `plot(results, workdir) -> png file name or None` for the report.
+    better: metric -> "higher"/"lower" is better, on top of `BETTER`.
+  """
+
+  name: str
+  doc: str
+  arms: Mapping[str, Overrides]
+  baseline: str
+  metrics: Sequence[str] = ("auc_mean", "logloss", "calibration_error", "diverged")
+  primary_metric: Optional[str] = None
+  headline: Sequence[str] = ()
+  preset_overrides: Mapping[str, Overrides] = dataclasses.field(default_factory=dict)
+  task: Optional[Callable[[ml_collections.ConfigDict, str], None]] = None
+  conditions: Optional[Callable[[str], Conditions]] = None
+  probe: Optional[Probe] = None
+  derived: Optional[Callable[[Mapping[str, Optional[float]]], Mapping[str, Any]]] = None
+  curves: Sequence[str] = ("train/loss", "eval/auc_mean")
+  plots: Sequence[Plot] = ()
+  better: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.baseline not in self.arms:
+      raise ValueError(f"Ablation {self.name!r}: baseline={self.baseline!r} is not one of "
+                       f"the arms {list(self.arms)}")
+    primary = self.primary_metric or self.metrics[0]
+    if primary not in self.metrics:
+      raise ValueError(f"Ablation {self.name!r}: primary_metric={primary!r} must be one "
+                       f"of metrics={list(self.metrics)}")
+    object.__setattr__(self, "primary_metric", primary)
+    if not self.headline:
+      head = (primary,) + (("diverged",) if "diverged" in self.metrics else ())
+      object.__setattr__(self, "headline", tuple(dict.fromkeys(head)))
+
+  def variants(self, preset: str) -> list[Variant]:
+    """Arms x condition levels (arm overrides win over condition overrides)."""
+    axes = self.conditions(preset) if self.conditions else {}
+    cells = itertools.product(*(levels.items() for levels in axes.values()))
+    out = []
+    for cell in cells:
+      cell_name = "_".join(level for level, _ in cell)
+      cell_overrides = {k: v for _, ov in cell for k, v in ov.items()}
+      for arm, arm_overrides in self.arms.items():
+        name = f"{arm}_{cell_name}" if cell_name else arm
+        out.append(Variant(name, arm, cell_name, {**cell_overrides, **arm_overrides}))
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """"a.b=value" -> ("a.b", value); Python literals (numbers, None, True, tuples) are
+  evaluated, anything else stays a string."""
+  path, sep, raw = text.partition("=")
+  path = path.strip()
+  if not sep or not path:
+    raise ValueError(f"override {text!r} must look like path.to.field=value")
+  try:
+    value = ast.literal_eval(raw.strip())
+  except (ValueError, SyntaxError):
+    value = raw.strip()
+  return path, value
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
+                    ) -> ml_collections.ConfigDict:
+  """A copy of `config` with dotted-path overrides; an unknown path or a type change
+  raises `ValueError` naming the path."""
+  config = copy.deepcopy(config)
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    node = config
+    try:
+      for p in parents:
+        node = node[p]
+      if leaf not in node:
+        raise KeyError(leaf)
+      node[leaf] = value
+    except (KeyError, AttributeError, TypeError) as e:
+      raise ValueError(f"config override {path}={value!r} is invalid: {e}") from None
+  return config
+
+
+def base_config(preset: str) -> ml_collections.ConfigDict:
+  """The ranking experiment config of `preset` with the sweep preset applied."""
+  from experiments.configs import ranking
+  return apply_overrides(ranking.get_config(preset), PRESETS[preset])
+
+
+def write_json(path: str, obj: Any) -> None:
+  report.write_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+
+
+def read_json(path: str) -> Optional[dict]:
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[float]]:
+  """Numbers (and None) kept, lists -> "name/i", dicts -> "name/key"; the rest dropped."""
+  out = {}
+  for k, v in metrics.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, bool):
+      out[key] = float(v)
+    elif v is None or isinstance(v, (int, float)):
+      out[key] = None if v is None else float(v)
+    elif isinstance(v, (list, tuple)):
+      out.update(flatten({str(i): x for i, x in enumerate(v)}, f"{key}/"))
+    elif isinstance(v, Mapping):
+      out.update(flatten(v, f"{key}/"))
+  return out
+
+
+def load_systems(config: ml_collections.ConfigDict, variant_dir: str):
+  """(trainer, [final `RankingSystem` per seed]) of a finished variant, from the final
+  checkpoint of each seed; `trainer.world` is the run's synthetic world."""
+  import equinox as eqx
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from phoenix_flax.training import Trainer, checkpoint, parse_config, run_dirs
+
+  spec = parse_config(config)
+  trainer = Trainer(spec)
+  stacked = eqx.filter_eval_shape(trainer.init, [spec.config.seed])
+  like = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked),
+          "wall_seconds": np.zeros((), np.float64)}
+  systems = []
+  for seed, run_dir in run_dirs(config, variant_dir).items():
+    if spec.config.train.num_steps not in checkpoint.available_steps(run_dir):
+      raise FileNotFoundError(f"{run_dir} has no final checkpoint (step "
+                              f"{spec.config.train.num_steps}); the run has not finished")
+    state = checkpoint.load(run_dir, spec.config.train.num_steps, like)["state"]
+    systems.append(trainer.system(jax.tree.map(jnp.asarray, state.params)))
+  return trainer, systems
+
+
+class Sweep:
+  """One ablation at one preset in one workdir: runs, probes, statistics, report."""
+
+  def __init__(self, ablation: Ablation, preset: str, workdir: str, *,
+               seeds: Optional[int] = None, variants: Sequence[str] = (),
+               overrides: Overrides = (), command: str = "",
+               runner: Optional[Callable] = None,
+               config_fn: Callable[[str], ml_collections.ConfigDict] = base_config):
+    if preset not in PRESETS:
+      raise ValueError(f"preset={preset!r}: use one of {tuple(PRESETS)}")
+    n = SEEDS[preset] if seeds is None else seeds
+    if n < 1:
+      raise ValueError(f"seeds={n}: need at least 1 (3 or more for confidence intervals)")
+    self.ablation, self.preset, self.workdir, self.command = ablation, preset, workdir, command
+    self.variants = select(ablation.variants(preset), variants, ablation.baseline)
+    self._runner = runner
+    cfg = apply_overrides(config_fn(preset), ablation.preset_overrides.get(preset, {}))
+    if ablation.task is not None:
+      ablation.task(cfg, preset)
+    self.base = apply_overrides(cfg, dict(overrides))
+    self.base.num_seeds = n
+    self.base.output.seed_subdirs = True
+    self.seeds = list(range(self.base.seed, self.base.seed + n))
+    from phoenix_flax.training import parse_config
+    for variant in self.variants:
+      parse_config(self.config(variant))
+
+  def config(self, variant: Variant) -> ml_collections.ConfigDict:
+    """The full config of a variant (all seeds)."""
+    return apply_overrides(self.base, variant.overrides)
+
+  def run_dir(self, variant: Variant, seed: int) -> str:
+    return os.path.join(self.workdir, variant.name, f"seed_{seed}")
+
+  def run(self) -> dict:
+    """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
+    runner = self._runner
+    if runner is None:
+      from phoenix_flax.training import run_experiment as runner
+    os.makedirs(self.workdir, exist_ok=True)
+    start = time.time()
+    for i, variant in enumerate(self.variants):
+      logging.info("[%s %d/%d] %s", self.ablation.name, i + 1, len(self.variants),
+                   variant.name)
+      cfg = self.config(variant)
+      runner(cfg, os.path.join(self.workdir, variant.name))
+      if self.ablation.probe is not None:
+        self._probe(variant, cfg)
+    logging.info("%s: %d variants x %d seeds in %.0f s", self.ablation.name,
+                 len(self.variants), len(self.seeds), time.time() - start)
+    return self.write()
+
+  def write(self) -> dict:
+    """results.json, REPORT.md and the plots from the finished runs."""
+    results = self.results()
+    write_json(os.path.join(self.workdir, "results.json"), results)
+    report.write_report(results, self.workdir, self.ablation.curves, self.ablation.plots)
+    return results
+
+  def _probe(self, variant: Variant, cfg: ml_collections.ConfigDict) -> None:
+    todo = []
+    for seed in self.seeds:
+      run_dir = self.run_dir(variant, seed)
+      result = read_json(os.path.join(run_dir, "result.json"))
+      if (not os.path.exists(os.path.join(run_dir, "probes.json")) and result is not None
+          and not result.get("diverged")):
+        todo.append(seed)
+    if not todo:
+      return
+    trainer, systems = load_systems(cfg, os.path.join(self.workdir, variant.name))
+    for seed in todo:
+      ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset, trainer.spec,
+                       trainer.world, systems[self.seeds.index(seed)])
+      write_json(os.path.join(ctx.run_dir, "probes.json"), flatten(self.ablation.probe(ctx)))
+
+  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set]:
+    """metric -> per-seed values (None for a diverged run), the divergence steps, and
+    every metric name the finished runs provide."""
+    values = {m: [] for m in self.ablation.metrics}
+    diverged_at, available = [], set()
+    for seed in self.seeds:
+      run_dir = self.run_dir(variant, seed)
+      result = read_json(os.path.join(run_dir, "result.json"))
+      if result is None:
+        raise FileNotFoundError(f"{run_dir}/result.json is missing: that run has not "
+                                "finished; run the sweep (not only the report) again")
+      diverged = bool(result.get("diverged"))
+      diverged_at.append(result.get("diverged_at_step") if diverged else None)
+      found = flatten(result.get("final", {}))
+      found.update(flatten(read_json(os.path.join(run_dir, "probes.json")) or {}))
+      if self.ablation.derived is not None:
+        found.update(flatten(self.ablation.derived(found)))
+      if not diverged:
+        available.update(k for k, v in found.items() if v is not None)
+      for m in values:
+        if m == "diverged":
+          values[m].append(float(diverged))
+        else:
+          values[m].append(None if diverged else found.get(m))
+    return values, diverged_at, available
+
+  def results(self) -> dict:
+    """The results.json dict (see the module docstring)."""
+    ab = self.ablation
+    table, variants, available, finished = {}, {}, set(), False
+    for v in self.variants:
+      values, diverged_at, found = self.per_seed(v)
+      available |= found
+      finished |= any(x is None for x in diverged_at)
+      table[v.name] = values
+      variants[v.name] = {
+          "arm": v.arm, "cell": v.cell, "overrides": dict(v.overrides),
+          "seeds": list(self.seeds),
+          "diverged": sum(x is not None for x in diverged_at),
+          "diverged_at_step": diverged_at,
+          "metrics": {m: stats.summarize(vals) for m, vals in values.items()}}
+    missing = [m for m in ab.metrics if m != "diverged" and m not in available]
+    if finished and missing:
+      raise ValueError(f"{ab.name}: metrics {missing} are in no run's result.json or "
+                       f"probes.json; available: {sorted(available)}")
+    baselines = {v.cell: v for v in self.variants if v.arm == ab.baseline}
+    comparisons, pooled = [], []
+    for metric in ab.metrics:
+      test = stats.mcnemar_exact if metric == "diverged" else stats.paired_t
+      rows = [{"variant": v.name, "baseline": baselines[v.cell].name, "metric": metric,
+               **test(table[baselines[v.cell].name][metric], table[v.name][metric])}
+              for v in self.variants if v.arm != ab.baseline and v.cell in baselines]
+      comparisons += _with_holm(rows)
+      if len(baselines) > 1:
+        prow = []
+        for arm in dict.fromkeys(v.arm for v in self.variants):
+          members = [v for v in self.variants if v.arm == arm and v.cell in baselines]
+          if arm == ab.baseline or not members:
+            continue
+          base = [x for v in members for x in table[baselines[v.cell].name][metric]]
+          this = [x for v in members for x in table[v.name][metric]]
+          prow.append({"variant": arm, "baseline": ab.baseline, "metric": metric,
+                       **test(base, this)})
+        pooled += _with_holm(prow)
+    axes = ab.conditions(self.preset) if ab.conditions else {}
+    return {"ablation": ab.name, "preset": self.preset, "baseline": ab.baseline,
+            "primary_metric": ab.primary_metric, "headline": list(ab.headline),
+            "metrics": list(ab.metrics),
+            "better": {m: better(m, ab.better) for m in ab.metrics},
+            "hypothesis": hypothesis(ab.doc), "command": self.command,
+            "seeds": list(self.seeds),
+            "arms": list(dict.fromkeys(v.arm for v in self.variants)),
+            "conditions": {axis: list(levels) for axis, levels in axes.items()},
+            "variants": variants, "comparisons": comparisons,
+            "pooled_comparisons": pooled}
+
+
+def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:
+  """Which direction is an improvement: by full name, else by the name after the split
+  prefix ("long_list/auc_mean" -> "auc_mean")."""
+  table = {**BETTER, **(extra or {})}
+  return table.get(metric, table.get(metric.rsplit("/", 1)[-1]))
+
+
+def _with_holm(rows: list[dict]) -> list[dict]:
+  for row, p in zip(rows, stats.holm([r["p_value"] for r in rows])):
+    row["p_holm"] = p
+  return rows
+
+
+def select(variants: Sequence[Variant], names: Sequence[str], baseline: str
+           ) -> list[Variant]:
+  """The variants named (by variant or arm name; all when `names` is empty), plus the
+  baseline variant of each of their cells, which every comparison needs."""
+  if not names:
+    return list(variants)
+  known = {v.name for v in variants} | {v.arm for v in variants}
+  unknown = [n for n in names if n not in known]
+  if unknown:
+    raise ValueError(f"--variants: unknown {unknown}; choose from {sorted(known)}")
+  chosen = [v for v in variants if v.name in names or v.arm in names]
+  cells = {v.cell for v in chosen}
+  return [v for v in variants if v in chosen or (v.arm == baseline and v.cell in cells)]
+
+
+def hypothesis(doc: str) -> str:
+  """A script docstring's first paragraph and its "Hypothesis:" paragraph, each on one
+  line, separated by a blank line."""
+  paragraphs = [" ".join(p.split()) for p in (doc or "").strip().split("\n\n")]
+  keep = paragraphs[:1] + [p for p in paragraphs[1:] if p.startswith("Hypothesis:")]
+  return "\n\n".join(keep)
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("preset", "cpu", list(PRESETS),
+                  "smoke: seconds, for tests; cpu: minutes on 2 CPU cores; full: "
+                  "accelerator scale.")
+flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
+flags.DEFINE_string("workdir", None,
+                    "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>). "
+                    "Re-running with the same one resumes and skips finished runs.")
+flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (default: all); "
+                  "the baseline runs too, every comparison needs it.")
+flags.DEFINE_multi_string("override", [],
+                          "Config override for every variant, repeatable, e.g. "
+                          "--override=model.num_layers=4 --override=optim.warmup_steps=50. "
+                          "The ablated switch and the condition axes are set after it.")
+
+
+SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override")
+
+
+def expose_flags() -> None:
+  """Lists the sweep flags in the running script's `--help`."""
+  for name in SWEEP_FLAGS:
+    FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+
+
+def default_workdir(preset: str, name: str) -> str:
+  return os.path.join("/tmp/phoenix_ablations", preset, name)
+
+
+def command_line() -> str:
+  """The command that started this process, as `python -m module ...`."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  head = ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+  return " ".join(shlex.quote(a) for a in head + sys.argv[1:])
+
+
+def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep:
+  """A `Sweep` configured by the command-line flags."""
+  return Sweep(ablation, FLAGS.preset,
+               workdir or FLAGS.workdir or default_workdir(FLAGS.preset, ablation.name),
+               seeds=FLAGS.seeds, variants=FLAGS.variants,
+               overrides=dict(parse_override(o) for o in FLAGS.override),
+               command=command_line())
+
+
+def main(ablation: Ablation) -> None:
+  """Entry point of an ablation script: `sweep.main(ABLATION)` under `__main__`."""
+
+  def _main(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    try:
+      sweep = sweep_from_flags(ablation)
+    except ValueError as e:
+      raise app.UsageError(str(e))
+    sweep.run()
+    print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
+          f"Curves: tensorboard --logdir {sweep.workdir}")
+
+  expose_flags()
+  app.run(_main)

@@ -1,0 +1,247 @@
+"""The sweep helper, statistics plumbing and report, driven by a fake runner (no
+training), plus checks that every ablation script builds valid configs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ablations import (candidate_isolation, gqa_ratio, rope_anchoring, run_all,
+                       sandwich_norm, soft_capping, sweep)
+from phoenix_flax.training import run_dirs
+
+SCRIPTS = (candidate_isolation, rope_anchoring, soft_capping, sandwich_norm, gqa_ratio)
+EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
+
+
+def fake_runner(diverge=()):
+  """A stand-in for run_experiment: writes result.json and metrics.jsonl per seed.
+
+  AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed; `diverge` lists (variant, seed)."""
+  calls = []
+
+  def run(config, workdir):
+    calls.append(workdir)
+    variant = os.path.basename(workdir)
+    arm = variant.split("_")[0]
+    for seed, run_dir in run_dirs(config, workdir).items():
+      os.makedirs(run_dir, exist_ok=True)
+      auc = 0.7 + EFFECT[arm] + 0.002 * math.sin(3 * seed + ord(arm))
+      diverged = (variant, seed) in diverge
+      result = {"final": {"auc_mean": None if diverged else auc, "logloss": 0.3 - auc / 10,
+                          "calibration_error": 0.01, "residual_rms": [1.0, 2.0]},
+                "diverged": diverged, "diverged_at_step": 7 if diverged else None,
+                "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
+      with open(os.path.join(run_dir, "result.json"), "w") as f:
+        json.dump(result, f)
+      with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in (10, 20):
+          f.write(json.dumps({"step": step, "train/loss": 1.0 / step,
+                              "eval/auc_mean": auc - 0.1 / step}) + "\n")
+  run.calls = calls
+  return run
+
+
+def toy_ablation(**kwargs):
+  fields = dict(name="toy", doc="Toy hypothesis.\n\nMore text.",
+                arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2},
+                      "c": {"model.num_layers": 3}},
+                baseline="a", metrics=("auc_mean", "logloss", "residual_rms/1", "diverged"))
+  fields.update(kwargs)
+  return sweep.Ablation(**fields)
+
+
+def lr_conditions(preset):
+  return {"lr": {"lo": {"optim.learning_rate": 1e-3}, "hi": {"optim.learning_rate": 1e-2}}}
+
+
+def test_variants_are_arms_times_conditions():
+  ab = toy_ablation(conditions=lr_conditions)
+  names = [v.name for v in ab.variants("smoke")]
+  assert names == ["a_lo", "b_lo", "c_lo", "a_hi", "b_hi", "c_hi"]
+  v = ab.variants("smoke")[4]
+  assert (v.arm, v.cell) == ("b", "hi")
+  assert v.overrides == {"optim.learning_rate": 1e-2, "model.num_layers": 2}
+  picked = sweep.select(ab.variants("smoke"), ["b_hi"], "a")
+  assert [p.name for p in picked] == ["a_hi", "b_hi"]
+  assert [p.name for p in sweep.select(ab.variants("smoke"), ["c"], "a")] == \
+      ["a_lo", "c_lo", "a_hi", "c_hi"]
+  with pytest.raises(ValueError, match="unknown"):
+    sweep.select(ab.variants("smoke"), ["zz"], "a")
+
+
+def test_ablation_validation():
+  with pytest.raises(ValueError, match="baseline"):
+    toy_ablation(baseline="nope")
+  with pytest.raises(ValueError, match="primary_metric"):
+    toy_ablation(primary_metric="ndcg")
+  assert toy_ablation().headline == ("auc_mean", "diverged")
+
+
+def test_overrides():
+  assert sweep.parse_override("model.attn_logit_cap=None") == ("model.attn_logit_cap", None)
+  assert sweep.parse_override("optim.learning_rate=1e-3") == ("optim.learning_rate", 1e-3)
+  assert sweep.parse_override("model.norm_layout=pre") == ("model.norm_layout", "pre")
+  with pytest.raises(ValueError, match="path.to.field=value"):
+    sweep.parse_override("num_layers")
+  base = sweep.base_config("smoke")
+  cfg = sweep.apply_overrides(base, {"model.num_layers": 3, "model.attn_logit_cap": None})
+  assert cfg.model.num_layers == 3 and cfg.model.attn_logit_cap is None
+  assert base.model.num_layers == 1 and base.model.attn_logit_cap == 30.0
+  with pytest.raises(ValueError, match="model.num_layerz"):
+    sweep.apply_overrides(base, {"model.num_layerz": 3})
+  with pytest.raises(ValueError, match="train.num_steps"):
+    sweep.apply_overrides(base, {"train.num_steps": 2.5})
+
+
+def test_sweep_results_stats_and_report(tmp_path):
+  runner = fake_runner(diverge={("c_hi", 1)})
+  ab = toy_ablation(conditions=lr_conditions)
+  sw = sweep.Sweep(ab, "smoke", str(tmp_path), seeds=4, runner=runner,
+                   overrides={"train.num_steps": 20}, command="python -m toy")
+  results = sw.run()
+  assert len(runner.calls) == 6
+  on_disk = json.loads((tmp_path / "results.json").read_text())
+  assert on_disk == json.loads(json.dumps(results))
+  assert {"ablation", "preset", "baseline", "primary_metric", "variants", "comparisons"} \
+      <= set(on_disk)
+  assert on_disk["conditions"] == {"lr": ["lo", "hi"]}
+  b = on_disk["variants"]["b_lo"]
+  assert b["overrides"] == {"optim.learning_rate": 1e-3, "model.num_layers": 2}
+  assert b["seeds"] == [0, 1, 2, 3] and b["diverged"] == 0
+  auc = b["metrics"]["auc_mean"]
+  assert set(auc) >= {"mean", "std", "ci95", "per_seed"}
+  assert auc["ci95"][0] < auc["mean"] < auc["ci95"][1]
+  assert b["metrics"]["residual_rms/1"]["mean"] == 2.0
+
+  c = on_disk["variants"]["c_hi"]
+  assert c["diverged"] == 1 and c["diverged_at_step"] == [None, 7, None, None]
+  assert c["metrics"]["auc_mean"]["per_seed"][1] is None
+  assert c["metrics"]["auc_mean"]["n"] == 3
+  assert c["metrics"]["diverged"]["per_seed"] == [0.0, 1.0, 0.0, 0.0]
+
+  comps = {(r["variant"], r["metric"]): r for r in on_disk["comparisons"]}
+  up = comps[("b_lo", "auc_mean")]
+  assert up["baseline"] == "a_lo" and up["delta"] == pytest.approx(0.03, abs=0.004)
+  assert up["p_value"] < 1e-3 and up["n"] == 4
+  assert comps[("c_hi", "auc_mean")]["n"] == 3
+  assert comps[("c_hi", "diverged")]["test"] == "exact McNemar"
+  assert comps[("c_hi", "diverged")]["p_value"] == 1.0
+  pooled = {(r["variant"], r["metric"]): r for r in on_disk["pooled_comparisons"]}
+  assert pooled[("b", "auc_mean")]["n"] == 8
+  assert pooled[("c", "auc_mean")]["n"] == 7
+
+  text = (tmp_path / "REPORT.md").read_text()
+  assert "Toy hypothesis." in text and "python -m toy" in text
+  assert "significantly higher (better)" in text
+  assert "| c_hi | 4 | 1 |" in text
+  assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
+  for png in ("curves.png", "effects.png"):
+    assert (tmp_path / png).stat().st_size > 1000
+    assert f"({png})" in text
+
+
+def test_small_effect_reads_not_significant(tmp_path):
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3,
+                        runner=fake_runner()).run()
+  c = next(r for r in results["comparisons"]
+           if r["variant"] == "c" and r["metric"] == "auc_mean")
+  assert c["p_value"] > 0.05
+  assert "**c** vs **a**, `auc_mean`: no significant difference" in \
+      (tmp_path / "REPORT.md").read_text()
+
+
+def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
+  calls = []
+
+  def probe(ctx):
+    calls.append((ctx.variant.name, ctx.seed))
+    return {"probe": {"value": float(ctx.seed)}}
+
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d: (
+      type("T", (), {"spec": None, "world": None}), ["s0", "s1"]))
+  ab = toy_ablation(probe=probe, metrics=("auc_mean", "probe/value", "diverged"))
+  runner = fake_runner(diverge={("b", 0)})
+  sw = sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner)
+  results = sw.run()
+  assert sorted(calls) == [("a", 0), ("a", 1), ("b", 1), ("c", 0), ("c", 1)]
+  assert results["variants"]["c"]["metrics"]["probe/value"]["per_seed"] == [0.0, 1.0]
+  assert results["variants"]["b"]["metrics"]["probe/value"]["per_seed"] == [None, 1.0]
+  sw.run()
+  assert len(calls) == 5
+
+
+def test_unknown_metric_is_an_error(tmp_path):
+  sw = sweep.Sweep(toy_ablation(metrics=("auc_mean", "auc_maen")), "smoke", str(tmp_path),
+                   runner=fake_runner())
+  with pytest.raises(ValueError, match="auc_maen"):
+    sw.run()
+
+
+def test_missing_run_is_an_error(tmp_path):
+  sw = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=lambda c, w: None)
+  with pytest.raises(FileNotFoundError, match="has not finished"):
+    sw.run()
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
+def test_scripts_state_their_design_and_build_valid_configs(module):
+  doc = module.__doc__
+  for section in ("Hypothesis:", "Task knobs:", "Variants:", "Metrics:"):
+    assert section in doc, f"{module.__name__} docstring lacks {section!r}"
+  ab = module.ABLATION
+  assert set(ab.headline) <= set(ab.metrics)
+  for preset in sweep.PRESETS:
+    sw = sweep.Sweep(ab, preset, "/nonexistent")
+    assert sw.seeds == list(range(sweep.SEEDS[preset]))
+    arms = {v.arm for v in sw.variants}
+    assert arms == set(ab.arms)
+    for v in sw.variants:
+      cfg = sw.config(v)
+      assert cfg.num_seeds == len(sw.seeds) and cfg.output.seed_subdirs is True
+      for path, value in v.overrides.items():
+        node = cfg
+        for part in path.split("."):
+          node = node[part]
+        assert node == value, path
+
+
+def test_presets_grow_and_fit_the_budget():
+  smoke, cpu = sweep.base_config("smoke"), sweep.base_config("cpu")
+  assert smoke.train.num_steps <= 20 and smoke.world.history_len <= 8
+  assert cpu.train.num_steps < sweep.base_config("full").train.num_steps
+  runs = sum(len(sweep.Sweep(m.ABLATION, "cpu", "/x").variants) for m in SCRIPTS)
+  assert runs <= 40
+
+
+def test_run_all_writes_one_combined_report(tmp_path, monkeypatch):
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation(),
+                                             "toy2": toy_ablation(name="toy2")})
+  make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
+                                               runner=fake_runner())
+  path = run_all.run_all(["toy", "toy2"], str(tmp_path), make_sweep=make, command="cmd")
+  text = open(path).read()
+  assert "## [toy](toy/REPORT.md)" in text and "## [toy2](toy2/REPORT.md)" in text
+  assert "| [toy](toy/REPORT.md) | b vs a | `auc_mean` |" in text
+  assert "![toy](toy/effects.png)" in text and "    cmd" in text
+  combined = json.loads((tmp_path / "results.json").read_text())
+  assert set(combined) == {"toy", "toy2"}
+  assert combined["toy"]["variants"]["b"]["metrics"]["auc_mean"]["mean"] > 0.72
+  assert (tmp_path / "toy" / "REPORT.md").exists()
+
+
+def test_cli_rejects_bad_flags_before_work(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for args, message in ((["--preset=huge"], "preset"),
+                        (["--variants=nope"], "unknown"),
+                        (["--override=model.num_layerz=2"], "num_layerz")):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ablations.gqa_ratio", f"--workdir={tmp_path}", *args],
+        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+    assert proc.returncode != 0
+    assert message in proc.stderr
+  assert not os.listdir(tmp_path)

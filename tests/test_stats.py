@@ -1,0 +1,89 @@
+"""Student-t, summaries and paired tests of ablations.stats against known values."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ablations import stats
+
+# Two-sided 95% critical values t_{0.975, df} from standard tables.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 10: 2.228,
+         20: 2.086, 29: 2.045, 120: 1.980}
+
+
+@pytest.mark.parametrize("df,expected", sorted(T_975.items()))
+def test_t_ppf_matches_table(df, expected):
+  assert stats.t_ppf(0.975, df) == pytest.approx(expected, abs=6e-4)
+
+
+def test_t_ppf_other_levels_and_symmetry():
+  assert stats.t_ppf(0.995, 4) == pytest.approx(4.604, abs=6e-4)
+  assert stats.t_ppf(0.95, 10) == pytest.approx(1.812, abs=6e-4)
+  assert stats.t_ppf(0.025, 9) == pytest.approx(-2.262, abs=6e-4)
+  assert stats.t_ppf(0.975, 1e6) == pytest.approx(1.95996, abs=1e-4)
+
+
+def test_t_cdf_closed_forms():
+  # df=1 is Cauchy, df=2 has F(t) = 1/2 + t / (2 sqrt(2 + t^2)).
+  for t in (-7.0, -1.3, 0.0, 0.4, 3.0, 25.0):
+    assert stats.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-12)
+    assert stats.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-12)
+  for q in (0.01, 0.3, 0.9, 0.999):
+    assert stats.t_cdf(stats.t_ppf(q, 7), 7) == pytest.approx(q, abs=1e-10)
+
+
+def test_betainc_known_values():
+  assert stats.betainc(1.0, 1.0, 0.3) == pytest.approx(0.3)
+  assert stats.betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248, abs=1e-12)
+  assert stats.betainc(0.5, 0.5, 0.5) == pytest.approx(0.5, abs=1e-12)
+  with pytest.raises(ValueError, match="0 <= x <= 1"):
+    stats.betainc(1.0, 1.0, 1.5)
+
+
+def test_summarize_counts_missing_values():
+  s = stats.summarize([0.70, None, 0.72, 0.74])
+  assert s["n"] == 3 and s["per_seed"] == [0.70, None, 0.72, 0.74]
+  assert s["mean"] == pytest.approx(0.72)
+  assert s["std"] == pytest.approx(0.02)
+  half = 4.303 * 0.02 / math.sqrt(3)
+  assert s["ci95"] == pytest.approx([0.72 - half, 0.72 + half], abs=1e-5)
+  one = stats.summarize([0.5, None])
+  assert one["mean"] == 0.5 and one["std"] is None and one["ci95"] is None
+  assert stats.summarize([None, float("nan")])["mean"] is None
+
+
+def test_paired_t_matches_hand_computation():
+  base = [0.70, 0.71, 0.69, 0.72, 0.70]
+  var = [0.72, 0.725, 0.70, 0.745, 0.715]
+  d = np.subtract(var, base)
+  t = d.mean() / (d.std(ddof=1) / math.sqrt(5))
+  r = stats.paired_t(base, var)
+  assert r["n"] == 5 and r["delta"] == pytest.approx(d.mean())
+  assert r["p_value"] == pytest.approx(2 * stats.t_cdf(-abs(t), 4))
+  assert r["p_value"] < 0.01
+  assert r["ci95"][0] > 0 and r["ci95"][1] > r["delta"]
+
+
+def test_paired_t_no_effect_and_missing_pairs():
+  r = stats.paired_t([0.7, 0.8, 0.75], [0.71, 0.79, 0.75])
+  assert r["p_value"] > 0.5 and r["ci95"][0] < 0 < r["ci95"][1]
+  r = stats.paired_t([0.7, None, 0.75], [0.71, 0.8, None])
+  assert r["n"] == 1 and r["delta"] == pytest.approx(0.01) and r["p_value"] is None
+  assert stats.paired_t([1.0, 2.0], [1.0, 2.0])["p_value"] == 1.0
+  with pytest.raises(ValueError, match="equal lengths"):
+    stats.paired_t([1.0], [1.0, 2.0])
+
+
+def test_mcnemar_exact():
+  # 6 pairs disagree, all in one direction: p = 2 * 0.5**6.
+  r = stats.mcnemar_exact([0] * 8, [1] * 6 + [0] * 2)
+  assert r["p_value"] == pytest.approx(2 / 64) and r["delta"] == pytest.approx(0.75)
+  assert r["test"] == "exact McNemar"
+  assert stats.mcnemar_exact([0, 0, 0], [0, 0, 0])["p_value"] == 1.0
+  assert stats.mcnemar_exact([1, 0, 1], [0, 1, 1])["p_value"] == 1.0
+
+
+def test_holm():
+  adjusted = stats.holm([0.01, None, 0.04, 0.03])
+  assert adjusted == pytest.approx([0.03, None, 0.06, 0.06])
