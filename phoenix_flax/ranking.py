@@ -106,10 +106,8 @@ class PhoenixModel(eqx.Module):
   def _check(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
              with_candidates: bool = True) -> tuple[int, int]:
     c = self.config
-    B, C = check_batch(batch, c.hash_config, c.history_seq_len, with_candidates=with_candidates)
-    if batch.history_actions.shape[-1] != c.num_actions:
-      raise ValueError(f"history_actions has {batch.history_actions.shape[-1]} actions, "
-                       f"config.num_actions={c.num_actions}")
+    B, C = check_batch(batch, c.hash_config, c.history_seq_len, c.num_actions,
+                       with_candidates=with_candidates)
     check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, C, c.emb_size,
                      with_candidates)
     if c.post_age_granularity_mins is not None and with_candidates and (

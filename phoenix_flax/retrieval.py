@@ -99,10 +99,8 @@ class PhoenixRetrievalModel(eqx.Module):
                                 ) -> tuple[Array, Array]:
     """Unit-norm user vector `[B, D]` and its norm before normalisation `[B, 1]`."""
     c = self.config
-    B, _ = check_batch(batch, c.hash_config, c.history_seq_len, with_candidates=False)
-    if batch.history_actions.shape[-1] != c.num_actions:
-      raise ValueError(f"history_actions has {batch.history_actions.shape[-1]} actions, "
-                       f"config.num_actions={c.num_actions}")
+    B, _ = check_batch(batch, c.hash_config, c.history_seq_len, c.num_actions,
+                       with_candidates=False)
     check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, 0, c.emb_size,
                      with_candidates=False)
     user, user_mask = block_user_reduce(batch.user_hashes, embeddings.user_embeddings,

@@ -59,7 +59,7 @@ def _check(x, shape, name: str, kind: str) -> None:
     chex.assert_type(x, float, custom_message=f"field {name} must hold floats")
 
 
-def check_batch(batch: RecsysBatch, hash_config, history_len: int, with_actions: bool = True,
+def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: int,
                 with_candidates: bool = True) -> tuple[int, int]:
   """Checks ranks, shapes and dtypes of a batch; returns (B, C) (C = 0 without candidates)."""
   if not isinstance(batch, RecsysBatch):
@@ -70,9 +70,11 @@ def check_batch(batch: RecsysBatch, hash_config, history_len: int, with_actions:
   _check(batch.user_hashes, (B, hash_config.num_user_hashes), "user_hashes", "int")
   _check(batch.history_post_hashes, (B, S, I), "history_post_hashes", "int")
   _check(batch.history_author_hashes, (B, S, Au), "history_author_hashes", "int")
-  if with_actions:
-    chex.assert_rank(batch.history_actions, 3, custom_message="field history_actions")
-    _check(batch.history_actions, (B, S, None), "history_actions", "any")
+  chex.assert_rank(batch.history_actions, 3, custom_message="field history_actions")
+  if batch.history_actions.shape[-1] != num_actions:
+    raise ValueError(f"history_actions has {batch.history_actions.shape[-1]} actions, "
+                     f"config.num_actions={num_actions}")
+  _check(batch.history_actions, (B, S, num_actions), "history_actions", "any")
   _check(batch.history_product_surface, (B, S), "history_product_surface", "int")
   if batch.history_dwell_times is not None:
     _check(batch.history_dwell_times, (B, S), "history_dwell_times", "any")

@@ -63,7 +63,7 @@ def test_shapes_dtypes_and_padding_layout():
   cfg, split = SMALL, SplitConfig(min_history=0, min_candidates=2, candidate_order="grouped")
   sb = sample(world(), split, 64, jax.random.PRNGKey(0))
   B, S, C, A = 64, cfg.history_len, cfg.num_candidates, cfg.num_actions
-  assert pf.types.check_batch(sb.batch, pf.HashConfig(), S) == (B, C)
+  assert pf.types.check_batch(sb.batch, pf.HashConfig(), S, 19) == (B, C)
   assert sb.labels.shape == sb.probs.shape == (B, C, A)
   assert sb.labels.dtype == sb.probs.dtype == jnp.float32
   assert sb.candidate_mask.dtype == jnp.bool_ and sb.user_ids.dtype == jnp.int32
