@@ -14,9 +14,16 @@ from phoenix_flax.training import parse_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _command(*args):
+  return [sys.executable, "-m", "experiments.run", *args]
+
+
+def _env():
+  return dict(os.environ, PYTHONPATH=REPO)
+
+
 def _run(*args):
-  return subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=REPO,
-                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True,
+  return subprocess.run(_command(*args), cwd=REPO, env=_env(), capture_output=True,
                         text=True, timeout=300)
 
 
@@ -35,14 +42,18 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.no_such_field=1"], "no_such_field"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
       (["--config.mesh.num_devices=64"], "mesh.num_devices"),
+      (["--no_such_flag"], "no_such_flag"),
   ]
-  for extra, needle in cases:
-    proc = _run("--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
-                *extra)
-    assert proc.returncode == 2, (extra, proc.stderr[-2000:])
-    assert needle in proc.stderr, (extra, proc.stderr[-2000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert not workdir.exists()
+  procs = [subprocess.Popen(_command("--config=experiments/configs/ranking.py:smoke",
+                                     f"--workdir={workdir}", *extra),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for extra, _ in cases]
+  for proc, (extra, needle) in zip(procs, cases):
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, (extra, stderr[-2000:])
+    assert needle in stderr, (extra, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+  assert not workdir.exists()
   missing = _run("--config=experiments/configs/ranking.py:smoke")
   assert missing.returncode == 2 and "--workdir is required" in missing.stderr
 

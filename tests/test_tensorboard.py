@@ -15,17 +15,19 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from experiments.configs import ranking as ranking_configs
-from phoenix_flax.training import run_experiment
-
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_WAIT_S = 90
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-  """A finished smoke ranking run."""
+  """A finished smoke ranking run of experiments/run.py (unoptimised, fast compiles)."""
   path = str(tmp_path_factory.mktemp("tb") / "smoke_run")
-  run_experiment(ranking_configs.get_config("smoke"), path)
+  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
+  proc = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
+                         "--config=experiments/configs/ranking.py:smoke", f"--workdir={path}"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
   return path
 
 

@@ -1,9 +1,11 @@
-"""Training system, losses, optimizer, the scanned loop and run_experiment (in process)."""
+"""Training systems, losses, optimizer, score consistency, and whole runs of run.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -12,13 +14,14 @@ import numpy as np
 import pytest
 
 from experiments.configs import ranking as ranking_configs
-from experiments.configs import retrieval as retrieval_configs
 from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
-                                   make_system, parse_config, ranking_loss, run_experiment)
+                                   make_system, parse_config, ranking_loss)
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
 from phoenix_flax.training.runner import load_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def smoke_config(**train):
@@ -137,30 +140,58 @@ def _finals(result):
   return {k: v for k, v in result["final"].items() if v is not None}
 
 
+@pytest.fixture(scope="module")
+def main(tmp_path_factory):
+  """Runs `python -m <module> <args>` in a subprocess (unoptimised XLA for quick compiles,
+  one persistent compilation cache for the module); returns its stdout."""
+  cache = tmp_path_factory.mktemp("jax_cache")
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             XLA_FLAGS="--xla_backend_optimization_level=0")
+
+  def run(module: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+  return run
+
+
+@pytest.fixture(scope="module")
+def cli(main):
+  """experiments/run.py with a config file of experiments/configs, a workdir, overrides."""
+  return lambda config, workdir, *overrides: main(
+      "experiments.run", "--quiet", f"--config=experiments/configs/{config}",
+      f"--workdir={workdir}", *overrides)
+
+
+def _result(run_dir):
+  with open(os.path.join(run_dir, "result.json")) as f:
+    return json.load(f)
+
+
 @pytest.mark.slow
-def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path):
-  c = smoke_config(score_consistency=False)
-  c.num_seeds = 2
-  together = run_experiment(c, str(tmp_path / "both"))
-  assert sorted(together) == [0, 1]
+def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
+  quick = "--config.train.score_consistency=False"
+  cli("ranking.py:smoke", tmp_path / "both", "--config.num_seeds=2", quick)
   assert sorted(os.listdir(tmp_path / "both")) == ["seed_0", "seed_1"]
-  a, b = _finals(together[0]), _finals(together[1])
-  assert a["logloss"] != b["logloss"]
+  together = {k: _result(tmp_path / "both" / f"seed_{k}") for k in (0, 1)}
+  assert _finals(together[0])["logloss"] != _finals(together[1])["logloss"]
   for seed in (0, 1):
-    single = smoke_config(score_consistency=False)
-    single.seed = seed
-    alone = run_experiment(single, str(tmp_path / f"alone_{seed}"))[seed]
-    got, want = _finals(alone), _finals(together[seed])
+    cli("ranking.py:smoke", tmp_path / f"alone_{seed}", f"--config.seed={seed}", quick)
+    got, want = _finals(_result(tmp_path / f"alone_{seed}")), _finals(together[seed])
     for key in ("logloss", "loss", "auc_mean", "bayes_auc_mean", "train/loss"):
       np.testing.assert_allclose(got[key], want[key], atol=1e-4, err_msg=key)
     cfg_alone = json.load(open(tmp_path / f"alone_{seed}" / "config.json"))
     cfg_together = json.load(open(tmp_path / "both" / f"seed_{seed}" / "config.json"))
     assert cfg_alone == cfg_together
-  result = json.load(open(tmp_path / "both" / "seed_1" / "result.json"))
+  result = together[1]
   assert set(result) >= {"final", "diverged", "diverged_at_step", "steps", "wall_seconds",
                          "examples_per_second"}
   assert result["steps"] == 40 and result["diverged"] is False
-  assert result["final"]["bayes_auc_mean"] > 0.5
+  assert result["num_seeds_vmapped"] == 2 and result["final"]["bayes_auc_mean"] > 0.5
   loaded = load_run(str(tmp_path / "both" / "seed_1"))
   assert loaded.step == 40
   sb = jax.jit(sample_batch, static_argnums=(1, 2))(
@@ -169,25 +200,36 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path):
 
 
 @pytest.mark.slow
-def test_divergence_is_recorded_not_raised(tmp_path):
-  c = smoke_config(num_steps=40, eval_every=0, checkpoint_every=0)
-  c.optim.update(dict(learning_rate=1e12, grad_clip_norm=None, weight_decay=0.0,
-                      warmup_steps=0))
-  result = run_experiment(c, str(tmp_path))[0]
+def test_divergence_is_recorded_not_raised(tmp_path, cli):
+  out = cli("ranking.py:smoke", tmp_path, "--config.optim.learning_rate=1e12",
+            "--config.optim.grad_clip_norm=None", "--config.optim.weight_decay=0.0",
+            "--config.optim.warmup_steps=0", "--config.train.eval_every=0",
+            "--config.train.checkpoint_every=0")
+  result = _result(tmp_path)
   assert result["diverged"] is True
   assert 1 <= result["diverged_at_step"] <= 40
-  saved = json.load(open(tmp_path / "result.json"))
-  assert saved["diverged_at_step"] == result["diverged_at_step"]
+  assert f"diverged at step {result['diverged_at_step']}" in out
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert rows and rows[-1]["step"] <= 40
 
 
 @pytest.mark.slow
-def test_retrieval_task_trains_and_reports_recall(tmp_path):
-  c = retrieval_configs.get_config("smoke")
-  result = run_experiment(c, str(tmp_path))[0]
-  final = result["final"]
+def test_retrieval_task_trains_and_reports_recall(tmp_path, cli):
+  cli("retrieval.py:smoke", tmp_path)
+  final = _result(tmp_path)["final"]
   for key in ("loss", "recall@5", "recall@20", "bayes_recall@20", "auc", "bayes_auc"):
     assert key in final and final[key] is not None, key
   assert 0.0 <= final["recall@5"] <= final["recall@20"] <= 1.0
   assert final["bayes_recall@20"] >= final["bayes_recall@5"]
+
+
+@pytest.mark.slow
+def test_throughput_measures_both_loops(tmp_path, main):
+  out = tmp_path / "throughput.json"
+  main("experiments.train_throughput", "--config=experiments/configs/ranking.py:smoke",
+       "--rounds=1", "--chunks_per_round=1", f"--out={out}")
+  result = json.load(open(out))
+  assert result["scanned_examples_per_second"] > 0 and result["plain_examples_per_second"] > 0
+  assert result["speedup"] == pytest.approx(
+      result["scanned_examples_per_second"] / result["plain_examples_per_second"])
+  assert result["steps_per_round"] == 10 and result["batch_size"] == 8

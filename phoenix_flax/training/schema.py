@@ -30,7 +30,8 @@ command line as `--config.<section>.<field>=value`):
                       eval_every and checkpoint_every), `eval_every` (0 = at the end only),
                       `checkpoint_every` (0 = never), `eval_batch_size`, `eval_batches`,
                       `action_weights` (None or one weight >= 0 per action, for the loss),
-                      `score_consistency` (re-score eval lists with new companions).
+                      `score_consistency` (re-score the primary eval split's lists with
+                      new companions).
   retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
                       positive is its first candidate with this label), `recall_k` (K of
                       recall@K against the corpus of every post).

@@ -102,6 +102,8 @@ def to_host(tree: Any) -> Any:
   """numpy copies of a pytree's arrays, gathering those spread over several processes."""
   def fetch(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
       return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
   return jax.tree.map(fetch, tree)
