@@ -71,7 +71,6 @@ ABLATION = sweep.Ablation(
              "diverged"),
     headline=("auc_mean", "shift_mean/auc_mean", "random_companions/auc_mean",
               "score_consistency", "chunked/auc_mean"),
-    preset_overrides={"cpu": {"train.num_steps": 400}},
     task=task,
     conditions=conditions,
     probe=probe,

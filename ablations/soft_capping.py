@@ -8,9 +8,12 @@ protect less.
 
 Task knobs: `model.attn_output_multiplier=1.0` (no 1/sqrt(key_size) scaling),
 `optim.grad_clip_norm=None` (no gradient clipping to hide instabilities), a short warmup
-(5% of the steps), swept over learning rates and forward dtypes: 3e-3, 1e-2, 3e-2 x
-float32, bfloat16 at the full preset; 3e-3 and 3e-2 in bfloat16 (the forward dtype on
-accelerators) at the cpu preset, whose runs are short (150 steps) to fit its budget.
+(5% of the steps), swept over the learning rate (the preset's default and up to 10x it:
+1e-2, 3e-2, 1e-1 at the cpu preset, 1e-3, 1e-2, 1e-1 at the full preset; 1e-1 was added
+after a first cpu version whose highest rate, 3e-2, showed no significant effect) and
+over the forward dtype: float32 and bfloat16 at the full preset, bfloat16 only (the
+forward dtype on accelerators) at the cpu preset, whose runs are short (400 steps) to
+fit its budget.
 
 Variants: `cap30` (attn_logit_cap=30, baseline), `off` (None), `cap10`, `cap50`, each at
 every learning rate x dtype.
@@ -22,7 +25,7 @@ runs that did not diverge.
 
 from ablations import sweep
 
-LEARNING_RATES = {"smoke": (3e-2,), "cpu": (3e-3, 3e-2), "full": (3e-3, 1e-2, 3e-2)}
+LEARNING_RATES = {"smoke": (1e-1,), "cpu": (1e-2, 3e-2, 1e-1), "full": (1e-3, 1e-2, 1e-1)}
 DTYPES = {"smoke": ("bfloat16",), "cpu": ("bfloat16",), "full": ("float32", "bfloat16")}
 
 
@@ -45,9 +48,8 @@ ABLATION = sweep.Ablation(
     baseline="cap30",
     metrics=("auc_mean", "diverged", "max_attn_logit", "logloss", "calibration_error"),
     headline=("diverged", "max_attn_logit", "auc_mean"),
-    preset_overrides={"cpu": {"train.num_steps": 150, "train.batch_size": 32,
-                              "train.eval_every": 0, "train.checkpoint_every": 150,
-                              "train.eval_batches": 2}},
+    preset_overrides={"cpu": {"train.num_steps": 400, "train.eval_every": 0,
+                              "train.checkpoint_every": 400, "train.eval_batches": 2}},
     task=task,
     conditions=conditions,
     curves=("train/loss", "train/max_attn_logit"),

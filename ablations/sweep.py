@@ -53,23 +53,30 @@ import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from absl import app, flags, logging
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from ablations import report, stats
+from experiments.configs import ranking
+from phoenix_flax.training import (Trainer, checkpoint, parse_config, run_dirs,
+                                   run_experiment)
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
 # On top of experiments/configs/ranking.py's preset of the same name (ablations may
-# shorten runs further with `Ablation.preset_overrides`). cpu: shorter runs than that
-# preset's single-run default, so that all five ablations fit in under an hour on 2
-# cores; smoke: the tiny world, a handful of steps. Score consistency costs two extra
-# forwards per evaluation batch, so only the ablation that reports it turns it on.
+# shorten runs further with `Ablation.preset_overrides`). cpu: 1200 of that preset's
+# 4000 steps, so that all five ablations fit in under an hour on 2 cores; smoke: the
+# tiny world, a handful of steps. Score consistency costs two extra forwards per
+# evaluation batch, so only the ablation that reports it turns it on.
 PRESETS = {
     "smoke": {"train.num_steps": 20, "train.steps_per_call": 10, "train.eval_every": 0,
               "train.checkpoint_every": 10, "train.eval_batches": 1,
               "train.score_consistency": False},
-    "cpu": {"train.num_steps": 600, "train.steps_per_call": 50, "train.eval_every": 200,
-            "train.checkpoint_every": 200, "train.eval_batches": 4,
+    "cpu": {"train.num_steps": 1200, "train.steps_per_call": 200, "train.eval_every": 600,
+            "train.checkpoint_every": 600, "train.eval_batches": 4,
             "train.score_consistency": False},
     "full": {"train.score_consistency": False},
 }
@@ -216,7 +223,6 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
 
 def base_config(preset: str) -> ml_collections.ConfigDict:
   """The ranking experiment config of `preset` with the sweep preset applied."""
-  from experiments.configs import ranking
   return apply_overrides(ranking.get_config(preset), PRESETS[preset])
 
 
@@ -250,12 +256,6 @@ def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[
 def load_systems(config: ml_collections.ConfigDict, variant_dir: str):
   """(trainer, [final `RankingSystem` per seed]) of a finished variant, from the final
   checkpoint of each seed; `trainer.world` is the run's synthetic world."""
-  import equinox as eqx
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from phoenix_flax.training import Trainer, checkpoint, parse_config, run_dirs
-
   spec = parse_config(config)
   trainer = Trainer(spec)
   stacked = eqx.filter_eval_shape(trainer.init, [spec.config.seed])
@@ -294,7 +294,6 @@ class Sweep:
     self.base.num_seeds = n
     self.base.output.seed_subdirs = True
     self.seeds = list(range(self.base.seed, self.base.seed + n))
-    from phoenix_flax.training import parse_config
     for variant in self.variants:
       parse_config(self.config(variant))
 
@@ -307,9 +306,7 @@ class Sweep:
 
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
-    runner = self._runner
-    if runner is None:
-      from phoenix_flax.training import run_experiment as runner
+    runner = self._runner or run_experiment
     os.makedirs(self.workdir, exist_ok=True)
     start = time.time()
     for i, variant in enumerate(self.variants):
@@ -319,6 +316,7 @@ class Sweep:
       runner(cfg, os.path.join(self.workdir, variant.name))
       if self.ablation.probe is not None:
         self._probe(variant, cfg)
+      jax.clear_caches()  # every variant compiles its own programs: keep memory flat
     logging.info("%s: %d variants x %d seeds in %.0f s", self.ablation.name,
                  len(self.variants), len(self.seeds), time.time() - start)
     return self.write()
