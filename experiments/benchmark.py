@@ -13,6 +13,11 @@ scored in chunks); its reference is `RankingRunner.rank` on all candidates at on
 reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
 deep model relative to a shallow one.
 
+Training throughput (`--train_presets`, `--train_seeds`): the scanned on-device training
+loop of `phoenix_flax.training` against the plain host-driven baseline (a jitted step called
+once per step on a batch copied to host numpy, its loss read back every step); see
+`experiments/train_throughput.py`, which holds both loops and can also be run alone.
+
 Every timing round runs each timed call once, alternating, so load from other processes
 hits all of them alike; ratios are more trustworthy than absolute times on a busy host.
 """
@@ -34,6 +39,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from experiments import train_throughput
+from experiments.configs import ranking
 import phoenix_flax as pf
 
 KEY_SIZE = 64
@@ -78,6 +85,15 @@ flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU d
 flags.DEFINE_bool("compile_check", True, "Compare compile times of a deep and a shallow model.")
 flags.DEFINE_list("compile_layers", ["2", "12"], "Shallow and deep layer counts to compile.")
 flags.DEFINE_integer("seed", 0, "Seed of parameters and inputs.")
+flags.DEFINE_list("train_presets", ["cpu"],
+                  "Presets of experiments/configs/ranking.py whose training loop is timed "
+                  "against the plain host-numpy loop (empty: skip).")
+flags.DEFINE_list("train_seeds", ["1", "3"],
+                  "Seed counts of the training measurement (the scanned loop trains them "
+                  "at once, vmapped).")
+flags.DEFINE_integer("train_rounds", 3, "Alternating timing rounds of the training loops.")
+flags.DEFINE_integer("train_chunks", 2, "Scanned host calls per training round; the plain "
+                     "loop runs as many steps.")
 
 
 def model_config(case: Case, attention_impl: str = "isolated",
@@ -288,17 +304,32 @@ def compile_scaling(case: Case, layer_counts: Sequence[int], seed: int) -> dict:
           "ratio": seconds[deep] / seconds[shallow]}
 
 
+def training_throughput(preset: str, num_seeds: int, rounds: int, chunks: int) -> dict:
+  """Scanned vs plain training loop at a ranking preset (`train_throughput.measure`)."""
+  config = ranking.get_config(preset)
+  config.num_seeds = num_seeds
+  return {"preset": preset, **train_throughput.measure(config, rounds, chunks)}
+
+
 def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: int = 10,
                   warmup: int = 2, min_seconds: float = 0.0, seed: int = 0,
                   matmul_size: int = 2048,
                   compile_case: Optional[Case] = None,
-                  compile_layers: Sequence[int] = (2, 12)) -> dict:
-  """Runs the named cases, the KV-cache table and (with `compile_case`) compile scaling."""
+                  compile_layers: Sequence[int] = (2, 12),
+                  train: Sequence[tuple[str, int]] = (), train_rounds: int = 3,
+                  train_chunks: int = 2) -> dict:
+  """Runs the named cases, the KV-cache table, (with `compile_case`) compile scaling and
+  (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
   unknown = [n for n in names if n not in cases]
   if unknown:
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
   if len(compile_layers) != 2:
     raise ValueError(f"compile_layers={list(compile_layers)} must name two layer counts")
+  for preset, num_seeds in train:
+    if preset not in ranking.PRESETS:
+      raise ValueError(f"train preset {preset!r}: choose from {list(ranking.PRESETS)}")
+    if num_seeds < 1:
+      raise ValueError(f"train seeds {num_seeds}: need at least 1")
   report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
             "matmul_size": matmul_size, "iters": iters, "warmup": warmup,
             "min_seconds": min_seconds,
@@ -307,6 +338,9 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   report["kv_cache"] = kv_cache_table(cases["serve"] if "serve" in cases else cases[names[0]])
   if compile_case is not None:
     report["compile_scaling"] = compile_scaling(compile_case, compile_layers, seed)
+  if train:
+    report["training"] = [training_throughput(p, n, train_rounds, train_chunks)
+                          for p, n in train]
   report["process_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return report
 
@@ -359,6 +393,13 @@ def format_table(report: dict) -> str:
     shallow, deep = (str(n) for n in cs["layers"])
     lines += ["", f"compile time, {deep} vs {shallow} layers: {cs['seconds'][deep]:.2f} s vs "
               f"{cs['seconds'][shallow]:.2f} s = {cs['ratio']:.2f}x"]
+  if report.get("training"):
+    lines += ["", "| training preset | seeds | scanned loop ex/s | plain host loop ex/s "
+              "| scanned/plain |", "|---|---|---|---|---|"]
+    for r in report["training"]:
+      lines.append(f"| {r['preset']} | {r['num_seeds']} "
+                   f"| {r['scanned_examples_per_second']:,.0f} "
+                   f"| {r['plain_examples_per_second']:,.0f} | {r['speedup']:.2f}x |")
   lines.append(f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB")
   return "\n".join(lines)
 
@@ -372,7 +413,9 @@ def main(argv: Sequence[str]) -> None:
   report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
                          FLAGS.seed, FLAGS.matmul_size,
                          cases["serve"] if FLAGS.compile_check else None,
-                         [int(n) for n in FLAGS.compile_layers])
+                         [int(n) for n in FLAGS.compile_layers],
+                         [(p, int(n)) for p in FLAGS.train_presets for n in FLAGS.train_seeds],
+                         FLAGS.train_rounds, FLAGS.train_chunks)
   report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
   write_json(report, FLAGS.out)
   print(format_table(report))

@@ -2,6 +2,8 @@
 
     python -m experiments.train_throughput --config=experiments/configs/ranking.py
 
+(`python -m experiments.benchmark` runs the same measurement for its `--train_presets`.)
+
 * Scanned loop (what `run_experiment` runs): `Trainer.train_chunk`, `steps_per_call`
   steps per host call under `lax.scan`, batches sampled on device inside the step,
   buffers donated, nothing returned to the host until the chunk ends.
@@ -21,6 +23,7 @@ loop trains one seed, i.e. seeds one after another: examples/s count every seed.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 
@@ -99,25 +102,37 @@ def measure(config: ml_collections.ConfigDict, rounds: int = 3,
   return out
 
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "experiments/configs/ranking.py",
-    "Experiment config (with optional ':preset'); --config.<field>=... overrides apply.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating timing rounds (median reported).")
-_CHUNKS = flags.DEFINE_integer("chunks_per_round", 2,
-                               "Scanned host calls per round; the plain loop runs as many "
-                               "steps.")
-_OUT = flags.DEFINE_string("out", None, "Optional JSON file for the measurement.")
+def _define_flags() -> dict:
+  """The command's flags; defined only when run as a script, so that importing `measure`
+  (as experiments/benchmark.py does) defines none."""
+  return {
+      "config": config_flags.DEFINE_config_file(
+          "config", "experiments/configs/ranking.py",
+          "Experiment config (with optional ':preset'); --config.<field>=... overrides "
+          "apply."),
+      "rounds": flags.DEFINE_integer("rounds", 3,
+                                     "Alternating timing rounds (median reported)."),
+      "chunks": flags.DEFINE_integer("chunks_per_round", 2,
+                                     "Scanned host calls per round; the plain loop runs as "
+                                     "many steps."),
+      "out": flags.DEFINE_string("out", None, "Optional JSON file for the measurement."),
+  }
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], flag_values: dict) -> None:
   del argv
-  result = measure(_CONFIG.value, _ROUNDS.value, _CHUNKS.value)
+  result = measure(flag_values["config"].value, flag_values["rounds"].value,
+                   flag_values["chunks"].value)
   text = json.dumps(result, indent=2)
   print(text)
-  if _OUT.value:
-    with open(_OUT.value, "w", encoding="utf-8") as f:
+  if flag_values["out"].value:
+    out = flag_values["out"].value
+    tmp = out + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
       f.write(text + "\n")
+    os.replace(tmp, out)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  _flags = _define_flags()
+  app.run(lambda argv: main(argv, _flags))

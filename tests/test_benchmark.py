@@ -89,6 +89,10 @@ def test_time_rounds_runs_iters_then_until_min_seconds():
 def test_run_benchmark_rejects_unknown_configs():
   with pytest.raises(ValueError, match="unknown configs"):
     benchmark.run_benchmark(["nope"], TINY)
+  with pytest.raises(ValueError, match="train preset 'tiny'"):
+    benchmark.run_benchmark(["full"], TINY, train=[("tiny", 1)])
+  with pytest.raises(ValueError, match="train seeds 0"):
+    benchmark.run_benchmark(["full"], TINY, train=[("smoke", 0)])
 
 
 @pytest.mark.slow
@@ -96,10 +100,19 @@ def test_cli_writes_json_and_table(tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--configs=demo", "--iters=1",
-       "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}"],
+       "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}",
+       "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr
   report = json.loads(out.read_text())
   assert set(report["configs"]) == {"demo"}
   assert report["command"].startswith("python -m experiments.benchmark")
   assert "| demo |" in proc.stdout
+  # The training loops: scanned vs the plain host-numpy loop, per seed count.
+  assert [(r["preset"], r["num_seeds"]) for r in report["training"]] == [("smoke", 1),
+                                                                         ("smoke", 2)]
+  for r in report["training"]:
+    assert r["scanned_examples_per_second"] > 0 and r["plain_examples_per_second"] > 0
+    assert r["speedup"] == pytest.approx(
+        r["scanned_examples_per_second"] / r["plain_examples_per_second"])
+  assert "| smoke | 2 |" in proc.stdout
