@@ -13,7 +13,7 @@ from jaxtyping import Array, PRNGKeyArray
 from phoenix_flax import features
 from phoenix_flax.config import PhoenixRetrievalModelConfig
 from phoenix_flax.layers import variance_scaling
-from phoenix_flax.ranking import block_history_reduce, block_user_reduce
+from phoenix_flax.ranking import Diagnostics, block_history_reduce, block_user_reduce
 from phoenix_flax.transformer import Transformer
 from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RetrievalOutput, check_batch,
                                 check_embeddings)
@@ -98,6 +98,13 @@ class PhoenixRetrievalModel(eqx.Module):
   def build_user_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                                 ) -> tuple[Array, Array]:
     """Unit-norm user vector `[B, D]` and its norm before normalisation `[B, 1]`."""
+    user_BD, norm_B1, _ = self.user_forward(batch, embeddings)
+    return user_BD, norm_B1
+
+  def user_forward(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                   ) -> tuple[Array, Array, Diagnostics]:
+    """`build_user_representation` plus the user tower's per-layer diagnostics (max
+    |attention logit| before the cap, residual RMS), as `PhoenixModel.forward` gives."""
     c = self.config
     B, _ = check_batch(batch, c.hash_config, c.history_seq_len, c.num_actions,
                        with_candidates=False)
@@ -114,10 +121,12 @@ class PhoenixRetrievalModel(eqx.Module):
         embeddings.history_author_embeddings, surface, actions, self.proj_mat_3)
     tokens = jnp.concatenate([user, hist], axis=1).astype(c.fprop_dtype)
     mask_BT = jnp.concatenate([user_mask, hist_mask], axis=1)
-    h = self.transformer(tokens, mask_BT).embeddings.astype(jnp.float32)
+    out = self.transformer(tokens, mask_BT)
+    h = out.embeddings.astype(jnp.float32)
     m = mask_BT[..., None].astype(jnp.float32)
     pooled = jnp.sum(h * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-    return l2_normalize(pooled)
+    user_BD, norm_B1 = l2_normalize(pooled)
+    return user_BD, norm_B1, Diagnostics(out.max_abs_attn_logit, out.residual_rms)
 
   def build_candidate_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                                      ) -> tuple[Array, Array]:

@@ -221,6 +221,12 @@ def test_retrieval_task_trains_and_reports_recall(tmp_path, cli):
     assert key in final and final[key] is not None, key
   assert 0.0 <= final["recall@5"] <= final["recall@20"] <= 1.0
   assert final["bayes_recall@20"] >= final["bayes_recall@5"]
+  # The user tower's diagnostics, as for ranking: at evaluation and in every train row.
+  assert final["max_attn_logit"] > 0 and final["residual_rms/layer_0"] > 0
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  train_rows = [r for r in rows if "train/loss" in r]
+  assert train_rows and all(r["train/max_attn_logit"] > 0 and r["train/residual_rms/layer_0"] > 0
+                            for r in train_rows)
 
 
 @pytest.mark.slow

@@ -144,6 +144,16 @@ def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: 
   return out.reshape(B, k)
 
 
+def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
+  """Evaluation diagnostics from per-batch, per-layer values: the max |attention logit|
+  over every batch and layer, and each layer's mean residual RMS."""
+  out = {"max_attn_logit": jnp.max(max_logit_XL)}
+  rms_L = jnp.mean(rms_XL, axis=0)
+  for i in range(rms_L.shape[0]):
+    out[f"residual_rms/layer_{i}"] = rms_L[i]
+  return out
+
+
 class Trainer:
   """Builds the world, optimizer and jitted functions of one experiment spec."""
 
@@ -190,11 +200,15 @@ class Trainer:
       loss = ranking_loss(out.logits, sb.labels, sb.candidate_mask, w)
       return loss, {"max_attn_logit": diag.max_abs_attn_logit,
                     "residual_rms": diag.residual_rms}
-    loss, has_B = self._retrieval_loss(system, sb)
-    return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32))}
+    loss, has_B, diag = self._retrieval_loss(system, sb)
+    return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
+                  "max_attn_logit": diag.max_abs_attn_logit,
+                  "residual_rms": diag.residual_rms}
 
-  def _retrieval_loss(self, system: RetrievalSystem, sb) -> tuple[Array, Array]:
-    user_BD = system.user_representation(sb.batch)
+  def _retrieval_loss(self, system: RetrievalSystem, sb) -> tuple[Array, Array, Diagnostics]:
+    """In-batch softmax loss, which users have a positive, and the user tower's
+    diagnostics."""
+    user_BD, diag = system.user_forward(sb.batch)
     cand_BCD, _ = system.candidate_representation(sb.batch)
     idx_B, has_B = first_positive(sb.labels, sb.candidate_mask,
                                   self.spec.config.retrieval.positive_action)
@@ -202,7 +216,7 @@ class Trainer:
     loss = in_batch_softmax_loss(user_BD, cand_BCD[rows, idx_B], has_B,
                                  self.spec.config.retrieval.temperature,
                                  sb.candidate_post_ids[rows, idx_B])
-    return loss, has_B
+    return loss, has_B, diag
 
   def sample_train_batch(self, world: World, state: TrainState):
     """The training batch of the state's next step (drawn from the seed's data key)."""
@@ -274,10 +288,7 @@ class Trainer:
     out = dict(metrics.ranking_metrics(logits, labels, probs, mask))
     w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
     out["loss"] = ranking_loss(logits, labels, mask, w)
-    out["max_attn_logit"] = jnp.max(r["max_logit"])
-    rms_L = jnp.mean(r["rms"], axis=0)
-    for i in range(rms_L.shape[0]):
-      out[f"residual_rms/layer_{i}"] = rms_L[i]
+    out.update(_diagnostics(r["max_logit"], r["rms"]))
     if consistency:
       out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)
     return out
@@ -298,15 +309,16 @@ class Trainer:
 
     def one(key):
       sb = self._sample_eval(world, split, key)
-      user_BD = system.user_representation(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
+      loss, _, diag = self._retrieval_loss(system, sb)
+      user_BD = system.user_representation(sb.batch)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
       model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
       bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,
                                      max(ks))
       res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
-                 loss=self._retrieval_loss(system, sb)[0])
+                 loss=loss, max_logit=diag.max_abs_attn_logit, rms=diag.residual_rms)
       for k in ks:
         res[f"found@{k}"], res["total"] = recall(model_top[:, :k], sb.candidate_post_ids,
                                                  positive_BC)
@@ -325,6 +337,7 @@ class Trainer:
     m = flat(r["mask"])
     out["auc"] = metrics.roc_auc(flat(r["scores"]), flat(r["labels"]), m)[0]
     out["bayes_auc"] = metrics.roc_auc(flat(r["probs"]), flat(r["labels"]), m)[0]
+    out.update(_diagnostics(r["max_logit"], r["rms"]))
     return out
 
   def _eval_one(self, world: World, params: PyTree) -> dict[str, Array]:

@@ -105,7 +105,12 @@ class RetrievalSystem(eqx.Module):
 
   def user_representation(self, batch: RecsysBatch) -> Array:
     """Unit-norm user vectors `[B, D]` from the causal user tower."""
-    return self.model.build_user_representation(batch, self.tables(batch))[0]
+    return self.user_forward(batch)[0]
+
+  def user_forward(self, batch: RecsysBatch) -> tuple[Array, Diagnostics]:
+    """Unit-norm user vectors `[B, D]` and the user tower's per-layer diagnostics."""
+    user_BD, _, diag = self.model.user_forward(batch, self.tables(batch))
+    return user_BD, diag
 
   def candidate_representation(self, batch: RecsysBatch) -> tuple[Array, Array]:
     """Unit-norm candidate vectors `[B, C, D]` and the candidate padding mask `[B, C]`."""
