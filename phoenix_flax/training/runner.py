@@ -264,7 +264,7 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
            for i, row in train_rows.items()})
     if t.checkpoint_every and g.step % t.checkpoint_every == 0 and g.step < t.num_steps:
       g.save()
-    if progress is not None:
+    if progress is not None and g.main:
       rate = t.steps_per_call / dt
       mean_rate = timed_chunks * t.steps_per_call / train_seconds if timed_chunks else rate
       progress(Progress(g.step, t.num_steps, rate, (t.num_steps - g.step) / mean_rate,
