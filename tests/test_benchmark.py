@@ -39,6 +39,9 @@ def test_useful_flops_counts_the_isolated_computation():
   # One more candidate costs its tokens, its attention row (N + 1 keys) and its head.
   extra = benchmark.useful_flops(model, 1, C + 1) - benchmark.useful_flops(model, 1, C)
   assert extra == 2 * (per_token + 4 * H * d * (N + 1)) + 2 * D * (5 * D + A)
+  # The dense reference's matmuls cover every (query, key) pair of the N + C tokens.
+  dense = 2 * (2 * ((N + C) * per_token + 4 * H * d * (N + C) ** 2) + inputs + 2 * D * A * C)
+  assert benchmark.useful_flops(model, 2, C, dense=True) == dense
 
 
 def test_run_benchmark_reports_every_field(tmp_path):
@@ -58,6 +61,8 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert report["configs"]["chunked"]["max_abs_prob_diff"] <= 1e-5
   assert report["configs"]["chunked"]["fast"]["num_chunks"] == 3
   assert report["configs"]["full"]["reference"]["kind"] == "dense"
+  assert report["configs"]["full"]["flop_ratio"] > 1.0
+  assert report["configs"]["chunked"]["flop_ratio"] == 1.0
 
   kv = {row["kv_heads"]: row["float32_bytes"] for row in report["kv_cache"]}
   assert set(kv) == {2, 1} and kv[2] == 2 * kv[1]
