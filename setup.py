@@ -31,8 +31,14 @@ setup(
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
+            "flax>=0.12.8",
+            "orbax-checkpoint>=0.11",
         ],
+        # phoenix_flax.flax_nnx (tested with flax 0.12.8): Module-as-pytree rules
+        # (nnx.data / nnx.static), Variable.get_value, nnx.Optimizer(model, tx, wrt=...).
+        "flax": ["flax>=0.12.8", "orbax-checkpoint>=0.11"],
         "notebooks": ["matplotlib>=3.8", "nbclient>=0.10", "nbformat>=5.10",
-                      "ipykernel>=6.29", "tensorboard>=2.16"],
+                      "ipykernel>=6.29", "tensorboard>=2.16", "flax>=0.12.8",
+                      "orbax-checkpoint>=0.11"],
     },
 )

@@ -13,7 +13,7 @@ from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
-NAMES = ("compare_variants", "inside_phoenix", "new_idea")
+NAMES = ("compare_variants", "inside_phoenix", "new_idea", "flax_nnx")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,313 @@
+"""Flax NNX interop: exact Equinox <-> NNX round trips, the NNX workflow (split/merge,
+nnx.jit, nnx.Optimizer, orbax), NNX training equal to the Equinox trainer, and the
+ImportError that names the `flax` extra."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import forward, ranking_config, retrieval_config, transformer_config
+
+import phoenix_flax as pf
+from experiments.configs import ranking as ranking_configs
+from phoenix_flax.training import (RetrievalSystem, Trainer, make_optimizer, make_system,
+                                   parse_config, ranking_loss)
+from phoenix_flax.training.loop import _decay_mask
+
+try:
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from phoenix_flax import flax_nnx
+except ImportError:  # the core install: only the ImportError test runs
+  nnx = None
+
+needs_flax = pytest.mark.skipif(nnx is None, reason="needs the flax extra")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Non-default switches: right-anchored RoPE, no cap, pre-norm, GQA 4:1, causal candidates
+# (dense path); and cap 10, post-norm, 4:4 heads, isolation (fast path), bfloat16, with
+# every optional array (post-age table, dwell projections, continuous head).
+RANKING_CONFIGS = {
+    "anchored_nocap_pre_gqa4_causal": lambda: ranking_config(
+        transformer=transformer_config(num_kv_heads=1, attn_logit_cap=None,
+                                       norm_layout="pre"),
+        right_anchored_rope=True, candidate_isolation=False),
+    "cap10_post_mha_isolated_bf16_extras": lambda: ranking_config(
+        transformer=transformer_config(num_kv_heads=4, attn_logit_cap=10.0,
+                                       norm_layout="post"),
+        fprop_dtype="bfloat16", post_age_granularity_mins=60,
+        dwell_time_norm=pf.NormConfig(), num_continuous_actions=2),
+}
+
+
+def assert_same_module(got, want, same_arrays: bool = False):
+  """Same treedef (static fields and configs included), equal arrays (bit for bit, same
+  dtype); with `same_arrays` the very same array objects."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    assert a is b or not same_arrays
+  assert bool(eqx.tree_equal(got, want))
+
+
+def assert_trees_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def by_path(tree) -> dict[str, object]:
+  """`{"a/b/c": leaf}` of a pytree: Equinox fields and dict keys alike give names."""
+  name = lambda k: str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+  return {"/".join(map(name, p)): leaf for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def state_paths(module) -> dict[str, type]:
+  return {"/".join(map(str, p)): type(v) for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+@nnx.jit if nnx is not None else (lambda f: f)
+def nnx_forward(model, batch, embeddings):
+  return model.forward(batch, embeddings)
+
+
+@pytest.fixture(scope="module")
+def spec():
+  """The smoke ranking experiment, with warmup 1 and weight decay 0.1 so that the decay
+  (and its mask) acts from the second step."""
+  c = ranking_configs.get_config("smoke")
+  c.optim.update(dict(warmup_steps=1, weight_decay=0.1))
+  return parse_config(c)
+
+
+@pytest.fixture(scope="module")
+def ranking_system(spec):
+  return make_system(spec, jax.random.PRNGKey(3))
+
+
+@needs_flax
+@pytest.mark.parametrize("name", RANKING_CONFIGS)
+def test_ranking_model_round_trip_and_outputs_are_exact(name):
+  config = RANKING_CONFIGS[name]()
+  model = pf.PhoenixModel(config, key=jax.random.key(0))
+  wrapped = flax_nnx.to_nnx(model)
+  assert isinstance(wrapped, flax_nnx.NNXPhoenixModel) and isinstance(wrapped, nnx.Module)
+  paths = state_paths(wrapped)
+  assert set(paths.values()) == {nnx.Param}
+  assert len(paths) == len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+  assert "params/transformer/layers/attention/qkv/weight" in paths
+  assert "params/proj_mat_2" in paths
+  assert ("params/post_age_embedding_table" in paths) == (
+      config.post_age_granularity_mins is not None)
+
+  back = flax_nnx.to_equinox(wrapped)
+  assert_same_module(back, model, same_arrays=True)
+  assert back.config is config and wrapped.config is config
+  assert back.transformer.config is config.model
+
+  batch, embeddings = pf.example_batch(config, batch_size=2, key=jax.random.key(1))
+  assert_trees_equal(nnx_forward(wrapped, batch, embeddings), forward(model, batch, embeddings))
+
+
+@needs_flax
+def test_retrieval_model_and_systems_round_trip_exactly(ranking_system):
+  config = retrieval_config(enable_linear_proj=False,
+                            transformer=transformer_config(norm_layout="pre"))
+  model = pf.PhoenixRetrievalModel(config, key=jax.random.key(0))
+  wrapped = flax_nnx.to_nnx(model)
+  assert isinstance(wrapped, flax_nnx.NNXPhoenixRetrievalModel)
+  assert not any(p.startswith("params/candidate_tower") for p in state_paths(wrapped))
+  assert_same_module(flax_nnx.to_equinox(wrapped), model, same_arrays=True)
+  batch, embeddings = pf.example_batch(config, batch_size=2, key=jax.random.key(1))
+  corpus, _ = pf.example_corpus(8, config.emb_size, jax.random.key(2))
+  retrieve = lambda m, b, e, c: m(b, e, c, 3)
+  assert_trees_equal(nnx.jit(retrieve)(wrapped, batch, embeddings, corpus),
+                     eqx.filter_jit(retrieve)(model, batch, embeddings, corpus))
+
+  retrieval_system = RetrievalSystem(retrieval_config(), 64, 128, 32, key=jax.random.key(4))
+  for system, cls in ((ranking_system, flax_nnx.NNXRankingSystem),
+                      (retrieval_system, flax_nnx.NNXRetrievalSystem)):
+    wrapped = flax_nnx.to_nnx(system)
+    assert type(wrapped) is cls
+    paths = state_paths(wrapped)
+    assert {"params/tables/post_table", "params/model/proj_mat_1"} <= set(paths)
+    assert_same_module(flax_nnx.to_equinox(wrapped), system, same_arrays=True)
+    assert wrapped.model.config is system.model.config   # forwarded field access
+  post_NI = jnp.arange(1, 7, dtype=jnp.int32).reshape(3, 2)
+  corpus = lambda s, p, a: s.corpus_representation(p, a)
+  assert_trees_equal(nnx.jit(corpus)(wrapped, post_NI, post_NI + 1),
+                     eqx.filter_jit(corpus)(retrieval_system, post_NI, post_NI + 1))
+
+
+@needs_flax
+def test_split_merge_jit_from_config_and_errors():
+  config = RANKING_CONFIGS["anchored_nocap_pre_gqa4_causal"]()
+  wrapped = flax_nnx.NNXPhoenixModel.from_config(config, rngs=nnx.Rngs(0))
+  model = flax_nnx.to_equinox(wrapped)
+  graphdef, state = nnx.split(wrapped)
+  merged = nnx.merge(graphdef, state)
+  assert type(merged) is flax_nnx.NNXPhoenixModel
+  assert_same_module(flax_nnx.to_equinox(merged), model, same_arrays=True)
+  assert graphdef == nnx.split(flax_nnx.to_nnx(model))[0]   # configs live in the graphdef
+  copied = copy.deepcopy(wrapped)
+  assert copied.params.unembeddings is not wrapped.params.unembeddings
+  assert_same_module(flax_nnx.to_equinox(copied), model)
+
+  @nnx.jit
+  def scale_unembeddings(m, factor):   # an in-place update inside nnx.jit reaches m
+    m.params.unembeddings[...] = m.params.unembeddings[...] * factor
+
+  scale_unembeddings(merged, 2.0)
+  np.testing.assert_array_equal(merged.params.unembeddings[...], 2.0 * model.unembeddings)
+  batch, embeddings = pf.example_batch(config, batch_size=2, key=jax.random.key(1))
+  scaled = eqx.tree_at(lambda m: m.unembeddings, model, 2.0 * model.unembeddings)
+  assert_trees_equal(nnx_forward(merged, batch, embeddings), forward(scaled, batch, embeddings))
+
+  with pytest.raises(TypeError, match="NNXRankingSystem wraps a RankingSystem"):
+    flax_nnx.NNXRankingSystem(model)
+  with pytest.raises(TypeError, match="equinox.Module"):
+    flax_nnx.EquinoxModule(np.zeros(3))
+  with pytest.raises(TypeError, match="EquinoxModule"):
+    flax_nnx.to_equinox(model)
+  with pytest.raises(AttributeError, match="no_such_method"):
+    wrapped.no_such_method()
+
+
+@needs_flax
+def test_equinox_tx_hands_tx_the_equinox_parameter_tree(ranking_system):
+  system = ranking_system
+  wrapped = flax_nnx.to_nnx(system)
+  seen = {}
+
+  def init(params):
+    seen["init"] = params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    seen["update"] = (updates, params)
+    return jax.tree.map(lambda u: -u, updates), state
+
+  tx = flax_nnx.equinox_tx(optax.GradientTransformation(init, update), wrapped)
+  optimizer = nnx.Optimizer(wrapped, tx, wrt=nnx.Param)
+  params = eqx.filter(system, eqx.is_array)
+  assert_same_module(seen["init"], params)
+  assert jax.tree.leaves(_decay_mask(seen["init"])) == jax.tree.leaves(_decay_mask(params))
+  assert not all(jax.tree.leaves(_decay_mask(params)))    # the mask does select
+  optimizer.update(wrapped, nnx.state(wrapped, nnx.Param))   # grads = params: x - x = 0
+  assert_trees_equal(seen["update"][0], params)
+  assert_trees_equal(seen["update"][1], params)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(nnx.state(wrapped)))
+
+  # An optimizer state from another equinox_tx (e.g. restored in a new process) works.
+  pure = nnx.as_pure(nnx.state(wrapped, nnx.Param))
+  opt_state = flax_nnx.equinox_tx(optax.sgd(0.1, momentum=0.9), wrapped).init(pure)
+  updates, _ = flax_nnx.equinox_tx(optax.sgd(0.1, momentum=0.9), wrapped).update(
+      pure, opt_state, pure)
+  assert jax.tree.structure(updates) == jax.tree.structure(pure)
+
+  other = flax_nnx.to_nnx(system.model)
+  with pytest.raises(ValueError, match="not a parameter of the NNXPhoenixModel"):
+    nnx.Optimizer(wrapped, flax_nnx.equinox_tx(optax.sgd(0.1), other), wrt=nnx.Param)
+
+
+@pytest.fixture(scope="module")
+def trained(spec):
+  """Four steps of the Equinox trainer and of NNX training from the same initial system,
+  with the same optimizer (`make_optimizer`: clipping, AdamW and its decay mask) and the
+  trainer's own batches."""
+  trainer = Trainer(spec)
+  state = trainer._init_one(jax.random.PRNGKey(0))   # Trainer.init of one seed, unstacked
+  model = flax_nnx.to_nnx(trainer.system(state.params))
+  optimizer = nnx.Optimizer(model, flax_nnx.equinox_tx(make_optimizer(spec), model),
+                            wrt=nnx.Param)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, sb):
+    def loss_fn(model):
+      out, _ = model.forward(sb.batch)
+      return ranking_loss(out.logits, sb.labels, sb.candidate_mask)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  sample, update = eqx.filter_jit(trainer.sample_train_batch), eqx.filter_jit(trainer.update)
+  eqx_losses, nnx_losses = [], []
+  for _ in range(4):
+    sb = sample(trainer.world, state)
+    state, stats = update(state, sb)
+    eqx_losses.append(float(stats["loss"]))
+    nnx_losses.append(float(nnx_step(model, optimizer, sb)))
+  return dict(state=state, model=model, optimizer=optimizer, eqx_losses=eqx_losses,
+              nnx_losses=nnx_losses)
+
+
+@needs_flax
+def test_nnx_training_matches_the_equinox_trainer(trained):
+  np.testing.assert_allclose(trained["nnx_losses"], trained["eqx_losses"], rtol=1e-5)
+  assert trained["eqx_losses"][0] != trained["eqx_losses"][-1]
+  state = trained["state"]
+  assert int(state.step) == 4 and not bool(state.diverged)
+  got = eqx.filter(flax_nnx.to_equinox(trained["model"]), eqx.is_array)
+  assert jax.tree.structure(got) == jax.tree.structure(state.params)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  opt_state = by_path(nnx.as_pure(trained["optimizer"].opt_state))   # Equinox paths
+  want = by_path(state.opt_state)
+  assert set(opt_state) == set(want) and "1/0/mu/model/transformer/layers/dense/out/weight" in want
+  for path, b in want.items():
+    np.testing.assert_allclose(opt_state[path], b, rtol=1e-5, atol=1e-7, err_msg=path)
+
+
+@needs_flax
+def test_orbax_restores_model_and_optimizer_exactly(spec, trained, tmp_path):
+  model, optimizer = trained["model"], trained["optimizer"]
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "model", nnx.state(model))
+    checkpointer.save(tmp_path / "optimizer", nnx.state(optimizer))
+    checkpointer.wait_until_finished()
+
+    def fresh():   # abstract: shapes only, no arrays allocated
+      m = flax_nnx.to_nnx(make_system(spec, jax.random.PRNGKey(1)))
+      return m, nnx.Optimizer(m, flax_nnx.equinox_tx(make_optimizer(spec), m), wrt=nnx.Param)
+
+    abstract_model, abstract_optimizer = nnx.eval_shape(fresh)
+    model_def, model_state = nnx.split(abstract_model)
+    opt_def, opt_state = nnx.split(abstract_optimizer)
+    restored = nnx.merge(model_def, checkpointer.restore(tmp_path / "model", model_state))
+    restored_opt = nnx.merge(opt_def, checkpointer.restore(tmp_path / "optimizer", opt_state))
+
+  assert type(restored) is flax_nnx.NNXRankingSystem
+  assert_same_module(flax_nnx.to_equinox(restored), flax_nnx.to_equinox(model))
+  assert_trees_equal(nnx.state(restored_opt), nnx.state(optimizer))
+  assert_trees_equal(nnx.state(copy.deepcopy(optimizer)), nnx.state(optimizer))
+
+
+def test_import_error_names_the_extra_and_core_import_needs_no_flax():
+  code = (
+      "import sys\n"
+      "import phoenix_flax, phoenix_flax.training\n"
+      "print('flax imported:', any(m == 'flax' or m.startswith('flax.') for m in sys.modules))\n"
+      "print('flax_nnx imported:', 'phoenix_flax.flax_nnx' in sys.modules)\n"
+      "sys.modules['flax'] = None\n"
+      "try:\n"
+      "  import phoenix_flax.flax_nnx\n"
+      "except ImportError as e:\n"
+      "  print('ImportError:', e)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "flax imported: False" in proc.stdout
+  assert "flax_nnx imported: False" in proc.stdout
+  assert ("ImportError: phoenix_flax.flax_nnx needs Flax: pip install -e '.[flax]' "
+          "(or pip install 'phoenix_flax[flax]')") in proc.stdout
