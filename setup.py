@@ -14,7 +14,7 @@ setup(
         "jax>=0.4.35",
         "equinox>=0.11.8",
         "jaxtyping>=0.2.34",
-        "optax>=0.2.3",
+        "optax>=0.2.5",
         "chex>=0.1.87",
         "absl-py>=2.1",
         "ml_collections>=0.1.1",
@@ -37,6 +37,8 @@ setup(
         # phoenix_flax.flax_nnx (tested with flax 0.12.8): Module-as-pytree rules
         # (nnx.data / nnx.static), Variable.get_value, nnx.Optimizer(model, tx, wrt=...).
         "flax": ["flax>=0.12.8", "orbax-checkpoint>=0.11"],
+        # The ablation scripts (ablations/): REPORT.md plots, and TensorBoard to view runs.
+        "ablations": ["matplotlib>=3.8", "tensorboard>=2.16"],
         "notebooks": ["matplotlib>=3.8", "nbclient>=0.10", "nbformat>=5.10",
                       "ipykernel>=6.29", "tensorboard>=2.16", "flax>=0.12.8",
                       "orbax-checkpoint>=0.11"],

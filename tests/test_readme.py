@@ -36,3 +36,67 @@ def test_quickstart_runs():
   assert "user 1:" in result.stdout
   diff = float(re.search(r"all at once = (\S+)", result.stdout).group(1))
   assert diff <= 1e-5
+
+
+# Import name -> the distribution that provides it, for every third-party import we use.
+DISTRIBUTIONS = {"jax": "jax", "jaxlib": "jax", "equinox": "equinox", "jaxtyping": "jaxtyping",
+                 "optax": "optax", "chex": "chex", "absl": "absl-py",
+                 "ml_collections": "ml_collections", "numpy": "numpy",
+                 "tensorboardX": "tensorboardX", "matplotlib": "matplotlib",
+                 "tensorboard": "tensorboard", "flax": "flax",
+                 "orbax": "orbax-checkpoint", "haiku": "dm-haiku", "nbclient": "nbclient",
+                 "nbformat": "nbformat", "pytest": "pytest"}
+LOCAL = {"phoenix_flax", "ablations", "experiments", "tests"}
+
+
+def _setup_requirements() -> dict[str, set[str]]:
+  """{"": install_requires, extra: its packages} from setup.py, as distribution names."""
+  import ast
+  tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+  call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", "") == "setup")
+  kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+        if k.arg in ("install_requires", "extras_require")}
+  name = lambda req: re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0]
+  out = {"": {name(r) for r in kw["install_requires"]}}
+  out.update({extra: {name(r) for r in reqs} for extra, reqs in kw["extras_require"].items()})
+  return out
+
+
+def _third_party_imports(paths) -> dict[str, set[str]]:
+  """{top-level module: files importing it} over `paths`, stdlib and local code left out."""
+  import ast
+  found: dict[str, set[str]] = {}
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [node.module]
+      for n in names:
+        top = n.split(".")[0]
+        if top not in sys.stdlib_module_names and top not in LOCAL:
+          found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+  return found
+
+
+def test_quick_start_install_covers_the_main_job_imports():
+  """The first Quick start command installs `pip install -e ".[extras]"`; everything the
+  package, experiments/ and ablations/ import (phoenix_flax.flax_nnx aside: its own
+  `[flax]` extra, with an ImportError naming it) must come with that install."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+  main_cmd = re.findall(r"```(?:bash)?\n(.*?)```", section, re.S)[0]
+  install = re.search(r"pip install -e (\S+)", main_cmd).group(1).strip("\"'")
+  extras = re.search(r"\[(.*)\]", install)
+  reqs = _setup_requirements()
+  allowed = set(reqs[""])
+  for extra in (extras.group(1).split(",") if extras else []):
+    allowed |= reqs[extra.strip()]
+  files = [p for d in ("phoenix_flax", "experiments", "ablations")
+           for p in (ROOT / d).rglob("*.py") if p.name != "flax_nnx.py"]
+  missing = {mod: sorted(where) for mod, where in _third_party_imports(files).items()
+             if DISTRIBUTIONS.get(mod) not in allowed}
+  assert not missing, (f"imported but not installed by `pip install -e {install}`: "
+                       f"{missing}")

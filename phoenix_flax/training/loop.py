@@ -227,7 +227,7 @@ class Trainer:
   def update(self, state: TrainState, sb) -> tuple[TrainState, dict]:
     """One optimizer step of one seed on a given batch (skipped once diverged)."""
     (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, sb)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
