@@ -239,3 +239,16 @@ def test_throughput_measures_both_loops(tmp_path, main):
   assert result["speedup"] == pytest.approx(
       result["scanned_examples_per_second"] / result["plain_examples_per_second"])
   assert result["steps_per_round"] == 10 and result["batch_size"] == 8
+
+
+@pytest.mark.parametrize("backend,expected", [("cpu", "float32"), ("gpu", "bfloat16"),
+                                              ("tpu", "bfloat16")])
+def test_forward_dtype_defaults_by_backend(monkeypatch, backend, expected):
+  from experiments.configs import ranking, retrieval
+  from phoenix_flax.training import parse_config
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  for get_config in (ranking.get_config, retrieval.get_config):
+    cfg = get_config("smoke")
+    assert parse_config(cfg).model.fprop_dtype == expected
+    cfg.model.fprop_dtype = "float32"          # an explicit setting wins everywhere
+    assert parse_config(cfg).model.fprop_dtype == "float32"
