@@ -200,23 +200,23 @@ class Trainer:
       loss = ranking_loss(out.logits, sb.labels, sb.candidate_mask, w)
       return loss, {"max_attn_logit": diag.max_abs_attn_logit,
                     "residual_rms": diag.residual_rms}
-    loss, has_B, diag = self._retrieval_loss(system, sb)
+    user_BD, diag = system.user_forward(sb.batch)
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    loss, has_B = self._retrieval_loss(sb, user_BD, cand_BCD)
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
 
-  def _retrieval_loss(self, system: RetrievalSystem, sb) -> tuple[Array, Array, Diagnostics]:
-    """In-batch softmax loss, which users have a positive, and the user tower's
-    diagnostics."""
-    user_BD, diag = system.user_forward(sb.batch)
-    cand_BCD, _ = system.candidate_representation(sb.batch)
+  def _retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+    """In-batch softmax loss of the user and candidate vectors, and which users have a
+    positive."""
     idx_B, has_B = first_positive(sb.labels, sb.candidate_mask,
                                   self.spec.config.retrieval.positive_action)
     rows = jnp.arange(idx_B.shape[0])
     loss = in_batch_softmax_loss(user_BD, cand_BCD[rows, idx_B], has_B,
                                  self.spec.config.retrieval.temperature,
                                  sb.candidate_post_ids[rows, idx_B])
-    return loss, has_B, diag
+    return loss, has_B
 
   def sample_train_batch(self, world: World, state: TrainState):
     """The training batch of the state's next step (drawn from the seed's data key)."""
@@ -309,9 +309,9 @@ class Trainer:
 
     def one(key):
       sb = self._sample_eval(world, split, key)
+      user_BD, diag = system.user_forward(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
-      loss, _, diag = self._retrieval_loss(system, sb)
-      user_BD = system.user_representation(sb.batch)
+      loss, _ = self._retrieval_loss(sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
       model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
       bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,
