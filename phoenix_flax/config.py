@@ -52,6 +52,11 @@ class TransformerConfig:
     norm_layout: "sandwich" (release: norm before and after each block), "pre", "post".
     param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, which
       cannot train), "rezero" (variance-scaled weights, zero post-block norm scales).
+    scan_unroll: layers per iteration of the layer scan. 1 (default) compiles one layer
+      whatever the depth; values >= num_layers unroll the stack fully, which makes
+      small models' backward passes much cheaper on CPU (no per-layer stacking of
+      residuals) at the cost of compile time growing with depth. Numerics do not depend
+      on it beyond float reassociation.
   """
 
   emb_size: int
@@ -65,10 +70,12 @@ class TransformerConfig:
   attn_logit_cap: Optional[float] = 30.0
   norm_layout: str = "sandwich"
   param_init: str = "variance_scaling"
+  scan_unroll: int = 1
 
   def __post_init__(self):
     c = "TransformerConfig"
-    for f in ("emb_size", "key_size", "num_q_heads", "num_kv_heads", "num_layers"):
+    for f in ("emb_size", "key_size", "num_q_heads", "num_kv_heads", "num_layers",
+              "scan_unroll"):
       _positive_int(c, f, getattr(self, f))
     if self.key_size % 2:
       _fail(c, "key_size", self.key_size, "RoPE rotates halves, so key_size must be even")

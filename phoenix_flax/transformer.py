@@ -159,7 +159,8 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
 
 
 class Transformer(eqx.Module):
-  """Stack of `num_layers` decoder layers with stacked parameters, run by `lax.scan`."""
+  """Stack of `num_layers` decoder layers with stacked parameters, run by `lax.scan`
+  (`config.scan_unroll` layers per scan iteration)."""
 
   layers: DecoderLayer          # every array has a leading [num_layers] axis
   config: TransformerConfig = eqx.field(static=True)
@@ -168,6 +169,10 @@ class Transformer(eqx.Module):
     self.config = config
     keys = jax.random.split(key, config.num_layers)
     self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(keys)
+
+  @property
+  def _unroll(self) -> int:
+    return min(self.config.scan_unroll, self.config.num_layers)
 
   def _scan(self, h: Array, attend: AttendFn, extra_per_layer=None):
     """Runs every layer; `attend(attention, x, extra)` gets this layer's slice of extra."""
@@ -179,7 +184,8 @@ class Transformer(eqx.Module):
       out, max_logit = layer(carry, lambda a, x: attend(a, x, extra))
       return out, (max_logit, _rms(out))
 
-    h, (max_logits, rms) = jax.lax.scan(body, h, (params, extra_per_layer))
+    h, (max_logits, rms) = jax.lax.scan(body, h, (params, extra_per_layer),
+                                        unroll=self._unroll)
     return h, max_logits, rms
 
   def __call__(self, embeddings: Array, padding_mask: Array,
@@ -224,7 +230,8 @@ class Transformer(eqx.Module):
       out, max_logit = layer(h, attend)
       return out, (max_logit, _rms(out), kv[0])
 
-    h, (max_logits, rms, (keys, values)) = jax.lax.scan(body, embeddings_BND, params)
+    h, (max_logits, rms, (keys, values)) = jax.lax.scan(body, embeddings_BND, params,
+                                                        unroll=self._unroll)
     cache = ContextCache(keys, values, padding_mask_BN)
     return TransformerOutput(h, max_logits, rms), cache
 

@@ -112,6 +112,35 @@ def test_scan_equals_python_loop():
   np.testing.assert_allclose(out.residual_rms, [s[1] for s in stats], rtol=1e-5)
 
 
+@pytest.mark.parametrize("unroll", [2, 5])
+def test_unrolled_scan_equals_scan(unroll):
+  """`scan_unroll` (2 of 3 layers per iteration, or more than the depth) changes no result:
+  dense and isolated paths, the context cache, and the gradients."""
+  base = pf.Transformer(transformer_config(num_layers=3), key=jax.random.key(5))
+  unrolled = pf.Transformer(transformer_config(num_layers=3, scan_unroll=unroll),
+                            key=jax.random.key(5))
+  assert max_abs_diff(unrolled.layers.dense.out.weight, base.layers.dense.out.weight) == 0
+  x, pos = inputs(), positions()
+
+  def outputs(t, x):
+    dense = t(x, PADDING, OFFSET, pos)
+    iso = t.isolated(x[:, :OFFSET], PADDING[:, :OFFSET], x[:, OFFSET:], PADDING[:, OFFSET:],
+                     pos[:, :OFFSET], pos[:, OFFSET:])
+    _, cache = t.encode_context(x[:, :OFFSET], PADDING[:, :OFFSET], pos[:, :OFFSET])
+    loss = lambda t: jnp.sum(jnp.sin(t(x, PADDING, OFFSET, pos).embeddings))
+    grads = eqx.filter_grad(loss)(t)
+    return dense, iso, cache.keys, jax.tree.leaves(eqx.filter(grads, eqx.is_array))
+
+  got, want = call(eqx.filter_jit(outputs), unrolled, x), call(eqx.filter_jit(outputs), base, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_scan_unroll_is_validated():
+  with pytest.raises(ValueError, match="scan_unroll"):
+    transformer_config(scan_unroll=0)
+
+
 def test_recsys_mask_only_changes_candidates():
   tr = pf.Transformer(transformer_config(), key=jax.random.key(3))
   recsys = call(lambda t, x: t(x, PADDING, OFFSET), tr, inputs()).embeddings

@@ -28,10 +28,12 @@ def apply_preset_sizes(c: ml_collections.ConfigDict, preset: str) -> None:
   (each task sets its own `train` section)."""
   # cpu: a world small enough for every post to be seen often in a few minutes, hash
   # tables ~4x the entity counts (few collisions), a small model at a high learning rate.
+  # Layer stacks of up to 8 layers run unrolled (scan_unroll): on CPU a small model's
+  # training step is bound by per-op overhead, which the scanned backward pass adds to.
   c.world.update(dict(num_users=500, num_posts=1000, num_authors=100, user_buckets=2048,
                       post_buckets=4096, author_buckets=512))
   c.model.update(dict(emb_size=32, key_size=16, num_q_heads=4, num_kv_heads=2, num_layers=2,
-                      embedding_init_scale=0.05))
+                      embedding_init_scale=0.05, scan_unroll=8))
   c.optim.learning_rate = 1e-2
   if preset == "smoke":
     c.world.update(dict(num_users=200, num_posts=400, num_authors=40, num_topics=8,
@@ -45,7 +47,7 @@ def apply_preset_sizes(c: ml_collections.ConfigDict, preset: str) -> None:
                         num_topics=64, latent_dim=64, history_len=128, num_candidates=32,
                         user_buckets=131_072, post_buckets=262_144, author_buckets=16_384))
     c.model.update(dict(emb_size=256, key_size=64, num_q_heads=4, num_kv_heads=2,
-                        num_layers=4, attn_output_multiplier=0.125))
+                        num_layers=4, attn_output_multiplier=0.125, scan_unroll=1))
     c.optim.update(dict(learning_rate=1e-3, warmup_steps=1000))
 
 

@@ -19,7 +19,9 @@ command line as `--config.<section>.<field>=value`):
   model.*             transformer shape and ablation switches (`TransformerConfig`,
                       `PhoenixModelConfig` fields); `fprop_dtype` None picks bfloat16 on
                       GPU/TPU and float32 on CPU; `embedding_init_scale` is the std of the
-                      hash tables; `enable_linear_proj` is the retrieval candidate tower.
+                      hash tables; `enable_linear_proj` is the retrieval candidate tower;
+                      `scan_unroll` is layers per scan iteration (a speed knob, not a
+                      switch; the cpu preset's 8 unrolls any stack of up to 8 layers).
                       S, C, A, hash counts and the surface vocabulary come from `world`.
   optim.*             AdamW: `learning_rate` (peak), `warmup_steps` (linear from 0), then
                       cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
@@ -118,7 +120,7 @@ def base_config(task: str = "ranking") -> ml_collections.ConfigDict:
       norm_layout="sandwich", param_init="variance_scaling", right_anchored_rope=False,
       candidate_isolation=True, attention_impl="isolated", fprop_dtype=nullable(None),
       post_age_granularity_mins=nullable(None), enable_linear_proj=True,
-      embedding_init_scale=1.0))
+      embedding_init_scale=1.0, scan_unroll=1))
   c.optim = ml_collections.ConfigDict(dict(
       learning_rate=3e-3, warmup_steps=100, end_lr_fraction=0.1, weight_decay=0.01,
       b1=0.9, b2=0.99, eps=1e-8, grad_clip_norm=nullable(1.0)))
@@ -188,7 +190,7 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
                        num_layers=m.num_layers, widening_factor=m.widening_factor,
                        attn_output_multiplier=m.attn_output_multiplier,
                        attn_logit_cap=m.attn_logit_cap, norm_layout=m.norm_layout,
-                       param_init=m.param_init)
+                       param_init=m.param_init, scan_unroll=m.scan_unroll)
   hashes = HashConfig(world.num_user_hashes, world.num_item_hashes, world.num_author_hashes)
   common = dict(model=transformer, emb_size=m.emb_size, history_seq_len=world.history_len,
                 candidate_seq_len=world.num_candidates, hash_config=hashes,
