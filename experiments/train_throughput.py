@@ -23,7 +23,6 @@ loop trains one seed, i.e. seeds one after another: examples/s count every seed.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -35,7 +34,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from phoenix_flax.synthetic import sample_batch
-from phoenix_flax.training import Trainer, parse_config
+from phoenix_flax.training import Trainer, parse_config, writers
 
 
 def _block(tree) -> None:
@@ -126,11 +125,7 @@ def main(argv: list[str], flag_values: dict) -> None:
   text = json.dumps(result, indent=2)
   print(text)
   if flag_values["out"].value:
-    out = flag_values["out"].value
-    tmp = out + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-    os.replace(tmp, out)
+    writers.write_json(flag_values["out"].value, result)
 
 
 if __name__ == "__main__":
