@@ -83,12 +83,12 @@ def test_time_rounds_runs_iters_then_until_min_seconds():
   calls = []
   call = lambda: (calls.append(1), time.sleep(0.01))[0]
   assert benchmark.time_rounds({"a": call}, iters=3, warmup=1)["a"] >= 0.01
-  assert len(calls) == 4
+  assert len(calls) == 1 + 3 * 2          # warmup, then an untimed and a timed run a round
   calls.clear()
   start = time.perf_counter()
   benchmark.time_rounds({"a": call}, iters=2, warmup=0, min_seconds=0.1)
   assert time.perf_counter() - start >= 0.1
-  assert 2 <= len(calls) <= 10            # every call sleeps at least 0.01 s
+  assert 4 <= len(calls) <= 20            # every call sleeps at least 0.01 s
 
 
 def test_run_benchmark_rejects_unknown_configs():
