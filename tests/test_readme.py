@@ -1,5 +1,6 @@
 """The README's usage example and the quickstart demo run as written."""
 
+import ast
 import contextlib
 import io
 import pathlib
@@ -51,7 +52,6 @@ LOCAL = {"phoenix_flax", "ablations", "experiments", "tests"}
 
 def _setup_requirements() -> dict[str, set[str]]:
   """{"": install_requires, extra: its packages} from setup.py, as distribution names."""
-  import ast
   tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
   call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
               and getattr(n.func, "id", "") == "setup")
@@ -65,7 +65,6 @@ def _setup_requirements() -> dict[str, set[str]]:
 
 def _third_party_imports(paths) -> dict[str, set[str]]:
   """{top-level module: files importing it} over `paths`, stdlib and local code left out."""
-  import ast
   found: dict[str, set[str]] = {}
   for path in paths:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
