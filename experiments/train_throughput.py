@@ -35,6 +35,7 @@ from ml_collections import config_flags
 
 from phoenix_flax.synthetic import sample_batch
 from phoenix_flax.training import Trainer, parse_config, writers
+from phoenix_flax.training.loop import unstack
 
 
 def _block(tree) -> None:
@@ -52,10 +53,10 @@ class _Loops:
     self.num_seeds = len(self.spec.seeds)
     trainer, spec = self.trainer, self.spec
     self.state = trainer.init(list(spec.seeds))
-    self.plain_state = trainer.init([spec.config.seed])
+    self.plain_state = unstack(trainer.init([spec.config.seed]), 0)
     self._sample = jax.jit(lambda world, key: sample_batch(
         world, spec.train_split, spec.config.train.batch_size, key))
-    self._update = eqx.filter_jit(eqx.filter_vmap(trainer.update), donate="all")
+    self._update = eqx.filter_jit(trainer.update, donate="all")
     self.key = jax.random.PRNGKey(spec.config.seed + 1)
     self.scanned(1)
     self.plain(1)
@@ -74,9 +75,8 @@ class _Loops:
     for _ in range(steps):
       self.key, key = jax.random.split(self.key)
       host = jax.tree.map(np.asarray, self._sample(self.trainer.world, key))
-      host = jax.tree.map(lambda x: x[None], host)
       self.plain_state, stats = self._update(self.plain_state, host)
-      float(stats["loss"][0])
+      float(stats["loss"])
     _block(self.plain_state)
     return time.perf_counter() - t0
 
