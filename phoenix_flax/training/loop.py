@@ -159,8 +159,8 @@ def _over_seeds(fn, shared_first: bool = True):
   argument is shared when `shared_first`).
 
   Several seeds are vmapped; a single seed runs `fn` itself on the squeezed arrays,
-  because a vmapped axis of size 1 still changes XLA's layouts and fusions (on 2 CPU
-  cores a cpu-preset training step took 12-50% longer vmapped, over several timings).
+  because a vmapped axis of size 1 still changes XLA's layouts and fusions, which made
+  the cpu-preset training step slower on CPU (README, "Training on the synthetic world").
   """
   vmapped = eqx.filter_vmap(fn, in_axes=(None, 0) if shared_first else 0)
 
