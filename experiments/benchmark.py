@@ -2,7 +2,8 @@
 
     python -m experiments.benchmark --configs=demo,serve,1k,chunked --out=benchmark.json
 
-Everything is measured in one process, after compilation, in float32. For each
+Everything is measured in one process, after compilation, in float32, every program
+compiled with the package's `xla_options.compiler_options()` (recorded in the JSON). For each
 configuration: median forward time of the fast path (`attention_impl="isolated"`) and of
 the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
 compile time, peak memory of each compiled program, achieved GFLOP/s from an analytic
@@ -43,6 +44,7 @@ import jax.numpy as jnp
 from experiments import train_throughput
 from experiments.configs import ranking
 import phoenix_flax as pf
+from phoenix_flax import xla_options
 
 KEY_SIZE = 64
 WIDENING_FACTOR = 2.0
@@ -157,13 +159,15 @@ def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int,
 
 
 def compile_fn(fn: Callable, *args) -> tuple[Callable, float, int]:
-  """Jit-compiles `fn(*args)`: (executable, seconds to trace + compile, peak bytes).
+  """Jit-compiles `fn(*args)` with the package's `xla_options.compiler_options()`, as
+`Trainer` and the runners do: (executable, seconds to trace + compile, peak bytes).
 
   Peak bytes come from XLA's buffer assignment of the compiled program (arguments +
   outputs + temporaries - aliased): the memory the program needs while it runs.
   """
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
+  options = xla_options.compiler_options()
+  compiled = jax.jit(fn, compiler_options=options).lower(*args).compile()
   seconds = time.perf_counter() - start
   mem = compiled.memory_analysis()
   peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
@@ -203,7 +207,8 @@ def time_rounds(calls: dict[str, Callable[[], object]], iters: int, warmup: int,
 def matmul_call(size: int) -> Callable[[], jax.Array]:
   """A compiled `[size, size] @ [size, size]` fp32 matmul (`2 * size**3` FLOPs a call)."""
   a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32)
-  f = jax.jit(jnp.matmul).lower(a, b).compile()
+  options = xla_options.compiler_options()
+  f = jax.jit(jnp.matmul, compiler_options=options).lower(a, b).compile()
   return lambda: f(a, b)
 
 
@@ -349,7 +354,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
     if num_seeds < 1:
       raise ValueError(f"train seeds {num_seeds}: need at least 1")
   report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
-            "matmul_size": matmul_size, "iters": iters, "warmup": warmup,
+            "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size, "iters": iters, "warmup": warmup,
             "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
                                       matmul_size) for n in names}}
@@ -381,7 +386,8 @@ def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
   mib = lambda b: b / 2 ** 20
   lines = [
-      f"{report['device']}, jax {report['jax_version']}, float32, median over at least "
+      f"{report['device']}, jax {report['jax_version']}, float32, compiler options "
+      f"{report['compiler_options']}, median over at least "
       f"{report['iters']} rounds and {report['min_seconds']:g} s; MFU = achieved GFLOP/s / "
       f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds; ref/fast "
       f"FLOPs = matmul FLOPs the dense reference executes over the fast path's useful FLOPs",

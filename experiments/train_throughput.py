@@ -12,7 +12,8 @@
   sampling the same synthetic world with a separately jitted `sample_batch` and copying
   it to numpy (`np.asarray`), which stands for a host data pipeline at its cheapest: a
   numpy re-implementation of the generator would only be slower. Each step's loss is
-  read back to the host, as a plain loop does to log it.
+  read back to the host, as a plain loop does to log it. Both jitted functions get the
+  same compile options as `Trainer`'s (`phoenix_flax.xla_options`).
 
 Both are timed after compilation, alternating rounds so that load from other processes
 hits both alike; the ratio is the speed-up of the scanned loop. With `num_seeds > 1` the
@@ -27,12 +28,12 @@ import statistics
 import time
 
 from absl import app, flags
-import equinox as eqx
 import jax
 import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
+from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
 from phoenix_flax.training import Trainer, parse_config, writers
 from phoenix_flax.training.loop import unstack
@@ -54,9 +55,9 @@ class _Loops:
     trainer, spec = self.trainer, self.spec
     self.state = trainer.init(list(spec.seeds))
     self.plain_state = unstack(trainer.init([spec.config.seed]), 0)
-    self._sample = jax.jit(lambda world, key: sample_batch(
+    self._sample = xla_options.filter_jit(lambda world, key: sample_batch(
         world, spec.train_split, spec.config.train.batch_size, key))
-    self._update = eqx.filter_jit(trainer.update, donate="all")
+    self._update = xla_options.filter_jit(trainer.update, donate="all")
     self.key = jax.random.PRNGKey(spec.config.seed + 1)
     self.scanned(1)
     self.plain(1)
@@ -96,7 +97,8 @@ def measure(config: ml_collections.ConfigDict, rounds: int = 3,
          "batch_size": loops.batch_size, "num_seeds": loops.num_seeds,
          "steps_per_call": loops.steps,
          "steps_per_round": steps, "rounds": rounds,
-         "device": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+         "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+         "compiler_options": xla_options.compiler_options()}
   out["speedup"] = out["scanned_examples_per_second"] / out["plain_examples_per_second"]
   return out
 

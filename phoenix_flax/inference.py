@@ -1,7 +1,8 @@
 """Serving runners: rank candidates, score them in chunks against a cached user context,
 and retrieve from a corpus.
 
-Runners hold one `eqx.filter_jit` per entry point (compiled once per input shape) and
+Runners hold one `eqx.filter_jit` per entry point (compiled once per input shape, with
+`xla_options.compiler_options()`) and
 validate every input on the host before dispatch, raising a `ValueError` that names the
 offending field. `trace_counts` records how often each entry point was traced.
 """
@@ -11,12 +12,12 @@ from __future__ import annotations
 import collections
 from typing import Callable, Mapping, NamedTuple, Optional, Union
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
+from phoenix_flax import xla_options
 from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
@@ -176,11 +177,11 @@ def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings
 
 
 def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callable:
-  """`eqx.filter_jit(fn)` that adds one to `counts[name]` each time it is traced."""
+  """`xla_options.filter_jit(fn)` that adds one to `counts[name]` each time it is traced."""
   def traced(*args):
     counts[name] += 1
     return fn(*args)
-  return eqx.filter_jit(traced)
+  return xla_options.filter_jit(traced)
 
 
 def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, PyTree
 
+from phoenix_flax import xla_options
 from phoenix_flax.ranking import Diagnostics
 from phoenix_flax.retrieval import retrieve_top_k
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
@@ -187,9 +188,10 @@ class Trainer:
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     abstract = eqx.filter_eval_shape(make_system, spec, jax.random.PRNGKey(0))
     self.static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)[1]
-    self._init = eqx.filter_jit(_over_seeds(self._init_one, shared_first=False))
-    self._chunk = eqx.filter_jit(_over_seeds(self._chunk_one), donate="all-except-first")
-    self._eval = eqx.filter_jit(_over_seeds(self._eval_one))
+    self._init = xla_options.filter_jit(_over_seeds(self._init_one, shared_first=False))
+    self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
+                                         donate="all-except-first")
+    self._eval = xla_options.filter_jit(_over_seeds(self._eval_one))
 
   # -- state -------------------------------------------------------------------------
 

@@ -1,0 +1,76 @@
+"""The package's per-program XLA compile options (phoenix_flax/xla_options.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import ranking as ranking_configs
+from phoenix_flax import xla_options
+from phoenix_flax.training import Trainer, parse_config
+
+OPTION = "xla_cpu_experimental_ynn_fusion_type"
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  monkeypatch.delenv(xla_options.DISABLE_ENV, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  return monkeypatch
+
+
+def test_cpu_gets_the_options_this_jaxlib_accepts(clean_env):
+  got = xla_options.compiler_options("cpu")
+  want = xla_options.CPU_OPTIONS if xla_options._accepted(xla_options.CPU_OPTIONS, "cpu") else {}
+  assert got == want
+  got["mutated"] = 1                          # callers get their own dict
+  assert "mutated" not in xla_options.compiler_options("cpu")
+
+
+def test_unknown_option_is_refused_not_fatal():
+  assert not xla_options._accepted({"xla_no_such_option_anywhere": ""}, "cpu")
+
+
+def test_off_switches(clean_env):
+  assert xla_options.compiler_options("gpu") == {}
+  assert xla_options.compiler_options("tpu") == {}
+  clean_env.setenv(xla_options.DISABLE_ENV, "0")
+  assert xla_options.compiler_options("cpu") == {}
+  clean_env.setenv(xla_options.DISABLE_ENV, "1")
+  clean_env.setenv("XLA_FLAGS", f"--{OPTION}=default --xla_cpu_use_xnnpack=true")
+  assert xla_options.compiler_options("cpu") == {}     # the user's XLA_FLAGS setting stands
+
+
+def test_trainer_chunk_is_compiled_with_the_options(clean_env):
+  if not xla_options.compiler_options("cpu"):
+    pytest.skip("this jaxlib has no YNNPACK fusion option")
+  trainer = Trainer(parse_config(ranking_configs.get_config("smoke")))
+  state = trainer.init([0])
+  text = trainer._chunk.lower(trainer.world, state).compile().compiled.as_text()
+  plain = jax.jit(lambda x: jnp.sum(jnp.tanh(x) * x, axis=-1)).lower(
+      jnp.ones((64, 256))).compile().as_text()
+  fusions = lambda hlo: re.findall(r"%ynn_fusion[.\w]* = ", hlo)  # op names, not metadata
+  assert fusions(plain)                   # XLA's default for a program like this one ...
+  assert not fusions(text)                # ... is not what the trainer runs
+
+
+def test_filter_jit_matches_default_compilation(clean_env):
+  x = jax.random.normal(jax.random.key(0), (32, 48))
+  f = lambda x: jnp.sum(jax.nn.gelu(x @ x.T) * 2.0, axis=-1)
+  np.testing.assert_allclose(xla_options.filter_jit(f)(x), jax.jit(f)(x), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_filter_jit_runs_nested_under_other_traces(clean_env):
+  f = xla_options.filter_jit(lambda x: jnp.tanh(x) * 2.0)
+  x = jnp.linspace(-1.0, 1.0, 8)
+  np.testing.assert_allclose(jax.jit(lambda x: f(x) + 1.0)(x), f(x) + 1.0, rtol=1e-6)
+  assert jax.eval_shape(f, x).shape == (8,)
+  np.testing.assert_allclose(jax.vmap(f)(x[:, None])[:, 0], f(x), rtol=1e-6)
+  trainer = Trainer(parse_config(ranking_configs.get_config("smoke")))
+  shapes = jax.eval_shape(trainer.init, [0])       # as ablations/sweep.py's load_systems does
+  assert shapes.step.shape == (1,)
