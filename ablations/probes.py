@@ -110,14 +110,17 @@ def chunked_scoring(system, batches: Sequence[SyntheticBatch], chunk_size: int
 
 def slot_sensitivity(system, batch: RecsysBatch, mask_BC: jax.Array) -> float:
   """Std of a candidate's logit across the slots it can occupy (the list rotated through
-  every position), mean over valid candidates and actions; 0 when slots do not matter."""
+  every position), mean over valid candidates and actions; exactly 0 when slots do not
+  matter (the std is taken of each logit's change from slot 0, which is exactly 0 for
+  equal logits; the std of the logits themselves can round to ~1e-7 there)."""
   C = mask_BC.shape[1]
   per_shift = []
   for r in range(C):
     rolled = batch._replace(**{f: jnp.roll(getattr(batch, f), r, axis=1)
                                for f in CANDIDATE_BATCH_FIELDS if getattr(batch, f) is not None})
     per_shift.append(jnp.roll(logits(system, rolled), -r, axis=1))
-  std_BCA = jnp.std(jnp.stack(per_shift), axis=0)
+  logits_RBCA = jnp.stack(per_shift)
+  std_BCA = jnp.std(logits_RBCA - logits_RBCA[:1], axis=0)
   std_BC = jnp.mean(std_BCA, axis=-1)
   return float(jnp.sum(jnp.where(mask_BC, std_BC, 0.0)) / jnp.maximum(jnp.sum(mask_BC), 1))
 
