@@ -3,9 +3,9 @@
     python -m experiments.benchmark --configs=demo,serve,1k,chunked --out=benchmark.json
 
 Everything is measured in one process, after compilation, in float32, every program
-compiled with the package's `xla_options.compiler_options()` (recorded in the JSON). For each
-configuration: median forward time of the fast path (`attention_impl="isolated"`) and of
-the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
+compiled with the package's `xla_options.compiler_options()` (recorded in the JSON). For
+each configuration: median forward time of the fast path (`attention_impl="isolated"`)
+and of the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
 compile time, peak memory of each compiled program, achieved GFLOP/s from an analytic
 count of useful FLOPs (`useful_flops`), and model FLOP utilisation (MFU): achieved GFLOP/s
 over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked` case
@@ -160,7 +160,7 @@ def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int,
 
 def compile_fn(fn: Callable, *args) -> tuple[Callable, float, int]:
   """Jit-compiles `fn(*args)` with the package's `xla_options.compiler_options()`, as
-`Trainer` and the runners do: (executable, seconds to trace + compile, peak bytes).
+  `Trainer` and the runners do: (executable, seconds to trace + compile, peak bytes).
 
   Peak bytes come from XLA's buffer assignment of the compiled program (arguments +
   outputs + temporaries - aliased): the memory the program needs while it runs.
@@ -354,8 +354,8 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
     if num_seeds < 1:
       raise ValueError(f"train seeds {num_seeds}: need at least 1")
   report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
-            "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size, "iters": iters, "warmup": warmup,
-            "min_seconds": min_seconds,
+            "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
+            "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
                                       matmul_size) for n in names}}
   report["kv_cache"] = kv_cache_table(cases["serve"] if "serve" in cases else cases[names[0]])
