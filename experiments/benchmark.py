@@ -207,8 +207,7 @@ def time_rounds(calls: dict[str, Callable[[], object]], iters: int, warmup: int,
 def matmul_call(size: int) -> Callable[[], jax.Array]:
   """A compiled `[size, size] @ [size, size]` fp32 matmul (`2 * size**3` FLOPs a call)."""
   a, b = jax.random.normal(jax.random.key(0), (2, size, size), jnp.float32)
-  options = xla_options.compiler_options()
-  f = jax.jit(jnp.matmul, compiler_options=options).lower(a, b).compile()
+  f = compile_fn(jnp.matmul, a, b)[0]
   return lambda: f(a, b)
 
 
