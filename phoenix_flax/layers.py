@@ -115,7 +115,8 @@ class MultiHeadAttention(eqx.Module):
   def attend(self, q_BTKGd: Array, k_BSKd: Array, v_BSKd: Array, mask_B1TS: Array,
              ) -> tuple[Array, Array]:
     """Masked attention of projected heads. Returns `[B,T,D]` and max |logit| pre-cap."""
-    raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd, preferred_element_type=jnp.float32)
+    # In the forward dtype, then float32, as the release does (bfloat16 rounds q.k once).
+    raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
     keep = mask_B1TS[:, :, None].astype(bool)
     max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))

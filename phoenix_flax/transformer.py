@@ -125,13 +125,17 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   parts without concatenating them, equal to the release's masked softmax over its row.
   Masks come from iota comparisons and are never stored. Returns the attended values
   `[B,T,KV,G,d]` (before the output projection) and the max |logit| over kept entries.
+
+  A row with no kept key at all (a padded candidate of a row whose context is entirely
+  padding) averages the values it can see, where the release's dense softmax averages
+  every value of the row, other candidates' included; both are padding outputs.
   """
   B, T, KV, G, d = q_BTKGd.shape
   N = ctx_k_BNKd.shape[1]
   mult, cap = cfg.attn_output_multiplier, cfg.attn_logit_cap
   q_BKTGd = _swap_time_heads(q_BTKGd)
   raw = jnp.einsum("bkqd,bkdn->bkqn", q_BKTGd.reshape(B, KV, T * G, d),
-                   jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1)), preferred_element_type=jnp.float32)
+                   jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
   keep = ctx_mask_BN[:, None, None, None, :]
   if candidates is None:
     keep = keep & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
@@ -139,8 +143,8 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   top = jnp.max(logits, axis=-1)
   if candidates is not None:
     k_BTKd, v_BTKd, mask_BT = candidates
-    raw_self = jnp.einsum("bktgd,bktd->bktg", q_BKTGd, _swap_time_heads(k_BTKd),
-                          preferred_element_type=jnp.float32) * mult
+    raw_self = jnp.einsum("bktgd,bktd->bktg", q_BKTGd,
+                          _swap_time_heads(k_BTKd)).astype(jnp.float32) * mult
     logits_self, max_self = _logit_stats(raw_self, mask_BT[:, None, :, None], cap)
     top = jnp.maximum(top, logits_self)
     max_logit = jnp.maximum(max_logit, max_self)

@@ -2,9 +2,11 @@
 with the independent dm-haiku reference in `haiku_reference.py` (SPEC.md's example
 shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
 
+import dataclasses
 import types
 
 import equinox as eqx
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -297,6 +299,28 @@ def test_parity_is_sensitive_to_the_soft_cap(inputs, ranking_params, ranking_ref
   uncapped = haiku_compat.ranking_model_from_haiku(tree, _ranking_config(attn_logit_cap=None))
   logits = eqx.filter_jit(uncapped)(*inputs).logits
   assert np.max(np.abs(logits - expected)) > 100 * PARITY_ATOL
+
+
+def test_bfloat16_decoder_stack_matches_reference_bit_for_bit(ranking_params):
+  """In bfloat16 the release rounds q.k to the forward dtype before its float32 logits;
+  the dense path does the same, so the unrolled layer stack is bit-identical (computing
+  q.k straight into float32 differed by up to 0.1 here)."""
+  _, tree = ranking_params
+  cfg = _ranking_config(attention_impl="dense", fprop_dtype="bfloat16")
+  cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_unroll=2))
+  transformer = haiku_compat.ranking_model_from_haiku(tree, cfg).transformer
+  T = 1 + S + C
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(B, T, 64)), jnp.bfloat16)
+  mask = jnp.asarray(rng.random((B, T)) > 0.2).at[:, 0].set(True)
+  layers = {name: entries for name, entries in tree.items()
+            if name.startswith("transformer/")}
+  reference = hk.without_apply_rng(hk.transform(
+      lambda x, m: ref.Transformer(_reference_config())(x, m, candidate_start_offset=1 + S)))
+  expected = jax.jit(reference.apply)(layers, x, mask)
+  got = eqx.filter_jit(lambda t, x, m: t(x, m, 1 + S).embeddings)(transformer, x, mask)
+  assert got.dtype == expected.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
 @pytest.mark.parametrize("linear_proj", [True, False], ids=["mlp", "mean_pool"])
