@@ -1,7 +1,11 @@
 """Configuration dataclasses; every ablation switch lives here and is validated.
 
 Field order of the release's configs is kept (positional construction ports), and the
-switches follow with defaults that reproduce the released behaviour.
+switches follow. Their defaults are the release's, with two exceptions
+made for training from scratch on any backend: `param_init` defaults to variance scaling
+(the release initialises every transformer weight and norm scale to zero, placeholders
+for a checkpoint, which cannot train; "zeros" reproduces them) and `fprop_dtype` to
+float32 (the release runs bfloat16).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import dataclasses
 from typing import Any, Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 NORM_LAYOUTS = ("sandwich", "pre", "post")
 PARAM_INITS = ("variance_scaling", "zeros", "rezero")
@@ -24,6 +29,12 @@ def _fail(cls: str, field: str, value: Any, fix: str) -> None:
 def _positive_int(cls: str, field: str, value: Any) -> None:
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     _fail(cls, field, value, "must be an integer >= 1")
+
+
+def _bool(cls: str, field: str, value: Any) -> None:
+  # A string such as "False" would otherwise count as true wherever the flag is tested.
+  if not isinstance(value, (bool, np.bool_)):
+    _fail(cls, field, value, "must be True or False")
 
 
 def canonical_dtype(value: Any, cls: str = "config", field: str = "fprop_dtype") -> str:
@@ -130,6 +141,7 @@ class NormConfig:
   def __post_init__(self):
     if not self.norm_scale > 0:
       _fail("NormConfig", "norm_scale", self.norm_scale, "must be > 0")
+    _bool("NormConfig", "use_log", self.use_log)
 
 
 def _validate_common(cls: str, cfg) -> None:
@@ -187,6 +199,8 @@ class PhoenixModelConfig:
     c = "PhoenixModelConfig"
     _validate_common(c, self)
     _positive_int(c, "num_actions", self.num_actions)
+    _bool(c, "right_anchored_rope", self.right_anchored_rope)
+    _bool(c, "candidate_isolation", self.candidate_isolation)
     if self.attention_impl not in ATTENTION_IMPLS:
       _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
     if self.post_age_granularity_mins is not None:
@@ -194,7 +208,8 @@ class PhoenixModelConfig:
     if self.dwell_time_norm is not None and not isinstance(self.dwell_time_norm, NormConfig):
       _fail(c, "dwell_time_norm", self.dwell_time_norm, "pass a NormConfig or None")
     _positive_int(c, "dwell_hidden_size", self.dwell_hidden_size)
-    if not isinstance(self.num_continuous_actions, int) or self.num_continuous_actions < 0:
+    if (not isinstance(self.num_continuous_actions, int)
+        or isinstance(self.num_continuous_actions, bool) or self.num_continuous_actions < 0):
       _fail(c, "num_continuous_actions", self.num_continuous_actions, "must be an int >= 0")
 
   @property
@@ -230,6 +245,7 @@ class PhoenixRetrievalModelConfig:
     c = "PhoenixRetrievalModelConfig"
     _validate_common(c, self)
     _positive_int(c, "num_actions", self.num_actions)
+    _bool(c, "enable_linear_proj", self.enable_linear_proj)
 
   def make(self, *, key):
     from phoenix_flax.retrieval import PhoenixRetrievalModel

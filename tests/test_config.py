@@ -15,14 +15,16 @@ def test_ffn_size(emb_size, widening, expected):
   assert cfg.ffn_size == expected
 
 
-def test_defaults_are_the_release_behaviour():
+def test_defaults_are_the_release_forward_pass_except_dtype_and_init():
   tc = transformer_config()
   assert tc.attn_logit_cap == 30.0
   assert tc.norm_layout == "sandwich"
+  assert tc.param_init == "variance_scaling"       # the release's zeros cannot train
   cfg = ranking_config(transformer=tc)
   assert cfg.right_anchored_rope is False
   assert cfg.candidate_isolation is True
-  assert cfg.fprop_dtype == "float32"
+  assert cfg.attention_impl == "isolated"
+  assert cfg.fprop_dtype == "float32"               # the release runs bfloat16
   assert cfg.hash_config == pf.HashConfig(2, 2, 2)
   assert cfg.candidate_start_offset == 1 + cfg.history_seq_len
 
@@ -65,6 +67,11 @@ BAD_CONFIGS = [
     ("hash_config", lambda: ranking_config(hash_config=(2, 2, 2))),
     ("num_user_hashes", lambda: pf.HashConfig(num_user_hashes=0)),
     ("norm_scale", lambda: pf.NormConfig(norm_scale=0.0)),
+    ("use_log", lambda: pf.NormConfig(use_log="yes")),
+    ("candidate_isolation", lambda: ranking_config(candidate_isolation="False")),
+    ("right_anchored_rope", lambda: ranking_config(right_anchored_rope=1)),
+    ("num_continuous_actions", lambda: ranking_config(num_continuous_actions=True)),
+    ("enable_linear_proj", lambda: retrieval_config(enable_linear_proj="no")),
 ]
 
 
