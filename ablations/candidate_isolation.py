@@ -12,7 +12,7 @@ information about a candidate's labels) and `corr0.5` (`list_correlation=0.5`: a
 topic shared by the list's relevant candidates shifts the user's interest, so companions
 are informative). Serving-time shifts, each an extra evaluation split of the same world:
 `long_list` (another size: 2C candidates), `by_relevance` (another order: best candidates
-first), `random_companions` (other companions: 90% random candidates, no shared session).
+first), `random_companions` (other companions: 90 percent random candidates, no shared session).
 The probe scores the in-distribution lists in chunks of C/4 (isolated: one encoded
 context, chunks at their true slots; causal: each chunk sent as a list of its own).
 

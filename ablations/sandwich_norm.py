@@ -11,7 +11,7 @@ identity.
 Task knobs: the depth and the peak learning rate are swept (conditions: depths 2, 4, 8 x
 learning rates 1e-3 (the preset's default), 3e-3, 1e-2 at the full preset; depths 2 and 6
 x 1e-2 (the default) and 3e-2 at the cpu preset, whose runs are short, 400 steps, to fit
-its budget); a short warmup (5% of the steps) makes high learning rates bite early.
+its budget); a short warmup (5 percent of the steps) makes high learning rates bite early.
 
 Variants: `sandwich` (baseline), `pre`, `post`, `rezero` (sandwich + param_init=rezero),
 each at every depth x learning rate.

@@ -8,12 +8,12 @@ protect less.
 
 Task knobs: `model.attn_output_multiplier=1.0` (no 1/sqrt(key_size) scaling),
 `optim.grad_clip_norm=None` (no gradient clipping to hide instabilities), a short warmup
-(5% of the steps), swept over the learning rate (the preset's default and up to 10x it:
-1e-2, 3e-2, 1e-1 at the cpu preset, 1e-3, 1e-2, 1e-1 at the full preset; 1e-1 was added
-after a first cpu version whose highest rate, 3e-2, showed no significant effect) and
-over the forward dtype: float32 and bfloat16 at the full preset, bfloat16 only (the
-forward dtype on accelerators) at the cpu preset, whose runs are short (400 steps) to
-fit its budget.
+(5 percent of the steps), swept over the learning rate: the preset's default and up to
+10x it at the cpu preset (1e-2, 3e-2, 1e-1), up to 100x at the full preset (1e-3, 1e-2,
+1e-1); 1e-1 was added after a first cpu version whose highest rate, 3e-2, showed no
+significant effect. Also swept over the forward dtype: float32 and bfloat16 at the full
+preset, bfloat16 only (the forward dtype on accelerators) at the cpu preset, whose runs
+are short (400 steps) to fit its budget.
 
 Variants: `cap30` (attn_logit_cap=30, baseline), `off` (None), `cap10`, `cap50`, each at
 every learning rate x dtype.

@@ -28,7 +28,7 @@ results.json:
      "comparisons": [{"variant", "baseline", "metric", "delta", "ci95": [lo, hi],
                       "p_value", "p_holm", "n", "test"}],
      "pooled_comparisons": [the same, with "variant" an arm: pairs over every condition
-                            level x seed, present when the sweep has conditions]}
+                            level x seed; empty when the sweep has no conditions]}
 
 Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
 variant minus the baseline variant of the same condition, paired by seed (paired t-test;
@@ -463,10 +463,12 @@ flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
-                    "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>). "
+                    "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>; for "
+                    "ablations.run_all, /tmp/phoenix_ablations/<preset>). "
                     "Re-running with the same one resumes and skips finished runs.")
 flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (default: all); "
-                  "the baseline runs too, every comparison needs it.")
+                  "the baseline runs too, every comparison needs it. Single ablation "
+                  "scripts only (ablations.run_all refuses it).")
 flags.DEFINE_multi_string("override", [],
                           "Config override for every variant, repeatable, e.g. "
                           "--override=model.num_layers=4 --override=optim.warmup_steps=50. "

@@ -1,6 +1,7 @@
 """The sweep helper, statistics plumbing and report, driven by a fake runner (no
 training), plus checks that every ablation script builds valid configs."""
 
+import ast
 import json
 import math
 import os
@@ -245,3 +246,18 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
     assert proc.returncode != 0
     assert message in proc.stderr
   assert not os.listdir(tmp_path)
+
+
+def _absl_mains():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  paths = [os.path.join(root, d, f) for d in ("ablations", "experiments")
+           for f in sorted(os.listdir(os.path.join(root, d))) if f.endswith(".py")]
+  return [p for p in paths if 'if __name__ == "__main__":' in open(p).read()]
+
+
+@pytest.mark.parametrize("path", _absl_mains(), ids=os.path.basename)
+def test_usage_text_has_no_percent_sign(path):
+  """absl's --help %-formats the main module's docstring with the program name: "90%
+  random" printed as "90'<path>'andom". Scripts write "percent" instead."""
+  doc = ast.get_docstring(ast.parse(open(path).read()), clean=False)
+  assert doc and "%" not in doc
