@@ -111,6 +111,21 @@ def test_ndcg_and_recall_match_reference():
   assert float(metrics.ndcg_at_k(gains, gains, mask, k)) == pytest.approx(1.0)
 
 
+def test_corpus_hits_match_reference():
+  rng = np.random.default_rng(8)
+  B, C, K = 6, 9, 4
+  ids = rng.integers(0, 15, (B, C))             # repeats: a post can fill two slots
+  top = np.stack([rng.permutation(15)[:K] for _ in range(B)])
+  positive = rng.random((B, C)) < 0.4
+  positive[2] = False
+  found, total = metrics.corpus_hits(jnp.asarray(top), jnp.asarray(ids), jnp.asarray(positive))
+  np.testing.assert_array_equal(total, positive.sum(axis=1))
+  expected = [sum(positive[b, c] and ids[b, c] in set(top[b]) for c in range(C))
+              for b in range(B)]
+  np.testing.assert_array_equal(found, expected)
+  assert int(found[2]) == int(total[2]) == 0
+
+
 def test_ranking_metrics_bayes_and_keys():
   rng = np.random.default_rng(7)
   B, C, A = 16, 8, 19

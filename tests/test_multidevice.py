@@ -18,6 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import json, sys
+import equinox as eqx
 import jax
 import numpy as np
 from experiments.configs import ranking
@@ -27,14 +28,29 @@ from phoenix_flax.training import runner
 assert jax.device_count() == 8, jax.devices()
 cfg = ranking.get_config("smoke")
 cfg.num_seeds = 2
-trainer = Trainer(parse_config(cfg), make_placement(1, False))
-state = trainer.init([0, 1])
-losses = []
-for _ in range(4):
-  state, stats = trainer.train_chunk(state)
-  losses.append(np.asarray(stats["loss"]))
-out = {"loss": np.concatenate(losses, axis=1).tolist(),
-       "auc": np.asarray(trainer.evaluate(state)["eval/auc_mean"]).tolist()}
+
+
+def train(placement):
+  # Four chunks of both seeds: the trainer, final state and every step's loss [seeds, steps].
+  trainer = Trainer(parse_config(cfg), placement)
+  state, losses = trainer.init([0, 1]), []
+  for _ in range(4):
+    state, stats = trainer.train_chunk(state)
+    losses.append(np.asarray(stats["loss"]))
+  return trainer, state, np.concatenate(losses, axis=1).tolist()
+
+
+trainer, state, loss = train(make_placement(1, False))
+out = {"loss": loss, "auc": np.asarray(trainer.evaluate(state)["eval/auc_mean"]).tolist()}
+
+# 8 devices, tables replicated, driven directly: every step's loss, and where a sampled
+# training batch lives.
+mesh_trainer, state, out["replicated_loss"] = train(make_placement(8, False))
+one_seed = jax.tree.map(lambda x: x[0], state)
+batch = eqx.filter_jit(mesh_trainer.sample_train_batch)(mesh_trainer.world, one_seed)
+out["batch_axes"] = sorted({str(x.sharding.spec[0] if len(x.sharding.spec) else None)
+                            for x in jax.tree.leaves(batch) if x.ndim >= 1})
+out["table_devices_replicated"] = len(state.params.tables.post_table.sharding.device_set)
 
 cfg.mesh.num_devices, cfg.mesh.shard_hash_tables = 8, True
 results = run_experiment(cfg, sys.argv[1])
@@ -64,6 +80,11 @@ def test_eight_devices_match_one_device(tmp_path):
   single = np.asarray(out["loss"])
   assert single.shape == (2, 40)
   assert not np.allclose(single[0], single[1])  # two seeds, two curves
+  # Trainer on 8 devices with replicated tables: every step's loss equals one device's,
+  # and a sampled batch is split over the mesh's "data" axis.
+  np.testing.assert_allclose(out["replicated_loss"], single, rtol=2e-5, atol=1e-6)
+  assert out["batch_axes"] == ["data"]
+  assert out["table_devices_replicated"] == 8
   # run_experiment on 8 devices (batch sharded, hash tables sharded by rows): the same
   # loss curve (chunk means of the per-step losses) and final AUC as one device.
   chunk_means = single.reshape(2, 4, 10).mean(axis=2)

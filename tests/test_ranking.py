@@ -325,3 +325,33 @@ def test_isolated_equals_dense(name):
   np.testing.assert_allclose(iso_diag.max_abs_attn_logit, dense_diag.max_abs_attn_logit,
                              rtol=1e-5)
   np.testing.assert_allclose(iso_diag.residual_rms, dense_diag.residual_rms, rtol=1e-5)
+
+
+def _intermediate_shapes(jaxpr):
+  """Shapes of every value a jaxpr computes, inside scans, jits and other sub-jaxprs too."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval.shape for v in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _intermediate_shapes(sub)
+
+
+def test_isolated_path_never_builds_a_candidate_by_candidate_array():
+  """No value of the isolated forward or its gradient has two axes sized C or T = 1+S+C
+  (a C x C block, a T x T mask or logits); the dense reference does, so the scan can
+  see them."""
+  S, C = 4, 40
+  T = 1 + S + C
+  shapes = {}
+  for impl in ("isolated", "dense"):
+    cfg = ranking_config(history=S, candidates=C, attention_impl=impl)
+    model = model_for(cfg)
+    batch, emb = padded_batch(cfg, candidate_mask=np.ones((2, C), bool))
+    loss = lambda m: jnp.sum(m.forward(batch, emb)[0].logits)
+    closed = jax.make_jaxpr(lambda m: (loss(m), eqx.filter_grad(loss)(m)))(model)
+    shapes[impl] = {s for s in _intermediate_shapes(closed.jaxpr)
+                    if sum(n in (C, T) for n in s) >= 2}
+  assert not shapes["isolated"], shapes["isolated"]
+  assert any(s[-2:] == (T, T) for s in shapes["dense"]), shapes["dense"]

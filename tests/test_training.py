@@ -11,13 +11,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
-                                   make_system, parse_config, ranking_loss)
+                                   make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
 from phoenix_flax.training.runner import load_run
 
@@ -170,6 +171,32 @@ def cli(main):
 def _result(run_dir):
   with open(os.path.join(run_dir, "result.json")) as f:
     return json.load(f)
+
+
+def test_schedule_warms_up_then_decays_to_the_end_fraction():
+  c = smoke_config(num_steps=100)
+  c.optim.update(dict(learning_rate=0.02, warmup_steps=10, end_lr_fraction=0.1))
+  schedule = make_schedule(parse_config(c))
+  lr = lambda step: float(schedule(step))
+  assert lr(0) == 0.0
+  assert lr(5) == pytest.approx(0.01)
+  assert lr(10) == pytest.approx(0.02)
+  assert lr(55) == pytest.approx(0.011)           # half way: (peak + end) / 2
+  assert lr(100) == pytest.approx(0.002)
+  assert lr(30) > lr(40) > lr(50)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_gradients_are_clipped_to_the_global_norm_before_adam(clip):
+  c = smoke_config()
+  c.optim.grad_clip_norm = clip
+  opt = make_optimizer(parse_config(c))
+  params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+  grads = {"w": jnp.full((3, 4), 2.0), "b": jnp.full(4, 2.0)}    # global norm 8
+  _, state = opt.update(grads, opt.init(params), params)
+  mu = optax.tree_utils.tree_get(state, "mu")
+  scale = 1.0 if clip is None else clip / 8.0
+  np.testing.assert_allclose(mu["w"], (1 - c.optim.b1) * 2.0 * scale, rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -321,12 +321,6 @@ class Trainer:
     post_h, author_h, _ = post_features(world, jnp.arange(N))
     corpus_ND = system.corpus_representation(post_h, author_h)
 
-    def recall(top_BK, ids_BC, positive_BC):
-      hit_BCK = ids_BC[:, :, None] == top_BK[:, None, :]
-      found_BC = jnp.any(hit_BCK, axis=-1) & positive_BC
-      total_B = jnp.sum(positive_BC, axis=1)
-      return jnp.sum(found_BC, axis=1), total_B
-
     def one(key):
       sb = self._sample_eval(world, split, key)
       user_BD, diag = system.user_forward(sb.batch)
@@ -340,10 +334,10 @@ class Trainer:
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
                  loss=loss, max_logit=diag.max_abs_attn_logit, rms=diag.residual_rms)
       for k in ks:
-        res[f"found@{k}"], res["total"] = recall(model_top[:, :k], sb.candidate_post_ids,
-                                                 positive_BC)
-        res[f"bayes_found@{k}"], _ = recall(bayes_top[:, :k], sb.candidate_post_ids,
-                                            positive_BC)
+        res[f"found@{k}"], res["total"] = metrics.corpus_hits(
+            model_top[:, :k], sb.candidate_post_ids, positive_BC)
+        res[f"bayes_found@{k}"], _ = metrics.corpus_hits(
+            bayes_top[:, :k], sb.candidate_post_ids, positive_BC)
       return res
 
     r = jax.lax.map(one, self._eval_keys())

@@ -103,6 +103,14 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
   return jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1)
 
 
+def corpus_hits(top_BK: Array, ids_BC: Array, positive_BC: Array) -> tuple[Array, Array]:
+  """Retrieval against a corpus: per list, how many positive candidates have their post id
+  among the retrieved ids `top_BK`, and how many positives the list has (recall@K of a
+  list is their ratio)."""
+  found_BC = jnp.any(ids_BC[:, :, None] == top_BK[:, None, :], axis=-1) & positive_BC
+  return jnp.sum(found_BC, axis=1), jnp.sum(positive_BC, axis=1)
+
+
 def _mean_valid(values_A: Array, valid_A: Array) -> Array:
   return jnp.sum(jnp.where(valid_A, values_A, 0.0)) / jnp.maximum(jnp.sum(valid_A), 1)
 
