@@ -43,6 +43,10 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.optim.learning_rate=fast"], "learning_rate"),
       (["--config.mesh.num_devices=64"], "mesh.num_devices"),
       (["--no_such_flag"], "no_such_flag"),
+      # checked before jax.distributed.initialize, which would wait for a coordinator
+      (["--config.mesh.distributed=True", "--config.world.history_len=0"], "history_len"),
+      (["--config.mesh.distributed=True", "--config.mesh.num_processes=2",
+        "--config.mesh.process_id=2"], "mesh.process_id"),
   ]
   procs = [subprocess.Popen(_command("--config=experiments/configs/ranking.py:smoke",
                                      f"--workdir={workdir}", *extra),

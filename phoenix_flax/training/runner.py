@@ -34,7 +34,7 @@ import numpy as np
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
-                                          flatten, parse_config, seed_config)
+                                          check_config, flatten, parse_config, seed_config)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import RunWriter, jsonable, read_json, write_json
@@ -149,6 +149,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     raise TypeError(f"config must be an ml_collections.ConfigDict, got "
                     f"{type(config).__name__}")
   if config.mesh.distributed is True:
+    check_config(config)   # fail before waiting for the other processes
     initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
                            config.mesh.process_id)
   spec = parse_config(config)

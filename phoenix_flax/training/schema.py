@@ -285,6 +285,15 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "mesh.num_devices", m.num_devices, "must be -1 (all devices) or an integer >= 1")
   for f in ("shard_hash_tables", "distributed"):
     _check(isinstance(m[f], bool), f"mesh.{f}", m[f], "must be a bool")
+  _check(m.coordinator_address is None or (isinstance(m.coordinator_address, str)
+                                           and m.coordinator_address.rpartition(":")[0]),
+         "mesh.coordinator_address", m.coordinator_address, "use 'host:port', or None")
+  _check(m.num_processes is None or (_is_int(m.num_processes) and m.num_processes >= 1),
+         "mesh.num_processes", m.num_processes, "must be an integer >= 1, or None")
+  _check(m.process_id is None or (_is_int(m.process_id) and 0 <= m.process_id
+                                  and (m.num_processes is None
+                                       or m.process_id < m.num_processes)),
+         "mesh.process_id", m.process_id, "must be an integer in [0, num_processes), or None")
   out = c.output
   _check(out.seed_subdirs in (None, True, False), "output.seed_subdirs", out.seed_subdirs,
          "must be None (auto), True or False")
@@ -294,6 +303,16 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "output.keep_checkpoints", out.keep_checkpoints, "must be an integer >= 1")
   return ExperimentSpec(config=c, world=world, train_split=train_split,
                         eval_splits=eval_splits, model=model, action_weights=weights)
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """`parse_config`'s validation without touching a JAX backend, for use before
+  `jax.distributed.initialize` (which must run first): the forward dtype's backend
+  default is the only part that needs one, and a placeholder stands in for it."""
+  probe = ml_collections.ConfigDict(config.to_dict())
+  if probe.model.fprop_dtype is None:
+    probe.model.fprop_dtype = "float32"
+  parse_config(probe)
 
 
 def seed_config(config: ml_collections.ConfigDict, seed: int) -> ml_collections.ConfigDict:
