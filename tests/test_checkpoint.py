@@ -93,6 +93,17 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
   with pytest.raises(ConfigError, match="optim.learning_rate"):
     run_experiment(other, killed)
 
+  # Killed after the final checkpoint but before result.json: the re-run trains nothing
+  # and writes the same result, train scalars included (read back from metrics.jsonl).
+  os.remove(os.path.join(killed, "result.json"))
+  late = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert late.returncode == 0, late.stderr[-3000:]
+  late = json.load(open(os.path.join(killed, "result.json")))
+  assert late["final"] == want["final"] and late["steps"] == 40
+  assert late["examples_per_second"] > 0
+  assert _curve(killed) == _curve(straight)
+
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   tree = {"a": np.arange(3, dtype=np.float32), "b": np.zeros((), np.int32)}

@@ -37,7 +37,8 @@ from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, Experim
                                           check_config, flatten, parse_config, seed_config)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
-from phoenix_flax.training.writers import RunWriter, jsonable, read_json, write_json
+from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
+                                           write_json)
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
@@ -214,6 +215,18 @@ class _Group:
       for i, k in enumerate(self.seeds):
         self.writers[k].log(self.step, rows[i], self.wall(i))
 
+  def logged_training(self) -> tuple[dict[int, dict], float]:
+    """The last logged train scalars of each seed and the logged chunks' throughput (the
+    first chunk, which compiled, left out when there are more), for a process that
+    resumed from the final checkpoint and so trained no chunk itself."""
+    rows = {i: [r for r in read_metrics(self.dirs[k]) if "train/loss" in r]
+            for i, k in enumerate(self.seeds)}
+    train_rows = {i: {key: v for key, v in r[-1].items() if key.startswith("train/")}
+                  for i, r in rows.items() if r}
+    rates = [r["perf/examples_per_second"] for r in rows[0]]
+    rates = rates[1:] or rates
+    return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0)
+
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
     results = {}
@@ -276,7 +289,10 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
   if eval_step != g.step:
     evaluated = to_host(trainer.evaluate(g.state))
   g.save()
-  throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  if chunks:
+    throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  else:  # killed after the final checkpoint, before result.json
+    train_rows, throughput = g.logged_training()
   return g.finish(evaluated, train_rows, throughput)
 
 

@@ -60,6 +60,22 @@ def _hparam_value(value: Any) -> Any:
   return str(value)
 
 
+def read_metrics(run_dir: str) -> list[dict]:
+  """The rows of a run's metrics.jsonl (none if it has none), up to a truncated last line
+  that a killed process may have left."""
+  path = os.path.join(run_dir, METRICS_FILE)
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        break
+  return rows
+
+
 class RunWriter:
   """Scalars of one run to TensorBoard and metrics.jsonl.
 
@@ -79,7 +95,7 @@ class RunWriter:
         os.remove(old)
       rows = []
     else:
-      rows = [r for r in self._rows() if r.get("step", 0) <= resume_step]
+      rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
     tmp = f"{self.metrics_path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
       f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
@@ -92,18 +108,6 @@ class RunWriter:
       self.tb.file_writer.add_summary(exp)
       self.tb.file_writer.add_summary(ssi)
     self._hparams = dict(hparams)
-
-  def _rows(self) -> list[dict]:
-    if not os.path.exists(self.metrics_path):
-      return []
-    with open(self.metrics_path, encoding="utf-8") as f:
-      rows = []
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:
-          break
-      return rows
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
     """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
