@@ -295,6 +295,7 @@ GRID = {
     "C1_right_anchored_pre_4q1kv_capoff_empty_history": dict(
         candidates=1, right_anchored_rope=True, norm_layout="pre", num_kv_heads=1,
         attn_logit_cap=None, history_valid=[0, 3]),
+    "S16_C2_4q1kv": dict(history=16, candidates=2, num_kv_heads=1, history_valid=[16, 5]),
 }
 TRANSFORMER_KEYS = ("num_kv_heads", "attn_logit_cap", "attn_output_multiplier", "norm_layout")
 
@@ -313,7 +314,8 @@ def _grid_batch(cfg, case):
 def test_isolated_equals_dense(name):
   case = GRID[name]
   tc = transformer_config(**{k: v for k, v in case.items() if k in TRANSFORMER_KEYS})
-  cfgs = {impl: ranking_config(candidates=case.get("candidates", 3), transformer=tc,
+  cfgs = {impl: ranking_config(history=case.get("history", 4),
+                               candidates=case.get("candidates", 3), transformer=tc,
                                attention_impl=impl,
                                right_anchored_rope=case.get("right_anchored_rope", False))
           for impl in ("isolated", "dense")}

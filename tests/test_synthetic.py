@@ -13,6 +13,7 @@ import pytest
 import phoenix_flax as pf
 from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
                                     sample_batch, true_logits, user_interest)
+from phoenix_flax.synthetic.world import history_weights
 from phoenix_flax.training.metrics import per_action_auc
 
 SMALL = WorldConfig(num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8,
@@ -160,6 +161,14 @@ def test_recent_history_moves_probabilities_more_than_old_history():
   oldest = jnp.mean(jnp.abs(_probs_from_history(w, sb, shifted(jnp.zeros_like(n))) - base),
                     where=long_B)
   assert float(newest) > 3 * float(oldest) > 0
+
+
+@pytest.mark.parametrize("decay, expected", [(0.5, [0.25, 0.5, 1.0, 0.0, 0.0]),
+                                             (1.0, [1.0, 1.0, 1.0, 0.0, 0.0])])
+def test_recency_decay_weighs_history_by_age(decay, expected):
+  """`recency_decay` sets the weight of each valid item: decay ** (age in items); 1.0
+  weighs the whole history alike, and padding (past the valid length 3) gets none."""
+  np.testing.assert_allclose(history_weights(jnp.array([3]), 5, decay)[0], expected)
 
 
 def test_split_history_lengths_shift_order_and_composition():

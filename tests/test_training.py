@@ -16,7 +16,7 @@ import pytest
 
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.synthetic import make_world, sample_batch
-from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem,
+from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
@@ -197,6 +197,17 @@ def test_gradients_are_clipped_to_the_global_norm_before_adam(clip):
   mu = optax.tree_utils.tree_get(state, "mu")
   scale = 1.0 if clip is None else clip / 8.0
   np.testing.assert_allclose(mu["w"], (1 - c.optim.b1) * 2.0 * scale, rtol=1e-6)
+
+
+def test_training_chunk_donates_its_state_and_never_calls_the_host():
+  """The scanned chunk's program: every state buffer is donated (aliased to an output),
+  and there is no host callback, send or receive anywhere in it."""
+  trainer = Trainer(parse_config(smoke_config()))
+  state = trainer.init([0])
+  text = trainer._chunk.lower(trainer.world, state).as_text()
+  assert text.count("tf.aliasing_output") == len(jax.tree.leaves(state))
+  for op in ("callback", "stablehlo.send", "stablehlo.recv", "infeed", "outfeed"):
+    assert op not in text, op
 
 
 @pytest.mark.slow
