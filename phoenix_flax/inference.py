@@ -85,7 +85,9 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
   """Checks presence, shape and dtype without copying the values to the host."""
   if x is None:
     raise ValueError(f"{prefix}.{name} is required but is None")
-  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise ValueError(f"{prefix}.{name} is a {type(x).__name__}; pass a numpy or jax array")
+  dtype = x.dtype
   if tuple(np.shape(x)) != shape:
     raise ValueError(f"{prefix}.{name} has shape {tuple(np.shape(x))}, expected {shape} "
                      f"[{dims}]")

@@ -222,6 +222,8 @@ BAD_INPUTS = {
                             "embeddings.user_embeddings"),
     "integer embeddings": (_replace_emb("history_post_embeddings", lambda x: x.astype(np.int32)),
                            "history_post_embeddings has dtype int32"),
+    "list instead of array": (_replace_batch("user_hashes", lambda x: np.asarray(x).tolist()),
+                              "user_hashes is a list; pass a numpy or jax array"),
 }
 
 
