@@ -8,13 +8,14 @@ metrics.jsonl) and the effect sizes with their 95% confidence intervals.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Mapping, Optional, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
+
+from phoenix_flax.training.writers import read_metrics
 
 ALPHA = 0.05
 MAX_CURVE_PANELS = 12
@@ -220,15 +221,6 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
   return "\n".join(out)
 
 
-def read_rows(run_dir: str) -> list[dict]:
-  """The rows of a run's metrics.jsonl (none when the file is missing)."""
-  path = os.path.join(run_dir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
   """(steps, values) of one metrics.jsonl key; missing and non-finite values skipped."""
   pairs = [(r["step"], r[key]) for r in rows
@@ -252,7 +244,7 @@ def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) 
       if v["cell"] != cell:
         continue
       for i, seed in enumerate(v["seeds"]):
-        steps, values = curve(read_rows(os.path.join(workdir, name, f"seed_{seed}")), key)
+        steps, values = curve(read_metrics(os.path.join(workdir, name, f"seed_{seed}")), key)
         if steps:
           ax.plot(steps, values, color=colours[v["arm"]], lw=1.1, alpha=0.8,
                   marker="o" if len(steps) < 3 else None, label=v["arm"] if i == 0 else None)

@@ -1,11 +1,11 @@
 """Configuration dataclasses; every ablation switch lives here and is validated.
 
 Field order of the release's configs is kept (positional construction ports), and the
-switches follow. Their defaults are the release's, with two exceptions
-made for training from scratch on any backend: `param_init` defaults to variance scaling
-(the release initialises every transformer weight and norm scale to zero, placeholders
-for a checkpoint, which cannot train; "zeros" reproduces them) and `fprop_dtype` to
-float32 (the release runs bfloat16).
+switches follow. Their defaults are the release's, with two exceptions made for training
+from scratch on any backend: `param_init` defaults to variance scaling (the release
+initialises every transformer weight and norm scale to zero, placeholders for a
+checkpoint, which cannot train; "zeros" reproduces them) and `fprop_dtype` to float32
+(the release runs bfloat16).
 """
 
 from __future__ import annotations

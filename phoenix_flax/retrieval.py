@@ -131,7 +131,6 @@ class PhoenixRetrievalModel(eqx.Module):
   def build_candidate_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                                      ) -> tuple[Array, Array]:
     """Unit-norm candidate vectors `[B, C, D]` and the candidate padding mask `[B, C]`."""
-    c = self.config
     if not isinstance(embeddings, RecsysEmbeddings):
       raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
     post, author = embeddings.candidate_post_embeddings, embeddings.candidate_author_embeddings
