@@ -10,7 +10,9 @@ compile time, peak memory of each compiled program, achieved GFLOP/s from an ana
 count of useful FLOPs (`useful_flops`), and model FLOP utilisation (MFU): achieved GFLOP/s
 over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked` case
 serves one user through `RankingRunner.rank_chunked` (context encoded once, candidates
-scored in chunks); its reference is `RankingRunner.rank` on all candidates at once. Also
+scored in chunks); its reference is the dense model on all candidates in one call (timed
+`--dense_iters` times on its own: tens of seconds a call), and it also reports
+`RankingRunner.rank` on all candidates at once (`one_call`: the isolated path unchunked). Also
 reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
 deep model relative to a shallow one.
 
@@ -84,6 +86,9 @@ flags.DEFINE_float("min_seconds", 5.0, "Keep timing rounds (beyond --iters, up t
                    "they add up to this many seconds per configuration.")
 flags.DEFINE_string("out", "benchmark.json", "JSON results file (written atomically).")
 flags.DEFINE_integer("chunk_size", None, "Chunk size of the chunked case (default 1000).")
+flags.DEFINE_integer("dense_iters", 3, "Timed calls of the chunked case's dense reference "
+                     "(all candidates in one call; tens of seconds each at 10,000), after an "
+                     "untimed first call; outside the timing rounds.")
 flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator).")
 flags.DEFINE_bool("compile_check", True, "Compare compile times of a deep and a shallow model.")
 flags.DEFINE_list("compile_layers", ["2", "12"], "Shallow and deep layer counts to compile.")
@@ -239,24 +244,28 @@ def bench_full(case: Case, iters: int, warmup: int, min_seconds: float, seed: in
 
 
 def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed: int,
-                  matmul: Callable) -> dict:
-  """One user through `RankingRunner`: `rank_chunked` (fast) vs `rank` (reference).
+                  matmul: Callable, dense_iters: int = 3) -> dict:
+  """One user through `RankingRunner.rank_chunked` (fast) vs the dense reference scoring
+  every candidate in one call, and vs `rank` (`one_call`: the isolated path in one call,
+  the same useful work unchunked).
 
-  Compile time is the first call minus a steady call. Peak bytes are those of the larger
-  of the two programs a chunked call runs (context encoding, one chunk), and of the
-  one-shot forward.
+  The dense call is timed on its own, `dense_iters` times after a first call, not in the
+  rounds: at 10,000 candidates one call takes tens of seconds on 2 cores (its T x T
+  attention), thousands of times a fast call. Compile time of the runner's paths is the
+  first call minus a steady call. Peak bytes are those of the larger of the two programs
+  a chunked call runs (context encoding, one chunk), and of each one-shot forward.
   """
   model = pf.PhoenixModel(model_config(case), key=jax.random.key(seed))
   batch, emb = make_inputs(model.config, 1, seed + 1)
   runner = pf.RankingRunner(model)
   calls = {"fast": lambda: runner.rank_chunked(batch, emb, case.chunk).scores,
-           "reference": lambda: runner.rank(batch, emb).scores}
+           "one_call": lambda: runner.rank(batch, emb).scores}
   result = {}
   for name, call in calls.items():
     start = time.perf_counter()
     jax.block_until_ready(call())
     result[name] = {"first_call_s": time.perf_counter() - start}
-  result["max_abs_prob_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
+  result["max_abs_prob_diff"] = _max_abs_diff(calls["fast"](), calls["one_call"]())
   medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
   for name in calls:
     result[name]["median_s"] = medians[name]
@@ -274,21 +283,35 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
            compile_fn(score, params, cache, chunk_batch, chunk_emb)[2]]
   result["fast"].update(kind=f"rank_chunked({case.chunk})", peak_bytes=max(peaks),
                         num_chunks=-(-case.candidates // case.chunk))
-  result["reference"].update(kind="rank (one call)",
-                             peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
+  result["one_call"].update(kind="rank (isolated, one call)",
+                            peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
+
+  dense = pf.PhoenixModel(model_config(case, "dense"), key=jax.random.key(seed))
+  dense_params, dense_static = eqx.partition(dense, eqx.is_array)
+  exe, seconds, peak = compile_fn(_logits_fn(dense_static), dense_params, batch, emb)
+  logits = jax.block_until_ready(exe(dense_params, batch, emb))
+  result["max_abs_prob_diff_dense"] = _max_abs_diff(jax.nn.sigmoid(logits), calls["fast"]())
+  times = []
+  for _ in range(dense_iters):
+    start = time.perf_counter()
+    jax.block_until_ready(exe(dense_params, batch, emb))
+    times.append(time.perf_counter() - start)
+  result["reference"] = {"kind": "dense (one call)", "compile_s": seconds, "peak_bytes": peak,
+                         "median_s": statistics.median(times), "iters": dense_iters}
   return result
 
 
 def bench_case(name: str, case: Case, iters: int, warmup: int, min_seconds: float, seed: int,
-               matmul_size: int) -> dict:
+               matmul_size: int, dense_iters: int = 3) -> dict:
   """Times one case; its MFU uses the matmul timed in the same rounds."""
-  run = bench_chunked if case.chunk else bench_full
-  result = run(case, iters, warmup, min_seconds, seed, matmul_call(matmul_size))
+  matmul = matmul_call(matmul_size)
+  if case.chunk:
+    result = bench_chunked(case, iters, warmup, min_seconds, seed, matmul, dense_iters)
+  else:
+    result = bench_full(case, iters, warmup, min_seconds, seed, matmul)
   model = eqx.filter_eval_shape(pf.PhoenixModel, model_config(case), key=jax.random.key(seed))
   flops = useful_flops(model, case.batch, case.candidates)
-  # The chunked case's reference is the one-shot fast path: the same useful work.
-  dense_flops = flops if case.chunk else useful_flops(model, case.batch, case.candidates,
-                                                      dense=True)
+  dense_flops = useful_flops(model, case.batch, case.candidates, dense=True)
   fast_s = result["fast"]["median_s"]
   gflops = flops / fast_s / 1e9
   matmul_gflops = 2 * matmul_size ** 3 / result["matmul_median_s"] / 1e9
@@ -298,6 +321,8 @@ def bench_case(name: str, case: Case, iters: int, warmup: int, min_seconds: floa
                 candidates_per_s=case.batch * case.candidates / fast_s,
                 achieved_gflops=gflops, matmul_gflops=matmul_gflops,
                 mfu=gflops / matmul_gflops)
+  if "one_call" in result:
+    result["speedup_vs_one_call"] = result["one_call"]["median_s"] / fast_s
   return result
 
 
@@ -339,7 +364,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
                   compile_case: Optional[Case] = None,
                   compile_layers: Sequence[int] = (2, 12),
                   train: Sequence[tuple[str, int]] = (), train_rounds: int = 3,
-                  train_chunks: int = 2) -> dict:
+                  train_chunks: int = 2, dense_iters: int = 3) -> dict:
   """Runs the named cases, the KV-cache table, (with `compile_case`) compile scaling and
   (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
   unknown = [n for n in names if n not in cases]
@@ -347,6 +372,9 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
   if len(compile_layers) != 2:
     raise ValueError(f"compile_layers={list(compile_layers)} must name two layer counts")
+  if dense_iters < 1:
+    raise ValueError(f"dense_iters={dense_iters}: the chunked case's dense reference needs "
+                     "at least 1 timed call")
   for preset, num_seeds in train:
     if preset not in ranking.PRESETS:
       raise ValueError(f"train preset {preset!r}: choose from {list(ranking.PRESETS)}")
@@ -356,7 +384,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
             "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
-                                      matmul_size) for n in names}}
+                                      matmul_size, dense_iters) for n in names}}
   report["kv_cache"] = kv_cache_table(cases["serve"] if "serve" in cases else cases[names[0]])
   if compile_case is not None:
     report["compile_scaling"] = compile_scaling(compile_case, compile_layers, seed)
@@ -406,8 +434,13 @@ def format_table(report: dict) -> str:
         f"| {100 * r['mfu']:.0f}% |")
   refs = "; ".join(f"{n}: {r['fast']['kind']} vs {r['reference']['kind']}"
                    for n, r in report["configs"].items())
-  lines += ["", f"fast vs reference: {refs}.",
-            "", "| q heads | kv heads | KV cache per user context, fp32 | bf16 |",
+  lines += ["", f"fast vs reference: {refs}."]
+  for name, r in report["configs"].items():
+    if "one_call" in r:
+      lines.append(f"{name}: {r['one_call']['kind']} {1e3 * r['one_call']['median_s']:.1f} ms "
+                   f"= {r['speedup_vs_one_call']:.2f}x the chunked time; dense timed over "
+                   f"{r['reference']['iters']} calls")
+  lines += ["", "| q heads | kv heads | KV cache per user context, fp32 | bf16 |",
             "|---|---|---|---|"]
   for row in report["kv_cache"]:
     lines.append(f"| {row['q_heads']} | {row['kv_heads']} "
@@ -440,7 +473,7 @@ def main(argv: Sequence[str]) -> None:
                          cases["serve"] if FLAGS.compile_check else None,
                          [int(n) for n in FLAGS.compile_layers],
                          [(p, int(n)) for p in FLAGS.train_presets for n in FLAGS.train_seeds],
-                         FLAGS.train_rounds, FLAGS.train_chunks)
+                         FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
   report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
   write_json(report, FLAGS.out)
   print(format_table(report))

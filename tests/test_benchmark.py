@@ -47,7 +47,7 @@ def test_useful_flops_counts_the_isolated_computation():
 def test_run_benchmark_reports_every_field(tmp_path):
   report = benchmark.run_benchmark(["full", "chunked"], TINY, iters=2, warmup=0,
                                    matmul_size=64, compile_case=TINY["full"],
-                                   compile_layers=(1, 2))
+                                   compile_layers=(1, 2), dense_iters=2)
   for name in ("full", "chunked"):
     r = report["configs"][name]
     for path in ("fast", "reference"):
@@ -58,11 +58,14 @@ def test_run_benchmark_reports_every_field(tmp_path):
                   "useful_gflop"):
       assert r[field] > 0, (name, field)
   assert report["configs"]["full"]["max_abs_logit_diff"] <= 1e-5
-  assert report["configs"]["chunked"]["max_abs_prob_diff"] <= 1e-5
-  assert report["configs"]["chunked"]["fast"]["num_chunks"] == 3
+  chunked = report["configs"]["chunked"]
+  assert chunked["max_abs_prob_diff"] <= 1e-5 and chunked["max_abs_prob_diff_dense"] <= 1e-5
+  assert chunked["fast"]["num_chunks"] == 3
+  assert chunked["one_call"]["median_s"] > 0 and chunked["speedup_vs_one_call"] > 0
   assert report["configs"]["full"]["reference"]["kind"] == "dense"
-  assert report["configs"]["full"]["flop_ratio"] > 1.0
-  assert report["configs"]["chunked"]["flop_ratio"] == 1.0
+  assert chunked["reference"]["kind"] == "dense (one call)"
+  assert chunked["reference"]["iters"] == 2
+  assert report["configs"]["full"]["flop_ratio"] > 1.0 and chunked["flop_ratio"] > 1.0
 
   kv = {row["kv_heads"]: row["float32_bytes"] for row in report["kv_cache"]}
   assert set(kv) == {2, 1} and kv[2] == 2 * kv[1]
@@ -98,6 +101,8 @@ def test_run_benchmark_rejects_unknown_configs():
     benchmark.run_benchmark(["full"], TINY, train=[("tiny", 1)])
   with pytest.raises(ValueError, match="train seeds 0"):
     benchmark.run_benchmark(["full"], TINY, train=[("smoke", 0)])
+  with pytest.raises(ValueError, match="dense_iters=0"):
+    benchmark.run_benchmark(["chunked"], TINY, dense_iters=0)
 
 
 @pytest.mark.slow
