@@ -209,14 +209,19 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
   config = copy.deepcopy(config)
   for path, value in overrides.items():
     *parents, leaf = path.split(".")
-    node = config
+    node, where = config, "config"
     try:
-      for p in parents:
-        node = node[p]
-      if leaf not in node:
-        raise KeyError(leaf)
-      node[leaf] = value
-    except (KeyError, AttributeError, TypeError) as e:
+      for key in [*parents, leaf]:
+        if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+          fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+          raise ValueError(f"{where} has no field {key!r} (fields: {fields}); a new "
+                           "switch needs its default in phoenix_flax/training/schema.py "
+                           "base_config")
+        if key == leaf:
+          node[leaf] = value
+        else:
+          node, where = node[key], f"{where}.{key}"
+    except (ValueError, TypeError) as e:
       raise ValueError(f"config override {path}={value!r} is invalid: {e}") from None
   return config
 

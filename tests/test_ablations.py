@@ -92,7 +92,8 @@ def test_overrides():
   cfg = sweep.apply_overrides(base, {"model.num_layers": 3, "model.attn_logit_cap": None})
   assert cfg.model.num_layers == 3 and cfg.model.attn_logit_cap is None
   assert base.model.num_layers == 1 and base.model.attn_logit_cap == 30.0
-  with pytest.raises(ValueError, match="model.num_layerz"):
+  with pytest.raises(ValueError, match=r"config.model has no field 'num_layerz' \(fields: "
+                                       r"\['attention_impl'.*'num_layers'.*base_config"):
     sweep.apply_overrides(base, {"model.num_layerz": 3})
   with pytest.raises(ValueError, match="train.num_steps"):
     sweep.apply_overrides(base, {"train.num_steps": 2.5})

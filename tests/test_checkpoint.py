@@ -13,6 +13,7 @@ import pytest
 
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import ConfigError, checkpoint, run_experiment
+from phoenix_flax.training.runner import load_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,6 +104,15 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
   assert late["final"] == want["final"] and late["steps"] == 40
   assert late["examples_per_second"] > 0
   assert _curve(killed) == _curve(straight)
+
+  # A run made before a field existed (its config.json lacks it) counts as having the
+  # field's default: it is still skipped as finished, and it loads.
+  config_path = os.path.join(killed, "config.json")
+  stored = json.load(open(config_path))
+  del stored["model"]["attention_impl"]
+  json.dump(stored, open(config_path, "w"))
+  assert run_experiment(ranking_configs.get_config("smoke"), killed)[0]["final"] == want["final"]
+  assert load_run(killed).trainer.spec.model.attention_impl == "isolated"
 
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):

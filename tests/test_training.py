@@ -137,6 +137,20 @@ def test_bad_config_values_name_the_field():
       parse_config(c)
 
 
+def test_every_model_key_reaches_its_model_config_field():
+  """A `config.model` key goes to the config field of its name: switches are never
+  dropped on the way (a switch's field and its default are all the schema needs), and
+  a key that is a field of no model config is an error."""
+  c = smoke_config()
+  c.model.update(dict(scan_unroll=3, attention_impl="dense", right_anchored_rope=True))
+  model = parse_config(c).model
+  assert (model.model.scan_unroll, model.attention_impl, model.right_anchored_rope) == (
+      3, "dense", True)
+  c.model.qk_norm = True
+  with pytest.raises(ConfigError, match=r"config.model=\['qk_norm'\].*phoenix_flax/config.py"):
+    parse_config(c)
+
+
 def _finals(result):
   return {k: v for k, v in result["final"].items() if v is not None}
 

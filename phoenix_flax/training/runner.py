@@ -34,7 +34,8 @@ import numpy as np
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
-                                          check_config, flatten, parse_config, seed_config)
+                                          check_config, flatten, parse_config, seed_config,
+                                          with_defaults)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
@@ -68,7 +69,7 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
     return
-  found = flatten(read_json(path), skip=RUNTIME_SECTIONS)
+  found = flatten(jsonable(with_defaults(read_json(path)).to_dict()), skip=RUNTIME_SECTIONS)
   wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
@@ -307,7 +308,7 @@ class LoadedRun(NamedTuple):
 def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   """The system of a run from its config.json and checkpoint (the newest, or `step`),
   on one device."""
-  cfg = ml_collections.ConfigDict(read_json(os.path.join(run_dir, CONFIG_FILE)))
+  cfg = with_defaults(read_json(os.path.join(run_dir, CONFIG_FILE)))
   cfg.mesh.num_devices = 1
   cfg.mesh.distributed = False
   steps = checkpoint.available_steps(run_dir)

@@ -16,8 +16,10 @@ command line as `--config.<section>.<field>=value`):
   eval_split.*        `SplitConfig` of the primary evaluation (metrics `eval/<name>`).
   extra_eval_splits   name -> `SplitConfig` fields; evaluated alongside, logged as
                       `<name>/<metric>` (e.g. a history-length or list-size shift).
-  model.*             transformer shape and ablation switches (`TransformerConfig`,
-                      `PhoenixModelConfig` fields); `fprop_dtype` None picks bfloat16 on
+  model.*             transformer shape and ablation switches: each key goes to the
+                      `TransformerConfig` / `PhoenixModelConfig` (or retrieval) field of its
+                      name, and a key that is no such field is an error (the task's model
+                      ignores the other task's switches); `fprop_dtype` None picks bfloat16 on
                       GPU/TPU and float32 on CPU; `embedding_init_scale` is the std of the
                       hash tables; `enable_linear_proj` is the retrieval candidate tower;
                       `scan_unroll` is layers per scan iteration (a speed knob, not a
@@ -49,6 +51,7 @@ command line as `--config.<section>.<field>=value`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -183,26 +186,38 @@ def default_fprop_dtype() -> str:
   return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+# `config.model` keys that are not fields of the model configs.
+TRAINING_MODEL_KEYS = ("embedding_init_scale",)
+
+
+def _fields(cls) -> set[str]:
+  return {f.name for f in dataclasses.fields(cls)}
+
+
 def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
-  m = c.model
-  transformer = _build("model", TransformerConfig, emb_size=m.emb_size, key_size=m.key_size,
-                       num_q_heads=m.num_q_heads, num_kv_heads=m.num_kv_heads,
-                       num_layers=m.num_layers, widening_factor=m.widening_factor,
-                       attn_output_multiplier=m.attn_output_multiplier,
-                       attn_logit_cap=m.attn_logit_cap, norm_layout=m.norm_layout,
-                       param_init=m.param_init, scan_unroll=m.scan_unroll)
+  """The model config: every `config.model` key goes to the `TransformerConfig` or task
+  model config field of its name (so a new switch needs only its field and its default in
+  `base_config`); a key that is a field of neither is an error, never silently dropped."""
+  m = c.model.to_dict()
+  known = (_fields(TransformerConfig) | _fields(PhoenixModelConfig)
+           | _fields(PhoenixRetrievalModelConfig) | set(TRAINING_MODEL_KEYS))
+  unknown = sorted(set(m) - known)
+  _check(not unknown, "model", unknown,
+         "these keys are fields of no model config; add each to TransformerConfig or "
+         "PhoenixModelConfig / PhoenixRetrievalModelConfig in phoenix_flax/config.py")
+  tc_fields = _fields(TransformerConfig)
+  transformer = _build("model", TransformerConfig,
+                       **{k: v for k, v in m.items() if k in tc_fields})
   hashes = HashConfig(world.num_user_hashes, world.num_item_hashes, world.num_author_hashes)
-  common = dict(model=transformer, emb_size=m.emb_size, history_seq_len=world.history_len,
+  common = dict(model=transformer, emb_size=m["emb_size"], history_seq_len=world.history_len,
                 candidate_seq_len=world.num_candidates, hash_config=hashes,
                 num_actions=world.num_actions,
                 product_surface_vocab_size=world.product_surface_vocab_size,
-                fprop_dtype=m.fprop_dtype or default_fprop_dtype())
-  if c.task == "ranking":
-    return _build("model", PhoenixModelConfig, right_anchored_rope=m.right_anchored_rope,
-                  candidate_isolation=m.candidate_isolation, attention_impl=m.attention_impl,
-                  post_age_granularity_mins=m.post_age_granularity_mins, **common)
-  return _build("model", PhoenixRetrievalModelConfig,
-                enable_linear_proj=m.enable_linear_proj, **common)
+                fprop_dtype=m["fprop_dtype"] or default_fprop_dtype())
+  cls = PhoenixModelConfig if c.task == "ranking" else PhoenixRetrievalModelConfig
+  switches = {k: v for k, v in m.items()
+              if k in _fields(cls) and k not in common and k not in tc_fields}
+  return _build("model", cls, **switches, **common)
 
 
 def _split(path: str, fields, world: WorldConfig) -> SplitConfig:
@@ -303,6 +318,24 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "output.keep_checkpoints", out.keep_checkpoints, "must be an integer >= 1")
   return ExperimentSpec(config=c, world=world, train_split=train_split,
                         eval_splits=eval_splits, model=model, action_weights=weights)
+
+
+def with_defaults(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
+  """A stored config (a run's config.json) completed with the schema's defaults for the
+  fields it predates. A switch added later defaults to the released behaviour, which is
+  what runs made before it computed, so they still resume, skip and load."""
+  def fill(dst: dict, defaults: Mapping) -> None:
+    for key, value in defaults.items():
+      if key not in dst:
+        dst[key] = copy.deepcopy(value)
+      elif isinstance(value, Mapping) and isinstance(dst[key], dict):
+        fill(dst[key], value)
+
+  out = copy.deepcopy(dict(stored))
+  fill(out, base_config(out.get("task", "ranking")).to_dict())
+  for split in out["extra_eval_splits"].values():
+    fill(split, split_config().to_dict())
+  return ml_collections.ConfigDict(out)
 
 
 def check_config(config: ml_collections.ConfigDict) -> None:
