@@ -1,10 +1,10 @@
 """Serving runners: rank candidates, score them in chunks against a cached user context,
 and retrieve from a corpus.
 
-Runners hold one `eqx.filter_jit` per entry point (compiled once per input shape, with
-`xla_options.compiler_options()`) and validate every input on the host before dispatch,
-raising a `ValueError` that names the offending field. `trace_counts` records how often
-each entry point was traced.
+Runners hold one `xla_options.filter_jit` per entry point (an `eqx.filter_jit` compiled
+once per input shape, with `xla_options.compiler_options()`) and validate every input on
+the host before dispatch, raising a `ValueError` that names the offending field.
+`trace_counts` records how often each entry point was traced.
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
                 product_surface_vocab_size=world.product_surface_vocab_size,
                 fprop_dtype=m["fprop_dtype"] or default_fprop_dtype())
   cls = PhoenixModelConfig if c.task == "ranking" else PhoenixRetrievalModelConfig
-  switches = {k: v for k, v in m.items()
-              if k in _fields(cls) and k not in common and k not in tc_fields}
+  own = _fields(cls) - tc_fields - set(common)
+  switches = {k: v for k, v in m.items() if k in own}
   return _build("model", cls, **switches, **common)
 
 
