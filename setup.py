@@ -10,22 +10,30 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
+    # Lower bounds are the oldest versions the test suite passed with (jax 0.6.0, equinox
+    # 0.11.11, ml_collections 1.0.0, dm-haiku 0.0.14, numpy 1.26.4 and the other floors as
+    # listed; the flax tests excepted, since flax 0.12.8 itself needs jax >= 0.10).
+    # Older jax lacks `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
+    # collectives by default (< 0.5.1), and its jaxlib crashed on reading the persistent
+    # compilation cache (< 0.6.0); equinox < 0.11.11 fails to import on jax >= 0.6;
+    # ml_collections < 1.0.0 cannot override the schema's nullable fields from the
+    # command line; tensorboardX 2.6.2 is yanked.
     install_requires=[
-        "jax>=0.4.35",
-        "equinox>=0.11.8",
+        "jax>=0.6.0",
+        "equinox>=0.11.11",
         "jaxtyping>=0.2.34",
         "optax>=0.2.5",
         "chex>=0.1.87",
         "absl-py>=2.1",
-        "ml_collections>=0.1.1",
+        "ml_collections>=1.0.0",
         "numpy>=1.26",
-        "tensorboardX>=2.6.2",
+        "tensorboardX>=2.6.2.2",
     ],
     extras_require={
         "test": [
             "pytest>=8.0",
             "pytest-xdist>=3.5",
-            "dm-haiku>=0.0.13",
+            "dm-haiku>=0.0.14",
             "tensorboard>=2.16",
             "matplotlib>=3.8",
             "nbclient>=0.10",
