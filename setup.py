@@ -10,14 +10,17 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
-    # Lower bounds are the oldest versions the test suite passed with (jax 0.6.0, equinox
-    # 0.11.11, ml_collections 1.0.0, dm-haiku 0.0.14, numpy 1.26.4 and the other floors as
-    # listed; the flax tests excepted, since flax 0.12.8 itself needs jax >= 0.10).
+    # Every floor is the oldest version the test suite passed with, each set installed
+    # at its floors in a fresh venv. Core: jax 0.6.0, equinox 0.11.11, ml_collections
+    # 1.0.0, numpy 1.26.4 and the rest as listed (flax tests aside; dm-haiku 0.0.14).
     # Older jax lacks `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
     # collectives by default (< 0.5.1), and its jaxlib crashed on reading the persistent
     # compilation cache (< 0.6.0); equinox < 0.11.11 fails to import on jax >= 0.6;
     # ml_collections < 1.0.0 cannot override the schema's nullable fields from the
-    # command line; tensorboardX 2.6.2 is yanked.
+    # command line; tensorboardX 2.6.2 is yanked. Extras: the whole suite on jax 0.10.2
+    # and numpy 2, which flax 0.12.8 requires. Below these floors matplotlib needs
+    # numpy < 2, tensorboard's stub uses `np.string_` (gone in numpy 2), dm-haiku uses
+    # `jax.lib.xla_extension` and orbax `jax.experimental.layout.DeviceLocalLayout`.
     install_requires=[
         "jax>=0.6.0",
         "equinox>=0.11.11",
@@ -33,22 +36,22 @@ setup(
         "test": [
             "pytest>=8.0",
             "pytest-xdist>=3.5",
-            "dm-haiku>=0.0.14",
-            "tensorboard>=2.16",
-            "matplotlib>=3.8",
+            "dm-haiku>=0.0.15",
+            "tensorboard>=2.17.1",
+            "matplotlib>=3.8.4",
             "nbclient>=0.10",
             "nbformat>=5.10",
             "ipykernel>=6.29",
             "flax>=0.12.8",
-            "orbax-checkpoint>=0.11",
+            "orbax-checkpoint>=0.11.17",
         ],
         # phoenix_flax.flax_nnx (tested with flax 0.12.8): Module-as-pytree rules
         # (nnx.data / nnx.static), Variable.get_value, nnx.Optimizer(model, tx, wrt=...).
-        "flax": ["flax>=0.12.8", "orbax-checkpoint>=0.11"],
+        "flax": ["flax>=0.12.8", "orbax-checkpoint>=0.11.17"],
         # The ablation scripts (ablations/): REPORT.md plots, and TensorBoard to view runs.
-        "ablations": ["matplotlib>=3.8", "tensorboard>=2.16"],
-        "notebooks": ["matplotlib>=3.8", "nbclient>=0.10", "nbformat>=5.10",
-                      "ipykernel>=6.29", "tensorboard>=2.16", "flax>=0.12.8",
-                      "orbax-checkpoint>=0.11"],
+        "ablations": ["matplotlib>=3.8.4", "tensorboard>=2.17.1"],
+        "notebooks": ["matplotlib>=3.8.4", "nbclient>=0.10", "nbformat>=5.10",
+                      "ipykernel>=6.29", "tensorboard>=2.17.1", "flax>=0.12.8",
+                      "orbax-checkpoint>=0.11.17"],
     },
 )
