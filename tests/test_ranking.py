@@ -1,5 +1,5 @@
 """PhoenixModel: isolation, padding, positions, init, transforms, dtypes, diagnostics,
-input checks, and the isolated-vs-dense equality grid."""
+input checks, and the isolated-vs-dense equality grid (outputs and gradients)."""
 
 import equinox as eqx
 import jax
