@@ -199,13 +199,13 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
   model config field of its name (so a new switch needs only its field and its default in
   `base_config`); a key that is a field of neither is an error, never silently dropped."""
   m = c.model.to_dict()
-  known = (_fields(TransformerConfig) | _fields(PhoenixModelConfig)
-           | _fields(PhoenixRetrievalModelConfig) | set(TRAINING_MODEL_KEYS))
+  tc_fields = _fields(TransformerConfig)
+  known = (tc_fields | _fields(PhoenixModelConfig) | _fields(PhoenixRetrievalModelConfig)
+           | set(TRAINING_MODEL_KEYS))
   unknown = sorted(set(m) - known)
   _check(not unknown, "model", unknown,
          "these keys are fields of no model config; add each to TransformerConfig or "
          "PhoenixModelConfig / PhoenixRetrievalModelConfig in phoenix_flax/config.py")
-  tc_fields = _fields(TransformerConfig)
   transformer = _build("model", TransformerConfig,
                        **{k: v for k, v in m.items() if k in tc_fields})
   hashes = HashConfig(world.num_user_hashes, world.num_item_hashes, world.num_author_hashes)
