@@ -62,16 +62,20 @@ def rms_norm(x: Array, scale: Array) -> Array:
 def apply_rope(x_BTHd: Array, positions_BT: Array) -> Array:
   """Rotary embedding on `[B, T, heads, d]` with explicit float positions `[B, T]`.
 
-  Rotates halves (not interleaved pairs), base 10000, as the release does.
+  Rotates halves (not interleaved pairs), base 10000, as the release does: the pair
+  `(x_i, x_{i+d/2})` turns by `position * 10000^(-2i/d)`. Written per half, which equals
+  the release's `x * cos + rotate_half(x) * sin` bit for bit and takes the cosine and sine
+  of `d/2` angles, not `d`.
   """
   d = x_BTHd.shape[-1]
-  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  phase_BTf = positions_BT.astype(jnp.float32)[..., None] * inv_freq
-  phase_BT1d = jnp.concatenate([phase_BTf, phase_BTf], axis=-1)[:, :, None, :]
-  x32 = x_BTHd.astype(jnp.float32)
   half = d // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * jnp.cos(phase_BT1d) + rotated * jnp.sin(phase_BT1d)).astype(x_BTHd.dtype)
+  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  phase_BT1f = (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+  cos, sin = jnp.cos(phase_BT1f), jnp.sin(phase_BT1f)
+  x32 = x_BTHd.astype(jnp.float32)
+  first, second = x32[..., :half], x32[..., half:]
+  return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
+                         axis=-1).astype(x_BTHd.dtype)
 
 
 def soft_cap(logits: Array, cap: Optional[float]) -> Array:

@@ -133,8 +133,8 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   B, T, KV, G, d = q_BTKGd.shape
   N = ctx_k_BNKd.shape[1]
   mult, cap = cfg.attn_output_multiplier, cfg.attn_logit_cap
-  q_BKTGd = _swap_time_heads(q_BTKGd)
-  raw = jnp.einsum("bkqd,bkdn->bkqn", q_BKTGd.reshape(B, KV, T * G, d),
+  q_BKQd = _swap_time_heads(q_BTKGd).reshape(B, KV, T * G, d)
+  raw = jnp.einsum("bkqd,bkdn->bkqn", q_BKQd,
                    jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
   keep = ctx_mask_BN[:, None, None, None, :]
   if candidates is None:
@@ -142,24 +142,30 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   logits, max_logit = _logit_stats(raw.reshape(B, KV, T, G, N) * mult, keep, cap)
   top = jnp.max(logits, axis=-1)
   if candidates is not None:
+    # The own-key term stays in token order ([B,T,KV,G]): only its small result moves
+    # to heads-first, not a second copy of the queries.
     k_BTKd, v_BTKd, mask_BT = candidates
-    raw_self = jnp.einsum("bktgd,bktd->bktg", q_BKTGd,
-                          _swap_time_heads(k_BTKd)).astype(jnp.float32) * mult
-    logits_self, max_self = _logit_stats(raw_self, mask_BT[:, None, :, None], cap)
+    raw_self = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
+    logits_self, max_self = _logit_stats(raw_self, mask_BT[:, :, None, None], cap)
+    logits_self = _swap_time_heads(logits_self)
     top = jnp.maximum(top, logits_self)
     max_logit = jnp.maximum(max_logit, max_self)
-    exp_self = jnp.exp(logits_self - top)
+  # The row max only keeps exp in range and the softmax does not depend on it, so its
+  # gradient is zero; stopping it skips that backward work (as `jax.nn.softmax` does).
+  top = jax.lax.stop_gradient(top)
   exp = jnp.exp(logits - top[..., None])
   total = jnp.sum(exp, axis=-1)
   if candidates is not None:
+    exp_self = jnp.exp(logits_self - top)
     total = total + exp_self
   weights = (exp / total[..., None]).astype(q_BTKGd.dtype)
   attn = jnp.einsum("bkqn,bknd->bkqd", weights.reshape(B, KV, T * G, N),
                     _swap_time_heads(ctx_v_BNKd)).reshape(B, KV, T, G, d)
+  attn_BTKGd = _swap_time_heads(attn)
   if candidates is not None:
-    w_self = (exp_self / total).astype(q_BTKGd.dtype)
-    attn = attn + w_self[..., None] * _swap_time_heads(v_BTKd)[:, :, :, None]
-  return _swap_time_heads(attn), max_logit
+    w_self = _swap_time_heads(exp_self / total).astype(q_BTKGd.dtype)
+    attn_BTKGd = attn_BTKGd + w_self[..., None] * v_BTKd[:, :, :, None]
+  return attn_BTKGd, max_logit
 
 
 class Transformer(eqx.Module):
