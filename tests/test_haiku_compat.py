@@ -346,3 +346,15 @@ def test_retrieval_matches_reference(inputs, corpus, linear_proj):
   assert candidates.shape == (B, C, 64)
   np.testing.assert_allclose(candidates, expected["candidates"], rtol=0, atol=PARITY_ATOL)
   np.testing.assert_array_equal(candidate_mask, expected["candidate_mask"])
+
+
+def test_rope_equals_reference_bit_for_bit():
+  """`apply_rope` rotates each half directly; the reference computes the release's
+  `x * cos(phase) + rotate_half(x) * sin(phase)` with the phase duplicated over both
+  halves. The floats must be the same, jitted and eager."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((3, 7, 4, 16)) * 5, jnp.float32)
+  pos = jnp.asarray(rng.uniform(0, 300, (3, 7)), jnp.float32)
+  rope = pf.layers.apply_rope
+  np.testing.assert_array_equal(jax.jit(rope)(x, pos), jax.jit(ref.rope)(x, pos))
+  np.testing.assert_array_equal(rope(x, pos), ref.rope(x, pos))

@@ -79,25 +79,6 @@ def test_rope_matches_pairwise_rotation_of_halves():
   np.testing.assert_allclose(out, rope_reference(x, pos), atol=2e-5)
 
 
-def test_rope_equals_release_formula_bit_for_bit():
-  """The release computes `x * cos(phase) + rotate_half(x) * sin(phase)` with the phase
-  duplicated over both halves; the per-half form must give the same floats."""
-
-  def release(x, positions):
-    d = x.shape[-1]
-    inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    phase = positions[..., None] * inv_freq
-    phase = jnp.concatenate([phase, phase], axis=-1)[:, :, None, :]
-    rotated = jnp.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
-    return x * jnp.cos(phase) + rotated * jnp.sin(phase)
-
-  rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.standard_normal((3, 7, 4, 16)) * 5, jnp.float32)
-  pos = jnp.asarray(rng.uniform(0, 300, (3, 7)), jnp.float32)
-  np.testing.assert_array_equal(call(apply_rope, x, pos), call(release, x, pos))
-  np.testing.assert_array_equal(apply_rope(x, pos), release(x, pos))
-
-
 def test_rope_position_zero_is_identity_and_norm_preserved():
   x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 2, 8)), jnp.float32)
   np.testing.assert_allclose(call(apply_rope, x, jnp.zeros((1, 4))), x, atol=1e-7)
