@@ -13,9 +13,9 @@ Variants: `kv8` (8 KV heads, no grouping, as in the released example config; bas
 
 Metrics: `auc_mean`, `params/transformer` and `params/total` (trained parameters),
 `kv_cache_bytes` (keys and values of one user context, 1 + S tokens, in the forward
-dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch, best of 5,
-after compiling), `logloss`, `diverged`; `gqa_tradeoff.png` plots AUC against KV-cache
-bytes and parameters.
+dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch: median of
+at least 10 timed calls and 0.5 s, after compiling), `logloss`, `diverged`;
+`gqa_tradeoff.png` plots AUC against KV-cache bytes and parameters.
 """
 
 import os

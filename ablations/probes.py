@@ -9,14 +9,14 @@ take a `RankingSystem` (hash tables + `PhoenixModel`) and synthetic batches.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from experiments import timing
+from phoenix_flax import xla_options
 from phoenix_flax.inference import CANDIDATE_BATCH_FIELDS
 from phoenix_flax.synthetic import SplitConfig, SyntheticBatch, World, sample_batch
 from phoenix_flax.training import metrics as metrics_lib
@@ -31,10 +31,21 @@ def sample(world: World, split: SplitConfig, batch_size: int, key) -> SyntheticB
   return sample_batch(world, split, batch_size, key)
 
 
+def _float32_logits(system, batch: RecsysBatch) -> jax.Array:
+  return system(batch).astype(jnp.float32)
+
+
 @eqx.filter_jit
 def logits(system, batch: RecsysBatch) -> jax.Array:
   """Float32 logits `[B, C, A]` of a ranking system on one batch."""
-  return system(batch).astype(jnp.float32)
+  return _float32_logits(system, batch)
+
+
+@functools.cache
+def _timed_logits():
+  """`logits` compiled with the package's compile options (built on first use, not at
+  import: looking the options up compiles a probe program)."""
+  return xla_options.filter_jit(_float32_logits)
 
 
 def candidate_slice(batch: RecsysBatch, start: int, stop: int) -> RecsysBatch:
@@ -140,15 +151,15 @@ def count_params(tree) -> int:
   return int(sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))))
 
 
-def scoring_throughput(system, batch: RecsysBatch, repeats: int = 5) -> float:
-  """Candidates scored per second by the jitted forward (best of `repeats`, after a
-  warm-up call that compiles)."""
-  jax.block_until_ready(logits(system, batch))
-  best = np.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(logits(system, batch))
-    best = min(best, time.perf_counter() - start)
+def scoring_throughput(system, batch: RecsysBatch, min_seconds: float = 0.5,
+                       rounds: int = 10) -> float:
+  """Candidates scored per second by the jitted forward: the median of at least `rounds`
+  timed calls, and more until they add up to `min_seconds` (`experiments.timing.
+  time_rounds`, after a warm-up call that compiles). Compiled with the package's
+  `xla_options`, as the training, evaluation and serving programs are."""
+  call = functools.partial(_timed_logits(), system, batch)
+  seconds = timing.time_rounds({"forward": call}, iters=rounds, warmup=1,
+                               min_seconds=min_seconds)["forward"]
   B, C = batch.candidate_post_hashes.shape[:2]
-  return B * C / best
+  return B * C / seconds
 

@@ -91,3 +91,22 @@ def test_gqa_tradeoff_plot(tmp_path):
                           for k in (8, 1)}}
   assert gqa_ratio.plot_tradeoff(results, str(tmp_path)) == "gqa_tradeoff.png"
   assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
+
+
+def test_scoring_throughput_is_candidates_over_the_median_call(tmp_path, monkeypatch):
+  ctx = context(gqa_ratio, "kv1", tmp_path)
+  batch = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])[0].batch
+  seen = {}
+
+  def fake_rounds(calls, iters, warmup, min_seconds):
+    seen.update(iters=iters, warmup=warmup, min_seconds=min_seconds)
+    (call,) = calls.values()
+    seen["logits"] = call()
+    return {name: 0.25 for name in calls}
+
+  monkeypatch.setattr(probes.timing, "time_rounds", fake_rounds)
+  B, C = batch.candidate_post_hashes.shape[:2]
+  assert probes.scoring_throughput(ctx.system, batch, min_seconds=0.3) == B * C / 0.25
+  assert seen["min_seconds"] == 0.3 and seen["iters"] >= 5 and seen["warmup"] >= 1
+  # The timed call is the system's forward (compiled with the package's options).
+  assert jax.numpy.allclose(seen["logits"], probes.logits(ctx.system, batch), atol=1e-6)

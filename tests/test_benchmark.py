@@ -15,7 +15,7 @@ import jax
 import pytest
 
 import phoenix_flax as pf
-from experiments import benchmark
+from experiments import benchmark, timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
@@ -85,11 +85,11 @@ def test_run_benchmark_reports_every_field(tmp_path):
 def test_time_rounds_runs_iters_then_until_min_seconds():
   calls = []
   call = lambda: (calls.append(1), time.sleep(0.01))[0]
-  assert benchmark.time_rounds({"a": call}, iters=3, warmup=1)["a"] >= 0.01
+  assert timing.time_rounds({"a": call}, iters=3, warmup=1)["a"] >= 0.01
   assert len(calls) == 1 + 3 * 2          # warmup, then an untimed and a timed run a round
   calls.clear()
   start = time.perf_counter()
-  benchmark.time_rounds({"a": call}, iters=2, warmup=0, min_seconds=0.1)
+  timing.time_rounds({"a": call}, iters=2, warmup=0, min_seconds=0.1)
   assert time.perf_counter() - start >= 0.1
   assert 4 <= len(calls) <= 20            # every call sleeps at least 0.01 s
 
