@@ -44,8 +44,8 @@ import jax
 import jax.numpy as jnp
 
 from experiments import train_throughput
-from experiments.timing import time_rounds
 from experiments.configs import ranking
+from experiments.timing import time_rounds
 import phoenix_flax as pf
 from phoenix_flax import xla_options
 
