@@ -15,7 +15,7 @@ from typing import Mapping, Optional, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
-from phoenix_flax.training.writers import read_metrics
+from phoenix_flax.training.writers import atomic_file, read_metrics
 
 ALPHA = 0.05
 MAX_CURVE_PANELS = 12
@@ -23,11 +23,9 @@ MAX_EFFECT_PANELS = 6
 
 
 def write_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` through a temporary file and a rename."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
+  """Writes `text` to `path` atomically (`writers.atomic_file`)."""
+  with atomic_file(path) as f:
     f.write(text)
-  os.replace(tmp, path)
 
 
 def figure(rows: int, cols: int, figsize: tuple[float, float]):
@@ -39,9 +37,8 @@ def figure(rows: int, cols: int, figsize: tuple[float, float]):
 
 def save_figure(fig, path: str) -> None:
   """Saves a figure as PNG atomically."""
-  tmp = f"{path}.tmp{os.getpid()}"
-  fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-  os.replace(tmp, path)
+  with atomic_file(path, "wb") as f:
+    fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
 
 
 def fmt(value: Optional[float], digits: int = 4) -> str:

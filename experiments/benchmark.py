@@ -34,7 +34,6 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
@@ -48,6 +47,7 @@ from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
 from phoenix_flax import xla_options
+from phoenix_flax.training import writers
 
 KEY_SIZE = 64
 WIDENING_FACTOR = 2.0
@@ -368,17 +368,10 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
 
 
 def write_json(report: dict, path: str) -> None:
-  """Writes `report` to `path` atomically (temporary file in the same folder, then rename)."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".benchmark-", suffix=".json")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(report, f, indent=2)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  """Writes `report` to `path` atomically (`writers.atomic_file`), creating its folder."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with writers.atomic_file(path) as f:
+    json.dump(report, f, indent=2)
 
 
 def format_table(report: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from experiments.configs import ranking as ranking_configs
-from phoenix_flax.training import ConfigError, checkpoint, run_experiment
+from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
 from phoenix_flax.training.runner import load_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,3 +126,42 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   np.testing.assert_array_equal(loaded["a"], tree["a"] + 20)
   with pytest.raises(FileNotFoundError, match="step 10"):
     checkpoint.load(str(tmp_path), 10, tree)
+
+
+def test_atomic_file_replaces_only_on_success_and_syncs_the_folder(tmp_path, monkeypatch):
+  path = tmp_path / "out.json"
+  writers.write_json(str(path), {"x": 1})
+  synced = []
+  real_fsync = os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_mode),
+                                               real_fsync(fd))[1])
+  with pytest.raises(RuntimeError, match="midway"):
+    with writers.atomic_file(str(path)) as f:
+      f.write('{"x": ')
+      raise RuntimeError("midway")
+  assert json.loads(path.read_text()) == {"x": 1}
+  assert os.listdir(tmp_path) == ["out.json"]   # the temporary file is gone
+  assert not synced                               # nothing was committed
+  with writers.atomic_file(str(path), "wb") as f:
+    f.write(b"new")
+  assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.json"]
+  if os.name == "posix":                          # the file, then its folder
+    assert [stat.S_ISREG(m) for m in synced] == [True, False]
+    assert stat.S_ISDIR(synced[1])
+  with pytest.raises(ValueError, match="mode='a'"):
+    with writers.atomic_file(str(path), "a"):
+      pass
+
+
+def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):
+  checkpoint.save(str(tmp_path), 10, {"a": np.ones(3, np.float32)}, keep=1)
+
+  def disk_full(f, tree):
+    f.write(b"partial")
+    raise OSError("disk full")
+
+  monkeypatch.setattr(checkpoint.eqx, "tree_serialise_leaves", disk_full)
+  with pytest.raises(OSError, match="disk full"):
+    checkpoint.save(str(tmp_path), 20, {"a": np.zeros(3, np.float32)}, keep=1)
+  assert checkpoint.available_steps(str(tmp_path)) == [10]
+  assert os.listdir(tmp_path / "checkpoint") == ["step_000000010.eqx"]

@@ -1,8 +1,10 @@
 """Equinox-native checkpoints (`eqx.tree_serialise_leaves`, no pickle), written atomically.
 
 A run directory holds `checkpoint/step_<N>.eqx` files, the newest `keep` of them. Each
-file is written to a temporary name, synced and renamed, so a kill at any moment leaves
-either the previous set or the new one, never a half-written file under a final name.
+file is written through `writers.atomic_file` (temporary name, sync, rename, folder sync),
+so a kill or power loss at any moment leaves either the previous set or the new one, never
+a half-written file under a final name; old files are deleted only after the new one is
+in place.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import re
 from typing import Any
 
 import equinox as eqx
+
+from phoenix_flax.training import writers
 
 CHECKPOINT_DIR = "checkpoint"
 _PATTERN = re.compile(r"step_(\d+)\.eqx")
@@ -40,12 +44,8 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
     raise ValueError(f"keep={keep} must be >= 1")
   os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
   path = _path(run_dir, step)
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "wb") as f:
+  with writers.atomic_file(path, "wb") as f:
     eqx.tree_serialise_leaves(f, tree)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
   for old in available_steps(run_dir)[:-keep]:
     os.remove(_path(run_dir, old))
   return path

@@ -3,12 +3,13 @@ atomic JSON files."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
 import os
 import re
-from typing import Any, Mapping, Optional
+from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
 from tensorboardX import SummaryWriter
@@ -32,15 +33,42 @@ def jsonable(value: Any) -> Any:
   return value
 
 
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "w") -> Iterator[IO]:
+  """A file object whose content replaces `path` only once the block completes.
+
+  It writes to a temporary file in `path`'s folder, syncs it, renames it over `path` and
+  syncs the folder, so `path` holds the old content or the new, never a mix, after a kill
+  or a power loss. If the block raises, the temporary file is removed and `path` is left
+  as it was. `mode` is "w" (UTF-8 text) or "wb".
+  """
+  if mode not in ("w", "wb"):
+    raise ValueError(f"mode={mode!r} must be 'w' or 'wb'")
+  folder = os.path.dirname(os.path.abspath(path))
+  tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+  try:
+    with open(tmp, mode, encoding=None if mode == "wb" else "utf-8") as f:
+      yield f
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  if os.name == "posix":  # the rename itself survives a power loss once the folder is synced
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
 def write_json(path: str, payload: Any) -> None:
-  """Writes JSON to a temporary file, syncs and renames it over `path`."""
-  tmp = f"{path}.tmp.{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
+  """Writes `payload` as JSON to `path` (`atomic_file`); NaN and inf become null."""
+  with atomic_file(path) as f:
     json.dump(jsonable(payload), f, indent=2, sort_keys=True, allow_nan=False)
     f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
 
 
 def read_json(path: str) -> Any:
@@ -96,10 +124,8 @@ class RunWriter:
       rows = []
     else:
       rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
-    tmp = f"{self.metrics_path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_file(self.metrics_path) as f:
       f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-    os.replace(tmp, self.metrics_path)
     purge = None if resume_step is None else resume_step + 1
     self.tb = SummaryWriter(run_dir, purge_step=purge, flush_secs=10)
     if resume_step is None:
