@@ -16,9 +16,9 @@ its budget); a short warmup (5 percent of the steps) makes high learning rates b
 Variants: `sandwich` (baseline), `pre`, `post`, `rezero` (sandwich + param_init=rezero),
 each at every depth x learning rate.
 
-Metrics: final `auc_mean` and `logloss`, `diverged`, and the residual-stream RMS after
-the last layer (`residual_rms/last`) and its ratio to the first layer's
-(`residual_rms/growth`); `residual_rms.png` plots the RMS by layer.
+Metrics: final `auc_mean` and `logloss`, `diverged`, and the residual-stream RMS (over
+non-padded tokens, at evaluation) after the last layer (`residual_rms/last`) and its ratio
+to the first layer's (`residual_rms/growth`); `residual_rms.png` plots the RMS by layer.
 """
 
 import os

@@ -28,7 +28,8 @@ from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 class TransformerOutput(NamedTuple):
   embeddings: Array             # [B, T, D]
   max_abs_attn_logit: Array     # [L] max |logit| over valid entries, before the cap
-  residual_rms: Array           # [L] RMS of the residual stream after each layer
+  residual_rms: Array           # [L] RMS of the residual stream after each layer, over
+                                #     the non-padded tokens
 
 
 class ContextCache(NamedTuple):
@@ -93,8 +94,11 @@ class DecoderLayer(eqx.Module):
     return h, stat[0]
 
 
-def _rms(h: Array) -> Array:
-  return jnp.sqrt(jnp.mean(jnp.square(h.astype(jnp.float32))))
+def _rms(h_BTD: Array, keep_BT: Array) -> Array:
+  """RMS of `h` over the tokens `keep` marks (padding would dilute it); 0 if none."""
+  keep = keep_BT.astype(jnp.float32)
+  sq_BT = jnp.mean(jnp.square(h_BTD.astype(jnp.float32)), axis=-1)
+  return jnp.sqrt(jnp.sum(sq_BT * keep) / jnp.maximum(jnp.sum(keep), 1.0))
 
 
 def _default_positions(batch: int, length: int, offset: int = 0) -> Array:
@@ -184,15 +188,16 @@ class Transformer(eqx.Module):
   def _unroll(self) -> int:
     return min(self.config.scan_unroll, self.config.num_layers)
 
-  def _scan(self, h: Array, attend: AttendFn, extra_per_layer=None):
-    """Runs every layer; `attend(attention, x, extra)` gets this layer's slice of extra."""
+  def _scan(self, h: Array, keep: Array, attend: AttendFn, extra_per_layer=None):
+    """Runs every layer; `attend(attention, x, extra)` gets this layer's slice of extra.
+    `keep` `[B, T]` marks the tokens the residual RMS counts."""
     params, static = eqx.partition(self.layers, eqx.is_array)
 
     def body(carry, xs):
       layer_params, extra = xs
       layer = eqx.combine(layer_params, static)
       out, max_logit = layer(carry, lambda a, x: attend(a, x, extra))
-      return out, (max_logit, _rms(out))
+      return out, (max_logit, _rms(out, keep))
 
     h, (max_logits, rms) = jax.lax.scan(body, h, (params, extra_per_layer),
                                         unroll=self._unroll)
@@ -215,7 +220,7 @@ class Transformer(eqx.Module):
     mask_B1TT = padding_mask[:, None, None, :].astype(embeddings.dtype) * structure
     pos = _default_positions(B, T) if positions is None else positions
     h, max_logits, rms = self._scan(
-        embeddings, lambda attn, x, _: attn(x, mask_B1TT, pos))
+        embeddings, padding_mask, lambda attn, x, _: attn(x, mask_B1TT, pos))
     return TransformerOutput(h, max_logits, rms)
 
   def encode_context(self, embeddings_BND: Array, padding_mask_BN: Array,
@@ -238,7 +243,7 @@ class Transformer(eqx.Module):
         return attention.output(attn), max_logit
 
       out, max_logit = layer(h, attend)
-      return out, (max_logit, _rms(out), kv[0])
+      return out, (max_logit, _rms(out, padding_mask_BN), kv[0])
 
     h, (max_logits, rms, (keys, values)) = jax.lax.scan(body, embeddings_BND, params,
                                                         unroll=self._unroll)
@@ -260,7 +265,8 @@ class Transformer(eqx.Module):
                                             (k, v, cand_mask))
       return attention.output(attn), max_logit
 
-    h, max_logits, rms = self._scan(embeddings_BCD, attend, (cache.keys, cache.values))
+    h, max_logits, rms = self._scan(embeddings_BCD, cand_mask, attend,
+                                    (cache.keys, cache.values))
     return TransformerOutput(h, max_logits, rms)
 
   def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
@@ -289,5 +295,5 @@ class Transformer(eqx.Module):
       return attention.output(attn), jnp.maximum(max_ctx, max_cand)
 
     h, max_logits, rms = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
-                                    attend)
+                                    jnp.concatenate([ctx_mask, cand_mask], axis=1), attend)
     return TransformerOutput(h, max_logits, rms)

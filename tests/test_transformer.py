@@ -94,11 +94,16 @@ def test_layers_are_stacked():
   assert max_abs_diff(tr.layers.attention.qkv.weight[0], tr.layers.attention.qkv.weight[1]) > 0
 
 
+def valid_rms(h, keep=PADDING):
+  """RMS over the tokens `keep` marks, by boolean indexing."""
+  return jnp.sqrt(jnp.mean(jnp.square(h[keep])))
+
+
 def _loop(tr, x, mask, pos):
   h, stats = x, []
   for i in range(tr.config.num_layers):
     h, max_logit = layer(tr, i)(h, lambda a, y: a(y, mask, pos))
-    stats.append((max_logit, jnp.sqrt(jnp.mean(jnp.square(h)))))
+    stats.append((max_logit, valid_rms(h)))
   return h, stats
 
 
@@ -110,6 +115,37 @@ def test_scan_equals_python_loop():
   np.testing.assert_allclose(out.embeddings, h, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out.max_abs_attn_logit, [s[0] for s in stats], rtol=1e-5)
   np.testing.assert_allclose(out.residual_rms, [s[1] for s in stats], rtol=1e-5)
+
+
+def test_residual_rms_ignores_padded_tokens():
+  """Every path's residual RMS counts valid tokens only: new values at padded positions
+  (which no valid token attends to) change no RMS, and it equals the RMS of the valid
+  outputs themselves."""
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(6))
+  x, pos = inputs(), positions()
+  noisy = jnp.where(PADDING[:, :, None], x, 100.0 * inputs(seed=1))
+
+  def paths(t, x):
+    dense = t(x, PADDING, OFFSET, pos)
+    iso = t.isolated(x[:, :OFFSET], PADDING[:, :OFFSET], x[:, OFFSET:], PADDING[:, OFFSET:],
+                     pos[:, :OFFSET], pos[:, OFFSET:])
+    ctx, cache = t.encode_context(x[:, :OFFSET], PADDING[:, :OFFSET], pos[:, :OFFSET])
+    cand = t.score_candidates(x[:, OFFSET:], PADDING[:, OFFSET:], cache, pos[:, OFFSET:])
+    return dense, iso, ctx, cand
+
+  clean, dirty = call(paths, tr, x), call(paths, tr, noisy)
+  for c, d in zip(clean, dirty):
+    assert float(jnp.min(c.residual_rms)) > 0.1
+    np.testing.assert_allclose(d.residual_rms, c.residual_rms, rtol=1e-5)
+  dense, iso, ctx, cand = clean
+  np.testing.assert_allclose(dense.residual_rms[-1], valid_rms(dense.embeddings), rtol=1e-5)
+  np.testing.assert_allclose(iso.residual_rms, dense.residual_rms, rtol=1e-5)
+  np.testing.assert_allclose(ctx.residual_rms[-1],
+                             valid_rms(ctx.embeddings, PADDING[:, :OFFSET]), rtol=1e-5)
+  np.testing.assert_allclose(cand.residual_rms[-1],
+                             valid_rms(cand.embeddings, PADDING[:, OFFSET:]), rtol=1e-5)
+  empty = call(lambda t, x: t(x, jnp.zeros_like(PADDING), OFFSET, pos), tr, x)
+  np.testing.assert_array_equal(empty.residual_rms, 0.0)
 
 
 @pytest.mark.parametrize("unroll", [2, 5])
@@ -178,7 +214,7 @@ def test_rezero_layers_are_identity_at_init():
   x = inputs()
   out = call(lambda t, x: t(x, PADDING, OFFSET), tr, x)
   np.testing.assert_array_equal(out.embeddings, x)
-  rms = float(jnp.sqrt(jnp.mean(jnp.square(x))))
+  rms = float(valid_rms(x))
   np.testing.assert_allclose(out.residual_rms, [rms, rms], rtol=1e-6)
   assert np.all(np.asarray(out.max_abs_attn_logit) > 0)
 
