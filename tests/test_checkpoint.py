@@ -165,3 +165,9 @@ def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):
     checkpoint.save(str(tmp_path), 20, {"a": np.zeros(3, np.float32)}, keep=1)
   assert checkpoint.available_steps(str(tmp_path)) == [10]
   assert os.listdir(tmp_path / "checkpoint") == ["step_000000010.eqx"]
+  # A writer killed mid-write leaves its temporary file; the next save removes it.
+  (tmp_path / "checkpoint" / ".step_000000020.eqx.tmp.999999").write_bytes(b"partial")
+  (tmp_path / "checkpoint" / ".notes.tmp").write_text("not ours")
+  monkeypatch.undo()
+  checkpoint.save(str(tmp_path), 30, {"a": np.zeros(3, np.float32)}, keep=1)
+  assert sorted(os.listdir(tmp_path / "checkpoint")) == [".notes.tmp", "step_000000030.eqx"]

@@ -4,7 +4,7 @@ A run directory holds `checkpoint/step_<N>.eqx` files, the newest `keep` of them
 file is written through `writers.atomic_file` (temporary name, sync, rename, folder sync),
 so a kill or power loss at any moment leaves either the previous set or the new one, never
 a half-written file under a final name; old files are deleted only after the new one is
-in place.
+in place, and so are the temporary files that a writer killed mid-write left behind.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
     eqx.tree_serialise_leaves(f, tree)
   for old in available_steps(run_dir)[:-keep]:
     os.remove(_path(run_dir, old))
+  writers.remove_temporaries(checkpoint_dir(run_dir))   # partial files of killed writers
   return path
 
 

@@ -16,6 +16,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
 METRICS_FILE = "metrics.jsonl"
+_TEMPORARY = re.compile(r"\..+\.tmp\.\d+")   # atomic_file's ".<name>.tmp.<pid>"
 HPARAM_METRICS = ("eval/auc_mean", "eval/bayes_auc_mean", "eval/logloss", "eval/auc",
                   "train/loss")
 
@@ -62,6 +63,14 @@ def atomic_file(path: str, mode: str = "w") -> Iterator[IO]:
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+def remove_temporaries(folder: str) -> None:
+  """Deletes `atomic_file`'s temporary files in `folder`: partial files of killed writers
+  (call it only where no other process is writing)."""
+  for name in os.listdir(folder):
+    if _TEMPORARY.fullmatch(name):
+      os.remove(os.path.join(folder, name))
 
 
 def write_json(path: str, payload: Any) -> None:
