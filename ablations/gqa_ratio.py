@@ -13,8 +13,9 @@ Variants: `kv8` (8 KV heads, no grouping, as in the released example config; bas
 
 Metrics: `auc_mean`, `params/transformer` and `params/total` (trained parameters),
 `kv_cache_bytes` (keys and values of one user context, 1 + S tokens, in the forward
-dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch: median of
-at least 10 timed calls and 0.5 s, after compiling), `logloss`, `diverged`;
+dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch, every
+variant's run of a seed timed together in interleaved rounds: median of at least 10
+timed calls and 0.5 s per variant, after compiling), `logloss`, `diverged`;
 `gqa_tradeoff.png` plots AUC against KV-cache bytes and parameters.
 """
 
@@ -28,13 +29,23 @@ def task(cfg, preset):
 
 
 def probe(ctx):
-  first = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])[0]
   model = ctx.spec.model
   return {"params/transformer": probes.count_params(ctx.system.model.transformer),
           "params/total": probes.count_params(ctx.system),
           "kv_cache_bytes": model.model.kv_cache_bytes(model.candidate_start_offset,
-                                                       model.fprop_dtype),
-          "scoring_candidates_per_s": probes.scoring_throughput(ctx.system, first.batch)}
+                                                       model.fprop_dtype)}
+
+
+def joint_probe(contexts):
+  """Scoring throughput of one seed's runs of every variant, timed in interleaved rounds
+  on the first evaluation batch (the variants share the world, so the batch is one)."""
+  first = contexts[0]
+  if any(c.spec.world != first.spec.world for c in contexts):
+    raise ValueError("gqa_ratio: the variants' synthetic worlds differ, so their "
+                     "throughputs would be timed on different batches")
+  batch = probes.eval_batches(first.spec, first.world, first.spec.eval_splits["eval"])[0].batch
+  found = probes.scoring_throughput({c.variant.name: c.system for c in contexts}, batch)
+  return [{"scoring_candidates_per_s": found[c.variant.name]} for c in contexts]
 
 
 def plot_tradeoff(results, workdir):
@@ -67,6 +78,7 @@ ABLATION = sweep.Ablation(
                               "train.checkpoint_every": 400}},
     task=task,
     probe=probe,
+    joint_probe=joint_probe,
     plots=(plot_tradeoff,),
     better={"scoring_candidates_per_s": "higher", "kv_cache_bytes": "lower"},
 )

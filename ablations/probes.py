@@ -9,7 +9,7 @@ take a `RankingSystem` (hash tables + `PhoenixModel`) and synthetic batches.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -151,15 +151,20 @@ def count_params(tree) -> int:
   return int(sum(x.size for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))))
 
 
-def scoring_throughput(system, batch: RecsysBatch, min_seconds: float = 0.5,
-                       rounds: int = 10) -> float:
-  """Candidates scored per second by the jitted forward: the median of at least `rounds`
-  timed calls, and more until they add up to `min_seconds` (`experiments.timing.
-  time_rounds`, after a warm-up call that compiles). Compiled with the package's
-  `xla_options`, as the training, evaluation and serving programs are."""
-  call = functools.partial(_timed_logits(), system, batch)
-  seconds = timing.time_rounds({"forward": call}, iters=rounds, warmup=1,
-                               min_seconds=min_seconds)["forward"]
-  B, C = batch.candidate_post_hashes.shape[:2]
-  return B * C / seconds
+def scoring_throughput(systems: Mapping[str, Any], batch: RecsysBatch,
+                       min_seconds: float = 0.5, rounds: int = 10) -> dict[str, float]:
+  """Candidates per second of each system's jitted forward on `batch`, timed together.
 
+  `experiments.timing.time_rounds` interleaves the systems round by round (each round
+  runs every system's forward twice in a row and times the second run), so host load
+  and process state hit them alike and their ratios stay comparable where separately
+  timed figures move by up to 2x from one process to the next. Each system's figure is
+  its median over at least `rounds` rounds, and more until the timed calls add up to
+  `min_seconds` per system; compiled first, with the package's `xla_options` as the
+  training, evaluation and serving programs are."""
+  calls = {name: functools.partial(_timed_logits(), system, batch)
+           for name, system in systems.items()}
+  seconds = timing.time_rounds(calls, iters=rounds, warmup=1,
+                               min_seconds=min_seconds * len(calls))
+  B, C = batch.candidate_post_hashes.shape[:2]
+  return {name: B * C / t for name, t in seconds.items()}

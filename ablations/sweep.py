@@ -7,8 +7,10 @@ condition level is a *variant*, trained for every seed by
 `phoenix_flax.training.run_experiment` into `<workdir>/<variant>/seed_<k>/` (seeds are
 vmapped in one call). The runner skips finished runs and resumes interrupted ones, so
 re-running a sweep only does the missing work. A *probe* can then measure what training
-does not (serving-time behaviour, throughput) on each finished run; its numbers are
-cached in `seed_<k>/probes.json`.
+does not (serving-time behaviour, parameter counts) on each finished run; its numbers are
+cached in `seed_<k>/probes.json`. A *joint probe* measures one seed's runs of every
+variant together, for comparisons that need the same conditions (throughput, timed in
+interleaved rounds); cached in `seed_<k>/joint_probes.json`.
 
 Config of a variant, in order: `experiments/configs/ranking.py:get_config(preset)`, the
 sweep preset (`PRESETS`), the ablation's `preset_overrides` and `task(config, preset)`,
@@ -115,6 +117,8 @@ class RunContext:
 
 
 Probe = Callable[[RunContext], Mapping[str, Any]]
+JointProbe = Callable[[Sequence[RunContext]], Sequence[Mapping[str, Any]]]
+PROBES_FILE, JOINT_PROBES_FILE = "probes.json", "joint_probes.json"
 Plot = Callable[[Mapping, str], Optional[str]]
 
 
@@ -138,6 +142,11 @@ class Ablation:
     conditions: `conditions(preset) -> {axis: {level: overrides}}`; variants = arms x
       levels.
     probe: post-training measurements of one run (cached in probes.json).
+    joint_probe: measurements of one seed's runs of every variant, taken together:
+      `joint_probe(contexts) -> one mapping per context`. For comparisons that must see
+      the same conditions, e.g. throughputs timed in interleaved rounds so that the
+      host's load hits every variant alike. Cached in each run's joint_probes.json;
+      when any run of a seed lacks one, that seed is measured again as a whole.
     derived: `derived(found) -> {metric: value}`, metrics computed from one run's
       flattened finals and probe outputs (e.g. a ratio of two of them).
     curves: metrics.jsonl keys drawn in curves.png.
@@ -156,6 +165,7 @@ class Ablation:
   task: Optional[Callable[[ml_collections.ConfigDict, str], None]] = None
   conditions: Optional[Callable[[str], Conditions]] = None
   probe: Optional[Probe] = None
+  joint_probe: Optional[JointProbe] = None
   derived: Optional[Callable[[Mapping[str, Optional[float]]], Mapping[str, Any]]] = None
   curves: Sequence[str] = ("train/loss", "eval/auc_mean")
   plots: Sequence[Plot] = ()
@@ -258,16 +268,20 @@ def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[
   return out
 
 
-def load_systems(config: ml_collections.ConfigDict, variant_dir: str):
+def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
+                 seeds: Optional[Sequence[int]] = None):
   """(trainer, [final `RankingSystem` per seed]) of a finished variant, from the final
-  checkpoint of each seed; `trainer.world` is the run's synthetic world."""
+  checkpoint of each seed (of `seeds` only, in that order, if given); `trainer.world` is
+  the run's synthetic world."""
   spec = parse_config(config)
   trainer = Trainer(spec)
   stacked = eqx.filter_eval_shape(trainer.init, [spec.config.seed])
   like = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked),
           "wall_seconds": np.zeros((), np.float64)}
+  dirs = run_dirs(config, variant_dir)
   systems = []
-  for seed, run_dir in run_dirs(config, variant_dir).items():
+  for seed in dirs if seeds is None else seeds:
+    run_dir = dirs[seed]
     if spec.config.train.num_steps not in checkpoint.available_steps(run_dir):
       raise FileNotFoundError(f"{run_dir} has no final checkpoint (step "
                               f"{spec.config.train.num_steps}); the run has not finished")
@@ -322,6 +336,8 @@ class Sweep:
       if self.ablation.probe is not None:
         self._probe(variant, cfg)
       jax.clear_caches()  # every variant compiles its own programs: keep memory flat
+    if self.ablation.joint_probe is not None:
+      self._joint_probe()
     logging.info("%s: %d variants x %d seeds in %.0f s", self.ablation.name,
                  len(self.variants), len(self.seeds), time.time() - start)
     return self.write()
@@ -333,21 +349,42 @@ class Sweep:
     report.write_report(results, self.workdir, self.ablation.curves, self.ablation.plots)
     return results
 
+  def _probeable(self, variant: Variant, seed: int) -> bool:
+    """Whether the run has finished without diverging (probes need its final model)."""
+    result = read_json(os.path.join(self.run_dir(variant, seed), "result.json"))
+    return result is not None and not result.get("diverged")
+
   def _probe(self, variant: Variant, cfg: ml_collections.ConfigDict) -> None:
-    todo = []
-    for seed in self.seeds:
-      run_dir = self.run_dir(variant, seed)
-      result = read_json(os.path.join(run_dir, "result.json"))
-      if (not os.path.exists(os.path.join(run_dir, "probes.json")) and result is not None
-          and not result.get("diverged")):
-        todo.append(seed)
+    todo = [seed for seed in self.seeds if self._probeable(variant, seed) and not
+            os.path.exists(os.path.join(self.run_dir(variant, seed), PROBES_FILE))]
     if not todo:
       return
-    trainer, systems = load_systems(cfg, os.path.join(self.workdir, variant.name))
-    for seed in todo:
+    trainer, systems = load_systems(cfg, os.path.join(self.workdir, variant.name), todo)
+    for seed, system in zip(todo, systems):
       ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset, trainer.spec,
-                       trainer.world, systems[self.seeds.index(seed)])
-      write_json(os.path.join(ctx.run_dir, "probes.json"), flatten(self.ablation.probe(ctx)))
+                       trainer.world, system)
+      write_json(os.path.join(ctx.run_dir, PROBES_FILE), flatten(self.ablation.probe(ctx)))
+
+  def _joint_probe(self) -> None:
+    """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
+    for seed in self.seeds:
+      variants = [v for v in self.variants if self._probeable(v, seed)]
+      if all(os.path.exists(os.path.join(self.run_dir(v, seed), JOINT_PROBES_FILE))
+             for v in variants):
+        continue
+      contexts = []
+      for v in variants:
+        trainer, (system,) = load_systems(self.config(v), os.path.join(self.workdir, v.name),
+                                          [seed])
+        contexts.append(RunContext(self.run_dir(v, seed), seed, v, self.preset, trainer.spec,
+                                   trainer.world, system))
+      found = list(self.ablation.joint_probe(contexts))
+      if len(found) != len(contexts):
+        raise ValueError(f"{self.ablation.name}: joint_probe returned {len(found)} results "
+                         f"for {len(contexts)} runs; it must return one per run, in order")
+      for ctx, metrics in zip(contexts, found):
+        write_json(os.path.join(ctx.run_dir, JOINT_PROBES_FILE), flatten(metrics))
+      jax.clear_caches()
 
   def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set]:
     """metric -> per-seed values (None for a diverged run), the divergence steps, and
@@ -363,7 +400,8 @@ class Sweep:
       diverged = bool(result.get("diverged"))
       diverged_at.append(result.get("diverged_at_step") if diverged else None)
       found = flatten(result.get("final", {}))
-      found.update(flatten(read_json(os.path.join(run_dir, "probes.json")) or {}))
+      for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
+        found.update(flatten(read_json(os.path.join(run_dir, probes_file)) or {}))
       if self.ablation.derived is not None:
         found.update(flatten(self.ablation.derived(found)))
       if not diverged:
@@ -392,8 +430,8 @@ class Sweep:
           "metrics": {m: stats.summarize(vals) for m, vals in values.items()}}
     missing = [m for m in ab.metrics if m != "diverged" and m not in available]
     if finished and missing:
-      raise ValueError(f"{ab.name}: metrics {missing} are in no run's result.json or "
-                       f"probes.json; available: {sorted(available)}")
+      raise ValueError(f"{ab.name}: metrics {missing} are in no run's result.json, "
+                       f"probes.json or joint_probes.json; available: {sorted(available)}")
     baselines = {v.cell: v for v in self.variants if v.arm == ab.baseline}
     comparisons, pooled = [], []
     for metric in ab.metrics:

@@ -163,8 +163,8 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
     calls.append((ctx.variant.name, ctx.seed))
     return {"probe": {"value": float(ctx.seed)}}
 
-  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d: (
-      type("T", (), {"spec": None, "world": None}), ["s0", "s1"]))
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d, seeds: (
+      type("T", (), {"spec": None, "world": None}), [f"s{s}" for s in seeds]))
   ab = toy_ablation(probe=probe, metrics=("auc_mean", "probe/value", "diverged"))
   runner = fake_runner(diverge={("b", 0)})
   sw = sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner)
@@ -174,6 +174,37 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
   assert results["variants"]["b"]["metrics"]["probe/value"]["per_seed"] == [None, 1.0]
   sw.run()
   assert len(calls) == 5
+
+
+def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeypatch):
+  calls = []
+
+  def joint_probe(contexts):
+    calls.append([(c.variant.name, c.seed, c.system) for c in contexts])
+    return [{"speed": 10.0 * (i + 1) + c.seed} for i, c in enumerate(contexts)]
+
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d, seeds: (
+      type("T", (), {"spec": None, "world": None}),
+      [f"{os.path.basename(d)}{s}" for s in seeds]))
+  ab = toy_ablation(joint_probe=joint_probe, metrics=("auc_mean", "speed", "diverged"))
+  sw = sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}))
+  results = sw.run()
+  # One call per seed, over that seed's finished runs in variant order (b0 diverged).
+  assert calls == [[("a", 0, "a0"), ("c", 0, "c0")],
+                   [("a", 1, "a1"), ("b", 1, "b1"), ("c", 1, "c1")]]
+  speed = {v: results["variants"][v]["metrics"]["speed"]["per_seed"] for v in "abc"}
+  assert speed == {"a": [10.0, 11.0], "b": [None, 21.0], "c": [20.0, 31.0]}
+  sw.run()
+  assert len(calls) == 2                                  # cached
+  os.remove(tmp_path / "c" / "seed_1" / sweep.JOINT_PROBES_FILE)
+  sw.run()                                                # seed 1 again, as a whole
+  assert calls[2:] == [[("a", 1, "a1"), ("b", 1, "b1"), ("c", 1, "c1")]]
+  os.remove(tmp_path / "a" / "seed_0" / sweep.JOINT_PROBES_FILE)
+  bad = sweep.Sweep(toy_ablation(joint_probe=lambda contexts: [{}],
+                                 metrics=("auc_mean", "speed", "diverged")),
+                    "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}))
+  with pytest.raises(ValueError, match="returned 1 results for 2 runs"):
+    bad.run()
 
 
 def test_unknown_metric_is_an_error(tmp_path):

@@ -1,6 +1,7 @@
 """Post-training probes and the scripts' probe, derived-metric and plot hooks, on freshly
 initialised smoke-size systems (no training)."""
 
+import dataclasses
 import json
 import os
 
@@ -58,7 +59,26 @@ def test_gqa_probe_counts_parameters_and_cache(tmp_path):
   saved = tc.num_layers * tc.emb_size * 2 * (8 - 1) * tc.key_size
   assert found["kv8"]["params/transformer"] - found["kv1"]["params/transformer"] == saved
   assert found["kv8"]["params/total"] > found["kv8"]["params/transformer"]
-  assert found["kv1"]["scoring_candidates_per_s"] > 0
+
+
+def test_gqa_joint_probe_times_every_variant_of_a_seed(tmp_path, monkeypatch):
+  contexts = [context(gqa_ratio, arm, tmp_path) for arm in ("kv8", "kv2", "kv1")]
+  seen = {}
+
+  def fake_throughput(systems, batch):
+    seen.update(systems=systems, batch=batch)
+    return {name: 1000.0 * (i + 1) for i, name in enumerate(systems)}
+
+  monkeypatch.setattr(probes, "scoring_throughput", fake_throughput)
+  found = gqa_ratio.joint_probe(contexts)
+  assert found == [{"scoring_candidates_per_s": v} for v in (1000.0, 2000.0, 3000.0)]
+  assert list(seen["systems"]) == ["kv8", "kv2", "kv1"]
+  assert all(seen["systems"][c.variant.name] is c.system for c in contexts)
+  other = context(gqa_ratio, "kv4", tmp_path)
+  other = dataclasses.replace(other, spec=dataclasses.replace(
+      other.spec, world=dataclasses.replace(other.spec.world, num_users=7)))
+  with pytest.raises(ValueError, match="worlds differ"):
+    gqa_ratio.joint_probe(contexts + [other])
 
 
 def test_count_params():
@@ -93,20 +113,24 @@ def test_gqa_tradeoff_plot(tmp_path):
   assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
 
 
-def test_scoring_throughput_is_candidates_over_the_median_call(tmp_path, monkeypatch):
-  ctx = context(gqa_ratio, "kv1", tmp_path)
-  batch = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])[0].batch
+def test_scoring_throughput_times_the_systems_together(tmp_path, monkeypatch):
+  contexts = {arm: context(gqa_ratio, arm, tmp_path) for arm in ("kv8", "kv1")}
+  batch = probes.eval_batches(contexts["kv8"].spec, contexts["kv8"].world,
+                              contexts["kv8"].spec.eval_splits["eval"])[0].batch
   seen = {}
 
   def fake_rounds(calls, iters, warmup, min_seconds):
     seen.update(iters=iters, warmup=warmup, min_seconds=min_seconds)
-    (call,) = calls.values()
-    seen["logits"] = call()
-    return {name: 0.25 for name in calls}
+    seen["logits"] = {name: call() for name, call in calls.items()}
+    return {"kv8": 0.5, "kv1": 0.25}
 
   monkeypatch.setattr(probes.timing, "time_rounds", fake_rounds)
   B, C = batch.candidate_post_hashes.shape[:2]
-  assert probes.scoring_throughput(ctx.system, batch, min_seconds=0.3) == B * C / 0.25
-  assert seen["min_seconds"] == 0.3 and seen["iters"] >= 5 and seen["warmup"] >= 1
-  # The timed call is the system's forward (compiled with the package's options).
-  assert jax.numpy.allclose(seen["logits"], probes.logits(ctx.system, batch), atol=1e-6)
+  found = probes.scoring_throughput({k: c.system for k, c in contexts.items()}, batch,
+                                    min_seconds=0.3)
+  assert found == {"kv8": B * C / 0.5, "kv1": B * C / 0.25}
+  # One interleaved timing of both, with the time floor per system.
+  assert seen["min_seconds"] == 0.6 and seen["iters"] >= 5 and seen["warmup"] >= 1
+  # Each timed call is its own system's forward (compiled with the package's options).
+  for arm, ctx in contexts.items():
+    assert jax.numpy.allclose(seen["logits"][arm], probes.logits(ctx.system, batch), atol=1e-6)
