@@ -1,6 +1,8 @@
 """PhoenixModel: isolation, padding, positions, init, transforms, dtypes, diagnostics,
 input checks, and the isolated-vs-dense equality grid (outputs and gradients)."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -299,7 +301,21 @@ GRID = {
         attn_logit_cap=None, history_valid=[0, 3]),
     "S16_C2_4q1kv": dict(history=16, candidates=2, num_kv_heads=1, history_valid=[16, 5]),
 }
-TRANSFORMER_KEYS = ("num_kv_heads", "attn_logit_cap", "attn_output_multiplier", "norm_layout")
+# A case's keys go to the config that has a field of that name (a new switch needs no edit
+# here); `history`, `candidates` and `history_valid` shape the batch. Anything else is a
+# typo, and an error rather than a case that silently tests the default.
+BATCH_KEYS = ("history", "candidates", "history_valid")
+
+
+def _split_case(name: str, case: dict) -> tuple[dict, dict]:
+  """A grid case's (TransformerConfig, PhoenixModelConfig) overrides."""
+  fields = lambda cls: {f.name for f in dataclasses.fields(cls)}
+  transformer, model = fields(pf.TransformerConfig), fields(pf.PhoenixModelConfig)
+  unknown = set(case) - transformer - model - set(BATCH_KEYS)
+  if unknown:
+    raise KeyError(f"grid case {name!r}: {sorted(unknown)} name no config field")
+  return ({k: v for k, v in case.items() if k in transformer},
+          {k: v for k, v in case.items() if k in model and k not in BATCH_KEYS})
 
 
 def _grid_batch(cfg, case):
@@ -315,13 +331,29 @@ def _grid_batch(cfg, case):
 def _grid_case(name):
   """The isolated and dense configs of a grid case, and its padded batch."""
   case = GRID[name]
-  tc = transformer_config(**{k: v for k, v in case.items() if k in TRANSFORMER_KEYS})
+  transformer, model = _split_case(name, case)
   cfgs = {impl: ranking_config(history=case.get("history", 4),
-                               candidates=case.get("candidates", 3), transformer=tc,
-                               attention_impl=impl,
-                               right_anchored_rope=case.get("right_anchored_rope", False))
+                               candidates=case.get("candidates", 3),
+                               transformer=transformer_config(**transformer),
+                               **dict(model, attention_impl=impl))
           for impl in ("isolated", "dense")}
   return (cfgs, *_grid_batch(cfgs["dense"], case))
+
+
+def test_grid_cases_reach_the_configs():
+  """Every key of a case is set on the config that has that field, and a key that names
+  no field is refused instead of falling back to the default."""
+  for name, case in GRID.items():
+    cfgs = _grid_case(name)[0]
+    for cfg in cfgs.values():
+      for key, value in case.items():
+        if key not in BATCH_KEYS:
+          owner = cfg.model if hasattr(cfg.model, key) else cfg
+          assert getattr(owner, key) == value, (name, key)
+    assert cfgs["isolated"].attention_impl == "isolated"
+    assert cfgs["dense"].attention_impl == "dense"
+  with pytest.raises(KeyError, match=r"\['qk_nrom'\] name no config field"):
+    _split_case("typo", dict(qk_nrom=True))
 
 
 @pytest.mark.parametrize("name", list(GRID))
