@@ -22,6 +22,8 @@ as N1 = rms_norm, N2 = rms_norm_1, N3 = rms_norm_2, N4 = rms_norm_3 (sandwich la
 The later release's optional ranking parameters have no Jan-release name; we store them
 under `phoenix_model` with names of our own, present only when the config enables them:
 `post_age_embedding_table`, `dwell_proj_1`, `dwell_proj_2`, `continuous_unembeddings`.
+Any other parameter (one that a new switch adds) has no name here: import and export raise
+`NotImplementedError` naming it, rather than leave it unset or drop it from the tree.
 """
 
 from __future__ import annotations
@@ -137,8 +139,24 @@ def _expanded(slot: _Slot, shape: tuple[int, ...]):
       start = stop
 
 
-def _to_tree(model, slots: list[_Slot]) -> Params:
+def _check_mapped(model, slots: list[_Slot], model_name: str) -> None:
+  """Raises if an array of `model` (or a shape of an abstract one) is in no slot: a
+  parameter the release does not have, which an import could not fill and an export
+  would silently drop."""
+  rest = eqx.tree_at(lambda m: [s.get(m) for s in slots], model, [None] * len(slots))
+  unmapped = [jax.tree_util.keystr(path) for path, leaf
+              in jax.tree_util.tree_leaves_with_path(rest)
+              if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
+  if unmapped:
+    raise NotImplementedError(
+        f"{model_name} has parameters with no Haiku name in the release: {unmapped}. Only "
+        "models with the release's parameters convert; switch off the option that adds "
+        "them, or give them a name in phoenix_flax/haiku_compat.py")
+
+
+def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   """Splits and unstacks the model's arrays; modules come out layer by layer."""
+  _check_mapped(model, slots, model_name)
   entries = []
   for slot in slots:
     array = slot.get(model)
@@ -182,6 +200,7 @@ def _validate(params: Mapping, expected: dict[tuple[str, str], tuple[int, ...]],
 
 def _from_tree(params: Mapping, skeleton, slots: list[_Slot], model_name: str):
   """Fills the shape-only `skeleton` with the tree's arrays (as float32)."""
+  _check_mapped(skeleton, slots, model_name)
   expected = {(module, param): shape
               for slot in slots
               for _, module, param, shape, _, _ in _expanded(slot, slot.get(skeleton).shape)}
@@ -194,14 +213,8 @@ def _from_tree(params: Mapping, skeleton, slots: list[_Slot], model_name: str):
     joined = [jnp.concatenate(parts, axis=-1) for parts in per_layer.values()]
     return jnp.stack(joined) if slot.stacked else joined[0]
 
-  model = eqx.tree_at(lambda m: [s.get(m) for s in slots], skeleton,
-                      [assemble(s) for s in slots])
-  unfilled = [jax.tree_util.keystr(path) for path, leaf
-              in jax.tree_util.tree_leaves_with_path(model)
-              if isinstance(leaf, jax.ShapeDtypeStruct)]
-  if unfilled:
-    raise NotImplementedError(f"{model_name} fields without a Haiku mapping: {unfilled}")
-  return model
+  return eqx.tree_at(lambda m: [s.get(m) for s in slots], skeleton,
+                     [assemble(s) for s in slots])
 
 
 def ranking_model_from_haiku(params: Mapping, config: PhoenixModelConfig) -> PhoenixModel:
@@ -226,11 +239,11 @@ def ranking_model_to_haiku(model: PhoenixModel) -> Params:
   """The model's parameters as a release-named Haiku tree (see module docstring)."""
   if not isinstance(model, PhoenixModel):
     raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}")
-  return _to_tree(model, _ranking_slots(model))
+  return _to_tree(model, _ranking_slots(model), "PhoenixModel")
 
 
 def retrieval_model_to_haiku(model: PhoenixRetrievalModel) -> Params:
   """The model's parameters as a release-named Haiku tree (see module docstring)."""
   if not isinstance(model, PhoenixRetrievalModel):
     raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}")
-  return _to_tree(model, _retrieval_slots(model))
+  return _to_tree(model, _retrieval_slots(model), "PhoenixRetrievalModel")

@@ -272,6 +272,34 @@ def test_non_sandwich_layout_is_rejected(ranking_params):
                    _ranking_config(norm_layout="post"))
 
 
+class _NormWithBias(eqx.Module):
+  """A norm with one more parameter than the release's: what a new switch may add."""
+
+  scale: jax.Array
+  bias: jax.Array
+
+
+def _with_new_parameter(model: pf.PhoenixModel) -> pf.PhoenixModel:
+  scale = model.transformer.layers.norm_attn_in.scale
+  return eqx.tree_at(lambda m: m.transformer.layers.norm_attn_in, model,
+                     _NormWithBias(scale, jnp.zeros_like(scale)))
+
+
+def test_parameters_the_release_lacks_convert_in_neither_direction(ranking_params,
+                                                                    monkeypatch):
+  """An export must not silently drop a parameter, nor an import leave one unset."""
+  _, tree = ranking_params
+  config = _ranking_config()
+  model = _with_new_parameter(haiku_compat.ranking_model_from_haiku(tree, config))
+  message = r"no Haiku name in the release: \['\.transformer\.layers\.norm_attn_in\.bias'\]"
+  with pytest.raises(NotImplementedError, match=message):
+    haiku_compat.ranking_model_to_haiku(model)
+  monkeypatch.setattr(haiku_compat, "PhoenixModel",
+                      lambda cfg, key: _with_new_parameter(pf.PhoenixModel(cfg, key=key)))
+  with pytest.raises(NotImplementedError, match=message):
+    haiku_compat.ranking_model_from_haiku(tree, config)
+
+
 def test_wrong_argument_types_are_rejected(ranking_params):
   _, tree = ranking_params
   with pytest.raises(TypeError, match="PhoenixModelConfig"):
