@@ -7,17 +7,17 @@ Each ablation writes its runs, results.json, REPORT.md and plots to
 and `<workdir>/results.json` maps each ablation to its results. Re-running the command
 resumes an interrupted sweep and skips finished runs. The flags are those of the single
 ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`), plus `--ablations`.
+"Every ablation" is every script named in `ablations.SCRIPTS`.
 """
 
 import os
 
 from absl import app, flags, logging
 
-from ablations import (candidate_isolation, gqa_ratio, report, rope_anchoring,
-                       sandwich_norm, soft_capping, sweep)
+import ablations
+from ablations import report, sweep
 
-ABLATIONS = {m.ABLATION.name: m.ABLATION for m in (
-    candidate_isolation, rope_anchoring, soft_capping, sandwich_norm, gqa_ratio)}
+ABLATIONS = {m.ABLATION.name: m.ABLATION for m in ablations.modules()}
 
 flags.DEFINE_list("ablations", list(ABLATIONS),
                   f"Comma-separated ablations to run (default: all of {list(ABLATIONS)}).")
