@@ -207,3 +207,56 @@ def test_post_age_decays_positive_actions_only():
   negative = np.isin(np.arange(cfg.num_actions), cfg.negative_actions)
   np.testing.assert_allclose(drop[:, ~negative], 2.0, rtol=1e-5)
   np.testing.assert_allclose(drop[:, negative], 0.0, atol=1e-6)
+
+
+# The cpu preset's world and a batch of its training split, summarised per array (the
+# weighted sum of |values|). Every committed result (docs/results) was trained on this
+# world: a change of the generator that alters it alters them all, while the run configs
+# (the runs' identity on resume) stay the same. A new random quantity therefore draws from
+# a key of its own (world.py, `make_world`). Integers must match exactly, floats to 1e-5.
+DEFAULT_WORLD = {
+    ".topic_vecs_TL": 295.8575270450674, ".post_vecs_PL": 18333.352667125248,
+    ".post_quality_P": 3138.2196285095997, ".post_author_P": 193884,
+    ".user_topic_logits_UT": 51066.74512216536, ".user_taste_UL": 9186.734320183077,
+    ".user_bias_U": 792.4964259942062, ".base_logits_A": 235.7459580898285,
+    ".affinity_weight_A": 76.1234439611435, ".quality_weight_A": 54.32961055636406,
+    ".surface_effect_VA": 431.31631534115877, ".action_sign_A": 71.0,
+    ".user_hashes_UK": 4171131, ".post_hashes_PK": 16575230, ".author_hashes_WK": 213670,
+}
+DEFAULT_BATCH = {
+    ".batch.user_hashes": 23156, ".batch.history_post_hashes": 909243,
+    ".batch.history_author_hashes": 135029, ".batch.history_actions": 1217.0,
+    ".batch.history_product_surface": 1595, ".batch.candidate_post_hashes": 975791,
+    ".batch.candidate_author_hashes": 130913, ".batch.candidate_product_surface": 1774,
+    ".batch.impression_timestamps": 17021257546,
+    ".batch.candidate_post_timestamps": 430588607032,
+    ".batch.history_dwell_times": 3913.2670302651823, ".labels": 471.0,
+    ".probs": 558.0685256413562, ".candidate_mask": 253, ".user_ids": 2885,
+    ".candidate_post_ids": 133717, ".candidate_author_ids": 12405,
+    ".history_post_ids": 116552, ".history_len": 153, ".candidate_relevant": 108,
+    ".interest": 55.95383438637509,
+}
+
+
+def _fingerprint(tree) -> dict:
+  out = {}
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    x = np.asarray(x)
+    total = np.sum(np.abs(x.astype(np.float64)).ravel() * (1 + np.arange(x.size) % 7))
+    out[jax.tree_util.keystr(path)] = int(total) if x.dtype.kind in "biu" else float(total)
+  return out
+
+
+def test_the_default_world_and_its_batches_are_unchanged():
+  from experiments.configs import ranking
+  from phoenix_flax.training import parse_config
+  spec = parse_config(ranking.get_config("cpu"))
+  w = make_world(spec.world, jax.random.PRNGKey(spec.config.world_seed))
+  found = {**_fingerprint(w),
+           **_fingerprint(sample(w, spec.train_split, 4, jax.random.PRNGKey(0)))}
+  expected = {**DEFAULT_WORLD, **DEFAULT_BATCH}
+  assert set(found) == set(expected), set(found) ^ set(expected)
+  changed = [k for k, v in expected.items()
+             if (found[k] != v if isinstance(v, int) else found[k] != pytest.approx(v, rel=1e-5))]
+  assert not changed, (f"the default world or batch changed in {changed}: every committed "
+                       "result changes with it (regenerate docs/results, then these values)")

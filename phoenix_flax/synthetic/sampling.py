@@ -89,6 +89,8 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   max_history, C = split.resolve(c)
   B, S, T, P = batch_size, c.history_len, c.num_topics, c.num_posts
   V, A = c.product_surface_vocab_size, c.num_actions
+  # As in `make_world`: a new random quantity takes a key of its own, so that the batches
+  # of existing configs stay as they are.
   u = random_blocks(key, jax.random.uniform, {
       "user": (B,), "hist_len": (B,), "session": (B,), "impression": (B,), "count": (B,),
       "switch": (B, S), "explore": (B, S), "explore_topic": (B, S), "taste_topic": (B, S),

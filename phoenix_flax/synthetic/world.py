@@ -65,6 +65,10 @@ def _make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
   U, P, W, T, L = cfg.num_users, cfg.num_posts, cfg.num_authors, cfg.num_topics, cfg.latent_dim
   A, V = cfg.num_actions, cfg.product_surface_vocab_size
   k_normal, k_uniform = jax.random.split(key)
+  # A new random quantity takes a key of its own (`jax.random.fold_in(key, 1)`, ...): a
+  # block added to these draws would change every existing world, and every result
+  # trained on it, while the runs' configs stay the same (guarded by
+  # tests/test_synthetic.py::test_the_default_world_and_its_batches_are_unchanged).
   z = random_blocks(k_normal, jax.random.normal, {
       "topic": (T, L), "author": (W, L), "post": (P, L), "quality": (P,), "taste": (U, T),
       "bias": (U,), "surface": (V, A)})
