@@ -24,10 +24,19 @@ flags.DEFINE_list("ablations", list(ABLATIONS),
 FLAGS = flags.FLAGS
 
 
+def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
+  """The named ablations' sweeps into `<workdir>/<name>/`, every config built and checked
+  (and every existing run directory against it) before any training starts."""
+  return [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
+
+
 def run_all(names, workdir: str, make_sweep=sweep.sweep_from_flags, command: str = "") -> str:
-  """Runs the named ablations into `<workdir>/<name>/`; returns the combined REPORT.md.
-  Every ablation's configs are built (and validated) before any training starts."""
-  sweeps = [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
+  """Runs the named ablations into `<workdir>/<name>/`; returns the combined REPORT.md."""
+  return run_sweeps(names, make_sweeps(names, workdir, make_sweep), workdir, command)
+
+
+def run_sweeps(names, sweeps: list, workdir: str, command: str = "") -> str:
+  """Runs built sweeps, then writes the combined results.json and REPORT.md."""
   entries = []
   for name, sw in zip(names, sweeps):
     logging.info("=== %s ===", name)
@@ -49,7 +58,11 @@ def main(argv):
     raise app.UsageError("--variants selects variants of one ablation; run that "
                          "ablation's script instead")
   workdir = FLAGS.workdir or os.path.join("/tmp/phoenix_ablations", FLAGS.preset)
-  path = run_all(FLAGS.ablations, workdir, command=sweep.command_line())
+  try:
+    sweeps = make_sweeps(FLAGS.ablations, workdir)
+  except ValueError as e:
+    raise app.UsageError(str(e))
+  path = run_sweeps(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 
 

@@ -63,8 +63,8 @@ import numpy as np
 
 from ablations import report, stats
 from experiments.configs import ranking
-from phoenix_flax.training import (Trainer, checkpoint, parse_config, run_dirs,
-                                   run_experiment)
+from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, parse_config,
+                                   run_dirs, run_experiment)
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
@@ -313,15 +313,25 @@ class Sweep:
     self.base.num_seeds = n
     self.base.output.seed_subdirs = True
     self.seeds = list(range(self.base.seed, self.base.seed + n))
+    ignored = [path for path in dict(overrides)
+               if all(path in v.overrides for v in self.variants)]
+    if ignored:
+      raise ValueError(f"override of {ignored} would change nothing: every variant of "
+                       f"{ablation.name!r} sets it itself (its arms or conditions)")
     for variant in self.variants:
-      parse_config(self.config(variant))
+      cfg = self.config(variant)
+      parse_config(cfg)
+      check_run_dirs(cfg, self.variant_dir(variant))
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
     """The full config of a variant (all seeds)."""
     return apply_overrides(self.base, variant.overrides)
 
+  def variant_dir(self, variant: Variant) -> str:
+    return os.path.join(self.workdir, variant.name)
+
   def run_dir(self, variant: Variant, seed: int) -> str:
-    return os.path.join(self.workdir, variant.name, f"seed_{seed}")
+    return os.path.join(self.variant_dir(variant), f"seed_{seed}")
 
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
@@ -332,7 +342,7 @@ class Sweep:
       logging.info("[%s %d/%d] %s", self.ablation.name, i + 1, len(self.variants),
                    variant.name)
       cfg = self.config(variant)
-      runner(cfg, os.path.join(self.workdir, variant.name))
+      runner(cfg, self.variant_dir(variant))
       if self.ablation.probe is not None:
         self._probe(variant, cfg)
       jax.clear_caches()  # every variant compiles its own programs: keep memory flat
@@ -359,7 +369,7 @@ class Sweep:
             os.path.exists(os.path.join(self.run_dir(variant, seed), PROBES_FILE))]
     if not todo:
       return
-    trainer, systems = load_systems(cfg, os.path.join(self.workdir, variant.name), todo)
+    trainer, systems = load_systems(cfg, self.variant_dir(variant), todo)
     for seed, system in zip(todo, systems):
       ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset, trainer.spec,
                        trainer.world, system)
@@ -374,7 +384,7 @@ class Sweep:
         continue
       contexts = []
       for v in variants:
-        trainer, (system,) = load_systems(self.config(v), os.path.join(self.workdir, v.name),
+        trainer, (system,) = load_systems(self.config(v), self.variant_dir(v),
                                           [seed])
         contexts.append(RunContext(self.run_dir(v, seed), seed, v, self.preset, trainer.spec,
                                    trainer.world, system))
@@ -515,7 +525,8 @@ flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (defa
 flags.DEFINE_multi_string("override", [],
                           "Config override for every variant, repeatable, e.g. "
                           "--override=model.num_layers=4 --override=optim.warmup_steps=50. "
-                          "The ablated switch and the condition axes are set after it.")
+                          "The ablated switch and the condition axes are set after it; "
+                          "an override that every variant sets itself is refused.")
 
 
 SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override")

@@ -13,6 +13,7 @@ import pytest
 import ablations
 from ablations import run_all, sweep
 from phoenix_flax.training import run_dirs
+from phoenix_flax.training.schema import seed_config
 
 SCRIPTS = ablations.modules()
 EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
@@ -252,6 +253,29 @@ def test_presets_grow_and_fit_the_budget():
   assert max(runs.values()) <= 16, runs
 
 
+def test_sweep_refuses_ignored_overrides_and_runs_of_other_configs(tmp_path):
+  """Both are refused when the sweep is built, before anything trains."""
+  ab = toy_ablation(conditions=lr_conditions)
+  for path in ("model.num_layers", "optim.learning_rate"):   # set by every arm / condition
+    with pytest.raises(ValueError, match=rf"\['{path}'\] would change nothing"):
+      sweep.Sweep(ab, "smoke", str(tmp_path), overrides={path: 4})
+  # An override that only some variants set is the value of the others.
+  partial = toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {}})
+  sw = sweep.Sweep(partial, "smoke", str(tmp_path), overrides={"model.num_layers": 3})
+  assert [sw.config(v).model.num_layers for v in sw.variants] == [1, 3]
+  # A run directory that holds another config's run (here b's in a's place).
+  sw = sweep.Sweep(ab, "smoke", str(tmp_path))
+  a_lo, b_lo = sw.variants[0], sw.variants[1]
+  os.makedirs(sw.run_dir(a_lo, 0))
+  with open(os.path.join(sw.run_dir(a_lo, 0), "config.json"), "w") as f:
+    json.dump(seed_config(sw.config(b_lo), 0).to_dict(), f)
+  runner = fake_runner()
+  with pytest.raises(ValueError, match=r"a_lo/seed_0 holds a run of another config \(differs "
+                                       r"in \['model.num_layers'\]\)"):
+    sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner)
+  assert runner.calls == []
+
+
 def test_run_all_runs_every_registered_script():
   assert [m.__name__ for m in SCRIPTS] == [f"ablations.{n}" for n in ablations.SCRIPTS]
   assert list(run_all.ABLATIONS) == [m.ABLATION.name for m in SCRIPTS]
@@ -278,7 +302,8 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   for args, message in ((["--preset=huge"], "preset"),
                         (["--variants=nope"], "unknown"),
-                        (["--override=model.num_layerz=2"], "num_layerz")):
+                        (["--override=model.num_layerz=2"], "num_layerz"),
+                        (["--override=model.num_kv_heads=1"], "would change nothing")):
     proc = subprocess.run(
         [sys.executable, "-m", "ablations.gqa_ratio", f"--workdir={tmp_path}", *args],
         capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(

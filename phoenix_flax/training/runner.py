@@ -77,6 +77,13 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
                       "use another workdir, or delete that run to start it again")
 
 
+def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Raises `ConfigError` if a run directory of `config` under `workdir` holds a run of
+  another config (which resuming would mix up, and a finished one would stand in for)."""
+  for k, d in run_dirs(config, workdir).items():
+    _check_existing_config(d, seed_config(config, k).to_dict())
+
+
 def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
   n, t, w = placement.num_devices, spec.config.train, spec.world
   for f in ("batch_size", "eval_batch_size"):
@@ -155,10 +162,10 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
                            config.mesh.process_id)
   spec = parse_config(config)
+  check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
   results, pending = {}, []
   for k, d in dirs.items():
-    _check_existing_config(d, seed_config(config, k).to_dict())
     if os.path.exists(os.path.join(d, RESULT_FILE)):
       results[k] = read_json(os.path.join(d, RESULT_FILE))
     else:
