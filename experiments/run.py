@@ -51,15 +51,25 @@ def _duration(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def print_progress(p: Progress, batch_size: int) -> None:
-  """One line per host call: step, rate, loss, ETA (plus eval AUC when evaluated)."""
+def headline_metrics(config) -> tuple[str, ...]:
+  """The final metrics the summary prints: AUCs and log-loss, and for the retrieval task
+  the recall at each of the config's K next to its Bayes-optimal value."""
+  keys = ("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc")
+  if config.task == "retrieval":
+    keys += tuple(f"{p}recall@{k}" for k in config.retrieval.recall_k for p in ("", "bayes_"))
+  return keys
+
+
+def print_progress(p: Progress, batch_size: int,
+                   eval_keys: tuple[str, ...] = ("eval/auc_mean",)) -> None:
+  """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated)."""
   loss = " ".join(f"{x:.4f}" for x in p.loss)
   line = (f"step {p.step}/{p.num_steps} ({100 * p.step / p.num_steps:3.0f}%) | "
           f"{p.steps_per_second:.1f} steps/s | {p.steps_per_second * batch_size:.0f} ex/s "
           f"| loss {loss} | eta {_duration(p.eta_seconds)}")
   if p.num_diverged:
     line += f" | diverged {p.num_diverged}"
-  for key in ("eval/auc_mean", "eval/recall@10"):
+  for key in eval_keys:
     if key in p.evaluated:
       line += f" | {key} " + " ".join(f"{x:.4f}" for x in p.evaluated[key])
   if "eval/bayes_auc_mean" in p.evaluated:
@@ -97,7 +107,10 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value:
     _fail("--workdir is required")
   batch = config.train.batch_size * config.num_seeds
-  report = None if _QUIET.value else (lambda p: print_progress(p, batch))
+  eval_keys = ("eval/auc_mean",)
+  if config.task == "retrieval":
+    eval_keys += (f"eval/recall@{config.retrieval.recall_k[0]}",)
+  report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   try:
     results = run_experiment(config, _WORKDIR.value, progress=report)
   except ConfigError as e:
@@ -105,9 +118,7 @@ def main(argv: list[str]) -> None:
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():
     final = r["final"]
-    summary = " ".join(f"{k}={final[k]:.4f}" for k in
-                       ("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc",
-                        "recall@10", "bayes_recall@10")
+    summary = " ".join(f"{k}={final[k]:.4f}" for k in headline_metrics(config)
                        if isinstance(final.get(k), float))
     state = f"diverged at step {r['diverged_at_step']}" if r["diverged"] else "finished"
     print(f"seed {seed}: {state} after {r['steps']} steps in {r['wall_seconds']:.0f}s | "

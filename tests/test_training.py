@@ -20,7 +20,7 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
-from phoenix_flax.training.runner import load_run
+from phoenix_flax.training.runner import _train_scalars, load_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -265,9 +265,26 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert rows and rows[-1]["step"] <= 40
 
 
+def test_every_training_statistic_is_logged():
+  """A statistic that `Trainer.update` returns (an idea's own included) becomes a
+  `train/` scalar: its mean over the chunk, per layer where it has a layer axis."""
+  stats = {"loss": [[1.0, 3.0]], "learning_rate": [[0.1, 0.2]], "temperature": [[0.5, 1.5]],
+           "max_attn_logit": [[[1.0, 5.0], [4.0, 2.0]]],
+           "residual_rms": [[[1.0, 2.0], [3.0, 4.0]]]}
+  assert _train_scalars(stats, 0) == {
+      "train/loss": 2.0, "train/learning_rate": 0.2, "train/temperature": 1.0,
+      "train/max_attn_logit": 5.0, "train/max_attn_logit/layer_0": 4.0,
+      "train/max_attn_logit/layer_1": 5.0, "train/residual_rms/layer_0": 2.0,
+      "train/residual_rms/layer_1": 3.0}
+  with pytest.raises(ValueError, match="'grid' has shape \\(1, 1, 1\\) per seed"):
+    _train_scalars({"grid": [[[[0.0]]]]}, 0)
+
+
 @pytest.mark.slow
 def test_retrieval_task_trains_and_reports_recall(tmp_path, cli):
-  cli("retrieval.py:smoke", tmp_path)
+  out = cli("retrieval.py:smoke", tmp_path)
+  # The summary line gives the recall at the smoke preset's K (5, 20).
+  assert " recall@5=" in out and " recall@20=" in out and " bayes_recall@20=" in out
   final = _result(tmp_path)["final"]
   for key in ("loss", "recall@5", "recall@20", "bayes_recall@20", "auc", "bayes_auc"):
     assert key in final and final[key] is not None, key

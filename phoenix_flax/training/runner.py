@@ -120,18 +120,25 @@ def _resume_step(dirs: list[str]) -> int:
 
 
 def _train_scalars(stats: dict, i: int) -> dict[str, float]:
-  out = {"train/loss": float(np.mean(stats["loss"][i])),
-         "train/grad_norm": float(np.mean(stats["grad_norm"][i])),
-         "train/learning_rate": float(stats["learning_rate"][i][-1])}
-  if "max_attn_logit" in stats:
-    per_layer = np.max(stats["max_attn_logit"][i], axis=0)
-    out["train/max_attn_logit"] = float(np.max(per_layer))
-    for layer, v in enumerate(per_layer):
-      out[f"train/max_attn_logit/layer_{layer}"] = float(v)
-    for layer, v in enumerate(np.mean(stats["residual_rms"][i], axis=0)):
-      out[f"train/residual_rms/layer_{layer}"] = float(v)
-  if "positive_fraction" in stats:
-    out["train/positive_fraction"] = float(np.mean(stats["positive_fraction"][i]))
+  """Seed i's `train/*` scalars of a chunk: every statistic `Trainer.update` returns, as
+  its mean over the chunk's steps (per layer where it has a layer axis), except the
+  learning rate (its last value) and the max |attention logit| (the chunk's maximum)."""
+  out = {}
+  for name, values in stats.items():
+    v = np.asarray(values[i])
+    if name == "learning_rate":
+      out["train/learning_rate"] = float(v[-1])
+    elif v.ndim == 1:
+      out[f"train/{name}"] = float(np.mean(v))
+    elif v.ndim == 2:
+      reduce = np.max if name == "max_attn_logit" else np.mean
+      per_layer = reduce(v, axis=0)
+      out.update({f"train/{name}/layer_{layer}": float(x) for layer, x in enumerate(per_layer)})
+      if name == "max_attn_logit":
+        out["train/max_attn_logit"] = float(np.max(per_layer))
+    else:
+      raise ValueError(f"training statistic {name!r} has shape {v.shape} per seed; a "
+                       "statistic is a scalar or a per-layer vector per step")
   return out
 
 
