@@ -12,10 +12,10 @@ cached in `seed_<k>/probes.json`. A *joint probe* measures one seed's runs of ev
 variant together, for comparisons that need the same conditions (throughput, timed in
 interleaved rounds); cached in `seed_<k>/joint_probes.json`.
 
-Config of a variant, in order: `experiments/configs/ranking.py:get_config(preset)`, the
-sweep preset (`PRESETS`), the ablation's `preset_overrides` and `task(config, preset)`,
-the user's `--override`s, the condition level, the arm, then `num_seeds` (with
-`output.seed_subdirs=True`).
+Config of a variant, in order: `experiments/configs/<experiment>.py:get_config(preset)`
+(the ablation's `experiment`, "ranking" or "retrieval"), the sweep preset (`PRESETS`),
+the ablation's `preset_overrides` and `task(config, preset)`, the user's `--override`s,
+the condition level, the arm, then `num_seeds` (with `output.seed_subdirs=True`).
 
 results.json:
 
@@ -49,6 +49,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -62,7 +63,7 @@ import ml_collections
 import numpy as np
 
 from ablations import report, stats
-from experiments.configs import ranking
+from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, parse_config,
                                    run_dirs, run_experiment)
 
@@ -84,8 +85,10 @@ PRESETS = {
 }
 
 BETTER = {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower", "diverged": "lower",
-          "calibration_error": "lower", "score_consistency": "lower", "ndcg@5": "higher",
-          "recall@5": "higher"}
+          "calibration_error": "lower", "score_consistency": "lower", "auc": "higher",
+          "loss": "lower"}
+HIGHER_AT_K = re.compile(r"(recall|ndcg)@\d+")   # the model's, not the bayes_ ones
+EXPERIMENTS = {"ranking": ranking, "retrieval": retrieval}
 
 Overrides = Mapping[str, Any]
 Conditions = Mapping[str, Mapping[str, Overrides]]
@@ -152,6 +155,10 @@ class Ablation:
     curves: metrics.jsonl keys drawn in curves.png.
     plots: extra `plot(results, workdir) -> png file name or None` for the report.
     better: metric -> "higher"/"lower" is better, on top of `BETTER`.
+    experiment: the config the variants start from, `experiments/configs/<experiment>.py`:
+      "ranking" (PhoenixModel) or "retrieval" (PhoenixRetrievalModel, whose finals are
+      "auc", "loss", "recall@K" for the config's `retrieval.recall_k`, ...; set
+      `metrics` and `curves` accordingly).
   """
 
   name: str
@@ -170,8 +177,12 @@ class Ablation:
   curves: Sequence[str] = ("train/loss", "eval/auc_mean")
   plots: Sequence[Plot] = ()
   better: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  experiment: str = "ranking"
 
   def __post_init__(self):
+    if self.experiment not in EXPERIMENTS:
+      raise ValueError(f"Ablation {self.name!r}: experiment={self.experiment!r} must be one "
+                       f"of {list(EXPERIMENTS)}")
     if self.baseline not in self.arms:
       raise ValueError(f"Ablation {self.name!r}: baseline={self.baseline!r} is not one of "
                        f"the arms {list(self.arms)}")
@@ -236,9 +247,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
   return config
 
 
-def base_config(preset: str) -> ml_collections.ConfigDict:
-  """The ranking experiment config of `preset` with the sweep preset applied."""
-  return apply_overrides(ranking.get_config(preset), PRESETS[preset])
+def base_config(preset: str, experiment: str = "ranking") -> ml_collections.ConfigDict:
+  """The experiment's config at `preset`, with the sweep preset applied."""
+  return apply_overrides(EXPERIMENTS[experiment].get_config(preset), PRESETS[preset])
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -296,8 +307,7 @@ class Sweep:
   def __init__(self, ablation: Ablation, preset: str, workdir: str, *,
                seeds: Optional[int] = None, variants: Sequence[str] = (),
                overrides: Overrides = (), command: str = "",
-               runner: Optional[Callable] = None,
-               config_fn: Callable[[str], ml_collections.ConfigDict] = base_config):
+               runner: Optional[Callable] = None):
     if preset not in PRESETS:
       raise ValueError(f"preset={preset!r}: use one of {tuple(PRESETS)}")
     n = SEEDS[preset] if seeds is None else seeds
@@ -306,7 +316,8 @@ class Sweep:
     self.ablation, self.preset, self.workdir, self.command = ablation, preset, workdir, command
     self.variants = select(ablation.variants(preset), variants, ablation.baseline)
     self._runner = runner
-    cfg = apply_overrides(config_fn(preset), ablation.preset_overrides.get(preset, {}))
+    cfg = apply_overrides(base_config(preset, ablation.experiment),
+                          ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
       ablation.task(cfg, preset)
     self.base = apply_overrides(cfg, dict(overrides))
@@ -476,9 +487,11 @@ class Sweep:
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:
   """Which direction is an improvement: by full name, else by the name after the split
-  prefix ("long_list/auc_mean" -> "auc_mean")."""
+  prefix ("long_list/auc_mean" -> "auc_mean"); recall@K and ndcg@K are higher."""
   table = {**BETTER, **(extra or {})}
-  return table.get(metric, table.get(metric.rsplit("/", 1)[-1]))
+  name = metric.rsplit("/", 1)[-1]
+  found = table.get(metric, table.get(name))
+  return found or ("higher" if HIGHER_AT_K.fullmatch(name) else None)
 
 
 def _with_holm(rows: list[dict]) -> list[dict]:

@@ -276,6 +276,22 @@ def test_sweep_refuses_ignored_overrides_and_runs_of_other_configs(tmp_path):
   assert runner.calls == []
 
 
+def test_retrieval_ablations_start_from_the_retrieval_config(tmp_path):
+  ab = toy_ablation(arms={"a": {"retrieval.temperature": 0.05},
+                          "b": {"retrieval.temperature": 0.2}},
+                    metrics=("recall@10", "auc", "diverged"), experiment="retrieval")
+  sw = sweep.Sweep(ab, "cpu", str(tmp_path))
+  cfgs = [sw.config(v) for v in sw.variants]
+  assert [c.task for c in cfgs] == ["retrieval", "retrieval"]
+  assert [c.retrieval.temperature for c in cfgs] == [0.05, 0.2]
+  assert cfgs[0].train.num_steps == sweep.PRESETS["cpu"]["train.num_steps"]
+  assert sweep.Sweep(toy_ablation(), "cpu", str(tmp_path)).base.task == "ranking"
+  with pytest.raises(ValueError, match="experiment='ranker' must be one of"):
+    toy_ablation(experiment="ranker")
+  assert [sweep.better(m) for m in ("recall@10", "long/ndcg@5", "bayes_recall@10", "auc")] \
+      == ["higher", "higher", None, "higher"]
+
+
 def test_run_all_runs_every_registered_script():
   assert [m.__name__ for m in SCRIPTS] == [f"ablations.{n}" for n in ablations.SCRIPTS]
   assert list(run_all.ABLATIONS) == [m.ABLATION.name for m in SCRIPTS]
