@@ -108,8 +108,8 @@ def main(argv: list[str]) -> None:
     _fail("--workdir is required")
   batch = config.train.batch_size * config.num_seeds
   eval_keys = ("eval/auc_mean",)
-  if config.task == "retrieval":
-    eval_keys += (f"eval/recall@{config.retrieval.recall_k[0]}",)
+  if config.task == "retrieval":   # the first K (recall_k is validated by run_experiment)
+    eval_keys += tuple(f"eval/recall@{k}" for k in tuple(config.retrieval.recall_k)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   try:
     results = run_experiment(config, _WORKDIR.value, progress=report)
