@@ -10,7 +10,8 @@ re-running a sweep only does the missing work. A *probe* can then measure what t
 does not (serving-time behaviour, parameter counts) on each finished run; its numbers are
 cached in `seed_<k>/probes.json`. A *joint probe* measures one seed's runs of every
 variant together, for comparisons that need the same conditions (throughput, timed in
-interleaved rounds); cached in `seed_<k>/joint_probes.json`.
+interleaved rounds); cached in `seed_<k>/joint_probes.json`. The caches know nothing of
+the probe's code: after changing a probe, `--reprobe` measures every finished run again.
 
 Config of a variant, in order: `experiments/configs/<experiment>.py:get_config(preset)`
 (the ablation's `experiment`, "ranking" or "retrieval"), the sweep preset (`PRESETS`),
@@ -307,7 +308,7 @@ class Sweep:
   def __init__(self, ablation: Ablation, preset: str, workdir: str, *,
                seeds: Optional[int] = None, variants: Sequence[str] = (),
                overrides: Overrides = (), command: str = "",
-               runner: Optional[Callable] = None):
+               runner: Optional[Callable] = None, reprobe: bool = False):
     if preset not in PRESETS:
       raise ValueError(f"preset={preset!r}: use one of {tuple(PRESETS)}")
     n = SEEDS[preset] if seeds is None else seeds
@@ -316,6 +317,7 @@ class Sweep:
     self.ablation, self.preset, self.workdir, self.command = ablation, preset, workdir, command
     self.variants = select(ablation.variants(preset), variants, ablation.baseline)
     self._runner = runner
+    self._reprobe = reprobe
     cfg = apply_overrides(base_config(preset, ablation.experiment),
                           ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
@@ -375,9 +377,13 @@ class Sweep:
     result = read_json(os.path.join(self.run_dir(variant, seed), "result.json"))
     return result is not None and not result.get("diverged")
 
+  def _cached(self, variant: Variant, seed: int, name: str) -> bool:
+    """Whether the run's probe file `name` is there and this sweep may use it."""
+    return not self._reprobe and os.path.exists(os.path.join(self.run_dir(variant, seed), name))
+
   def _probe(self, variant: Variant, cfg: ml_collections.ConfigDict) -> None:
     todo = [seed for seed in self.seeds if self._probeable(variant, seed) and not
-            os.path.exists(os.path.join(self.run_dir(variant, seed), PROBES_FILE))]
+            self._cached(variant, seed, PROBES_FILE)]
     if not todo:
       return
     trainer, systems = load_systems(cfg, self.variant_dir(variant), todo)
@@ -390,8 +396,7 @@ class Sweep:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
     for seed in self.seeds:
       variants = [v for v in self.variants if self._probeable(v, seed)]
-      if all(os.path.exists(os.path.join(self.run_dir(v, seed), JOINT_PROBES_FILE))
-             for v in variants):
+      if all(self._cached(v, seed, JOINT_PROBES_FILE) for v in variants):
         continue
       contexts = []
       for v in variants:
@@ -540,9 +545,12 @@ flags.DEFINE_multi_string("override", [],
                           "--override=model.num_layers=4 --override=optim.warmup_steps=50. "
                           "The ablated switch and the condition axes are set after it; "
                           "an override that every variant sets itself is refused.")
+flags.DEFINE_bool("reprobe", False,
+                  "Measure the probes of every finished run again instead of using their "
+                  "cached probes.json / joint_probes.json (after changing a probe).")
 
 
-SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override")
+SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override", "reprobe")
 
 
 def expose_flags() -> None:
@@ -568,7 +576,7 @@ def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep
                workdir or FLAGS.workdir or default_workdir(FLAGS.preset, ablation.name),
                seeds=FLAGS.seeds, variants=FLAGS.variants,
                overrides=dict(parse_override(o) for o in FLAGS.override),
-               command=command_line())
+               command=command_line(), reprobe=FLAGS.reprobe)
 
 
 def main(ablation: Ablation) -> None:

@@ -175,6 +175,9 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
   assert results["variants"]["b"]["metrics"]["probe/value"]["per_seed"] == [None, 1.0]
   sw.run()
   assert len(calls) == 5
+  # --reprobe (after a probe changed): every finished run is measured again.
+  sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
+  assert sorted(calls[5:]) == sorted(calls[:5])
 
 
 def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeypatch):
@@ -200,6 +203,9 @@ def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeyp
   os.remove(tmp_path / "c" / "seed_1" / sweep.JOINT_PROBES_FILE)
   sw.run()                                                # seed 1 again, as a whole
   assert calls[2:] == [[("a", 1, "a1"), ("b", 1, "b1"), ("c", 1, "c1")]]
+  sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}),
+              reprobe=True).run()
+  assert calls[3:] == calls[:2]                           # --reprobe: every seed again
   os.remove(tmp_path / "a" / "seed_0" / sweep.JOINT_PROBES_FILE)
   bad = sweep.Sweep(toy_ablation(joint_probe=lambda contexts: [{}],
                                  metrics=("auc_mean", "speed", "diverged")),
