@@ -302,6 +302,12 @@ def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
   return trainer, systems
 
 
+def _log_cached(what: str, name: str, count: int) -> None:
+  if count:
+    logging.info("%s: %d run(s) keep the values of their %s (--reprobe measures them "
+                 "again)", what, count, name)
+
+
 class Sweep:
   """One ablation at one preset in one workdir: runs, probes, statistics, report."""
 
@@ -382,8 +388,9 @@ class Sweep:
     return not self._reprobe and os.path.exists(os.path.join(self.run_dir(variant, seed), name))
 
   def _probe(self, variant: Variant, cfg: ml_collections.ConfigDict) -> None:
-    todo = [seed for seed in self.seeds if self._probeable(variant, seed) and not
-            self._cached(variant, seed, PROBES_FILE)]
+    done = [seed for seed in self.seeds if self._probeable(variant, seed)]
+    todo = [seed for seed in done if not self._cached(variant, seed, PROBES_FILE)]
+    _log_cached(variant.name, PROBES_FILE, len(done) - len(todo))
     if not todo:
       return
     trainer, systems = load_systems(cfg, self.variant_dir(variant), todo)
@@ -397,6 +404,7 @@ class Sweep:
     for seed in self.seeds:
       variants = [v for v in self.variants if self._probeable(v, seed)]
       if all(self._cached(v, seed, JOINT_PROBES_FILE) for v in variants):
+        _log_cached(f"seed {seed}", JOINT_PROBES_FILE, len(variants))
         continue
       contexts = []
       for v in variants:

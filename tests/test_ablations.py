@@ -157,7 +157,7 @@ def test_small_effect_reads_not_significant(tmp_path):
       (tmp_path / "REPORT.md").read_text()
 
 
-def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
+def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog):
   calls = []
 
   def probe(ctx):
@@ -173,8 +173,10 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch):
   assert sorted(calls) == [("a", 0), ("a", 1), ("b", 1), ("c", 0), ("c", 1)]
   assert results["variants"]["c"]["metrics"]["probe/value"]["per_seed"] == [0.0, 1.0]
   assert results["variants"]["b"]["metrics"]["probe/value"]["per_seed"] == [None, 1.0]
-  sw.run()
+  with caplog.at_level("INFO"):
+    sw.run()
   assert len(calls) == 5
+  assert "c: 2 run(s) keep the values of their probes.json (--reprobe" in caplog.text
   # --reprobe (after a probe changed): every finished run is measured again.
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
   assert sorted(calls[5:]) == sorted(calls[:5])
