@@ -15,6 +15,9 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from phoenix_flax.training.schema import RUNTIME_SECTIONS, flatten
+from phoenix_flax.training.writers import RunWriter
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_WAIT_S = 90
 
@@ -57,16 +60,13 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
   result = json.load(open(os.path.join(run_dir, "result.json")))
   assert auc[-1].value == pytest.approx(result["final"]["auc_mean"], rel=1e-6)
 
+  # The session's hparams, and no experiment summary (TensorBoard derives it over all runs).
   content = acc.PluginTagToContent("hparams")
-  assert {"_hparams_/experiment", "_hparams_/session_start_info",
-          "_hparams_/session_end_info"} <= set(content)
+  assert set(content) == {"_hparams_/session_start_info", "_hparams_/session_end_info"}
   start = plugin_data_pb2.HParamsPluginData.FromString(
       content["_hparams_/session_start_info"]).session_start_info
   assert start.hparams["model.num_layers"].number_value == 1
   assert start.hparams["model.norm_layout"].string_value == "sandwich"
-  experiment = plugin_data_pb2.HParamsPluginData.FromString(
-      content["_hparams_/experiment"]).experiment
-  assert "eval/auc_mean" in {m.name.tag for m in experiment.metric_infos}
 
 
 def _free_port() -> int:
@@ -75,16 +75,33 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _post_json(url: str, body: dict) -> dict:
+  request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                   headers={"Content-Type": "application/json"})
+  with urllib.request.urlopen(request, timeout=10) as response:
+    return json.load(response)
+
+
 @pytest.mark.slow
 def test_tensorboard_server_serves_the_run_scalars(run_dir):
+  """The run's scalars, and an HParams view that compares it with a second run: the
+  hparams that differ come first, a cap that is 30.0 in one run and None in the other
+  is one string column, and the scalars are the metrics."""
   port = _free_port()
   logdir = os.path.dirname(run_dir)
+  with open(os.path.join(run_dir, "config.json")) as f:
+    hparams = flatten(json.load(f), skip=RUNTIME_SECTIONS)
+  hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in hparams.items()}  # as run
+  other = RunWriter(os.path.join(logdir, "other_run"),
+                    {**hparams, "model.attn_logit_cap": None, "model.num_layers": 3}, None)
+  other.log(10, {"train/loss": 1.0, "eval/auc_mean": 0.6}, 1.0)
+  other.close(finished=True)
   proc = subprocess.Popen(
       [sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1",
        "--port", str(port), "--reload_interval", "1"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
-  tags = {}
+  tags, experiment = {}, {}
   try:
     deadline = time.monotonic() + SERVER_WAIT_S
     while time.monotonic() < deadline:
@@ -97,6 +114,8 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
       if "eval/auc_mean" in tags:
         break
       time.sleep(0.5)
+    experiment = _post_json(f"http://127.0.0.1:{port}/data/plugin/hparams/experiment",
+                            {"experimentName": ""})
   finally:
     proc.terminate()
     try:
@@ -105,3 +124,10 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
       proc.kill()
       proc.wait()
   assert {"train/loss", "eval/auc_mean", "eval/bayes_auc_mean"} <= set(tags), tags
+  infos = experiment["hparamInfos"]
+  differing = [h["name"] for h in infos if h.get("differs")]
+  assert differing == ["model.attn_logit_cap", "model.num_layers"], differing
+  assert [h["name"] for h in infos[:2]] == differing
+  assert infos[0]["type"] == "DATA_TYPE_STRING" and infos[1]["type"] == "DATA_TYPE_FLOAT64"
+  metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+  assert {"train/loss", "eval/auc_mean", "eval/auc/favorite_score"} <= metrics, metrics

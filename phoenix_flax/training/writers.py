@@ -17,8 +17,6 @@ from tensorboardX.summary import hparams as hparams_summary
 
 METRICS_FILE = "metrics.jsonl"
 _TEMPORARY = re.compile(r"\..+\.tmp\.\d+")   # atomic_file's ".<name>.tmp.<pid>"
-HPARAM_METRICS = ("eval/auc_mean", "eval/bayes_auc_mean", "eval/logloss", "eval/auc",
-                  "train/loss")
 
 
 def jsonable(value: Any) -> Any:
@@ -119,6 +117,11 @@ class RunWriter:
   metrics.jsonl has one JSON object per host call: `{"step", "wall_seconds", "train/...",
   "perf/...", and on evaluation steps "eval/..." and "<split>/..."}`. TensorBoard gets the
   same scalars (tags from `tensorboard_tag`) plus the run's hparams (HParams dashboard).
+  Only the session's hparams are written, no experiment summary: TensorBoard then derives
+  the experiment from every run under its logdir, types each hparam over all of them (a
+  cap of 30.0 in one run and None in another is a string column), marks the hparams that
+  differ between runs and lists them first, and offers every scalar as a metric. A summary
+  per run would make it take one run's, in which nothing differs.
   `resume_step` None starts afresh (old events and rows are removed); an int keeps the rows
   up to that step and tells TensorBoard to drop the events logged after it.
   """
@@ -138,9 +141,7 @@ class RunWriter:
     purge = None if resume_step is None else resume_step + 1
     self.tb = SummaryWriter(run_dir, purge_step=purge, flush_secs=10)
     if resume_step is None:
-      exp, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()},
-                                    {tensorboard_tag(m): 0.0 for m in HPARAM_METRICS})
-      self.tb.file_writer.add_summary(exp)
+      _, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()}, {})
       self.tb.file_writer.add_summary(ssi)
     self._hparams = dict(hparams)
 
@@ -155,8 +156,7 @@ class RunWriter:
   def close(self, finished: bool) -> None:
     """Flushes; on a finished run also records the HParams session end."""
     if finished:
-      _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()},
-                                  {tensorboard_tag(m): 0.0 for m in HPARAM_METRICS})
+      _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
       self.tb.file_writer.add_summary(sei)
     self.tb.flush()
     self.tb.close()
