@@ -30,13 +30,9 @@ def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
   return [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
 
 
-def run_all(names, workdir: str, make_sweep=sweep.sweep_from_flags, command: str = "") -> str:
-  """Runs the named ablations into `<workdir>/<name>/`; returns the combined REPORT.md."""
-  return run_sweeps(names, make_sweeps(names, workdir, make_sweep), workdir, command)
-
-
-def run_sweeps(names, sweeps: list, workdir: str, command: str = "") -> str:
-  """Runs built sweeps, then writes the combined results.json and REPORT.md."""
+def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
+  """Runs the named ablations' sweeps (`make_sweeps`), then writes the combined
+  results.json and REPORT.md; returns the REPORT.md path."""
   entries = []
   for name, sw in zip(names, sweeps):
     logging.info("=== %s ===", name)
@@ -62,7 +58,7 @@ def main(argv):
     sweeps = make_sweeps(FLAGS.ablations, workdir)
   except ValueError as e:
     raise app.UsageError(str(e))
-  path = run_sweeps(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
+  path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 
 

@@ -51,13 +51,18 @@ def _duration(seconds: float) -> str:
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def _recall_metrics(config) -> tuple[str, ...]:
+  """`recall@K` for each K of a retrieval config (none for ranking)."""
+  if config.task != "retrieval":
+    return ()
+  return tuple(f"recall@{k}" for k in tuple(config.retrieval.recall_k))
+
+
 def headline_metrics(config) -> tuple[str, ...]:
   """The final metrics the summary prints: AUCs and log-loss, and for the retrieval task
   the recall at each of the config's K next to its Bayes-optimal value."""
-  keys = ("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc")
-  if config.task == "retrieval":
-    keys += tuple(f"{p}recall@{k}" for k in config.retrieval.recall_k for p in ("", "bayes_"))
-  return keys
+  return (("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc")
+          + tuple(f"{p}{m}" for m in _recall_metrics(config) for p in ("", "bayes_")))
 
 
 def print_progress(p: Progress, batch_size: int,
@@ -107,9 +112,8 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value:
     _fail("--workdir is required")
   batch = config.train.batch_size * config.num_seeds
-  eval_keys = ("eval/auc_mean",)
-  if config.task == "retrieval":   # the first K (recall_k is validated by run_experiment)
-    eval_keys += tuple(f"eval/recall@{k}" for k in tuple(config.retrieval.recall_k)[:1])
+  # The first K of a retrieval config (recall_k is validated later, by run_experiment).
+  eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   try:
     results = run_experiment(config, _WORKDIR.value, progress=report)

@@ -311,7 +311,9 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch):
                                              "toy2": toy_ablation(name="toy2")})
   make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
                                                runner=fake_runner())
-  path = run_all.run_all(["toy", "toy2"], str(tmp_path), make_sweep=make, command="cmd")
+  names = ["toy", "toy2"]
+  path = run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=make),
+                         str(tmp_path), command="cmd")
   text = open(path).read()
   assert "## [toy](toy/REPORT.md)" in text and "## [toy2](toy2/REPORT.md)" in text
   assert "| [toy](toy/REPORT.md) | b vs a | `auc_mean` |" in text
