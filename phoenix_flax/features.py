@@ -29,7 +29,8 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
   is missing (0) or the post is newer than the impression. int32."""
   impression_ts, post_ts = jnp.asarray(impression_ts), jnp.asarray(post_ts)
   minutes = (impression_ts - post_ts) // 60
-  bucket = jnp.clip(minutes // granularity_mins + 1, 0, POST_AGE_MAX_MINUTES // granularity_mins + 1)
+  top = POST_AGE_MAX_MINUTES // granularity_mins + 1
+  bucket = jnp.clip(minutes // granularity_mins + 1, 0, top)
   missing = (minutes < 0) | (impression_ts == 0) | (post_ts == 0)
   return jnp.where(missing, 0, bucket).astype(jnp.int32)
 

@@ -24,6 +24,21 @@ under `phoenix_model` with names of our own, present only when the config enable
 `post_age_embedding_table`, `dwell_proj_1`, `dwell_proj_2`, `continuous_unembeddings`.
 Any other parameter (one that a new switch adds) has no name here: import and export raise
 `NotImplementedError` naming it, rather than leave it unset or drop it from the tree.
+The release's Haiku code cannot read these names: such a tree is for this package (and
+code that follows the same naming), not for the Jan release.
+
+A tree holds parameter shapes, not the settings that have no parameter. On import, copy
+these from the release's config, because a wrong value imports without error and gives
+other logits: `attn_output_multiplier` (the release sets it, e.g. 0.125 for key size 64;
+`TransformerConfig` defaults to 1.0), the split of the attention width into
+`num_q_heads`/`num_kv_heads` and `key_size` (the tree only fixes the products),
+`attn_logit_cap` (the release always caps at 30.0), `candidate_isolation` (always on in
+the release), `right_anchored_rope` (later release) and `fprop_dtype` (the release
+serves in bfloat16). Import accepts any such settings, so a released checkpoint can
+start a variant. Export refuses a model whose settings the release cannot express (a cap
+other than 30.0, isolation off), since the release would run the exported tree as another
+model. A `norm_layout` other than "sandwich" has other norm parameters and converts in
+neither direction.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ from phoenix_flax.retrieval import PhoenixRetrievalModel
 RANKING_SCOPE = "phoenix_model"
 RETRIEVAL_SCOPE = "phoenix_retrieval_model"
 CANDIDATE_TOWER_SCOPE = f"{RETRIEVAL_SCOPE}/~build_candidate_representation/candidate_tower"
+RELEASE_LOGIT_CAP = 30.0
 
 Params = dict[str, dict[str, jax.Array]]
 
@@ -70,6 +86,20 @@ class _Slot(NamedTuple):
 
 def _top_level(scope: str, names: tuple[str, ...]) -> list[_Slot]:
   return [_Slot(lambda m, n=n: getattr(m, n), ((scope, n, None),)) for n in names]
+
+
+def _check_exportable(config) -> None:
+  """Raises for settings the release cannot run, which have no parameter of their own: it
+  would compute other logits from the exported tree."""
+  cap = config.model.attn_logit_cap
+  if cap != RELEASE_LOGIT_CAP:
+    raise ValueError(f"model.config.model.attn_logit_cap={cap!r}: the release always caps "
+                     f"attention logits at {RELEASE_LOGIT_CAP}, so it would run this tree as "
+                     "another model; only models with the release's cap export")
+  if not getattr(config, "candidate_isolation", True):
+    raise ValueError("model.config.candidate_isolation=False: the release always isolates "
+                     "candidates, so it would run this tree as another model; only models "
+                     "with candidate isolation export")
 
 
 def _transformer_slots(model) -> list[_Slot]:
@@ -157,6 +187,7 @@ def _check_mapped(model, slots: list[_Slot], model_name: str) -> None:
 def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   """Splits and unstacks the model's arrays; modules come out layer by layer."""
   _check_mapped(model, slots, model_name)
+  _check_exportable(model.config)
   entries = []
   for slot in slots:
     array = slot.get(model)
@@ -169,9 +200,26 @@ def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   return tree
 
 
+def _not_an_array(value: Any) -> Optional[str]:
+  """Why `value` cannot be a parameter (None if it can): a float array is expected."""
+  if not isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    return f"is a {type(value).__name__}, expected an array of floats"
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    return f"has dtype {value.dtype}, expected floats"
+  return None
+
+
+def _describe(value: Any) -> str:
+  """An extra entry: its shape, or its type if it is not an array."""
+  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+    return f"got shape {np.shape(value)}"
+  return f"got a {type(value).__name__}"
+
+
 def _validate(params: Mapping, expected: dict[tuple[str, str], tuple[int, ...]],
               model_name: str) -> None:
-  """Raises one `HaikuParamsError` naming every missing, extra or misshapen entry."""
+  """Raises one `HaikuParamsError` naming every missing, extra or misshapen entry, and
+  every entry that is not an array of finite floats."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a mapping {{module: {{param: array}}}}, got "
                     f"{type(params).__name__}")
@@ -182,18 +230,22 @@ def _validate(params: Mapping, expected: dict[tuple[str, str], tuple[int, ...]],
       problems.append(f"params[{module!r}] is a {type(entries).__name__}, expected a mapping "
                       "{param: array}")
     elif module not in expected_modules:
-      problems += [f"extra   params[{module!r}][{p!r}]: got shape {np.shape(v)}"
+      problems += [f"extra   params[{module!r}][{p!r}]: {_describe(v)}"
                    for p, v in entries.items()]
     else:
-      problems += [f"extra   params[{module!r}][{p!r}]: got shape {np.shape(v)}"
+      problems += [f"extra   params[{module!r}][{p!r}]: {_describe(v)}"
                    for p, v in entries.items() if (module, p) not in expected]
   for (module, param), shape in expected.items():
     entries = params.get(module)
     if not isinstance(entries, Mapping) or param not in entries:
       problems.append(f"missing params[{module!r}][{param!r}]: expected shape {shape}")
+    elif (why := _not_an_array(entries[param])) is not None:
+      problems.append(f"value   params[{module!r}][{param!r}]: {why}")
     elif np.shape(entries[param]) != shape:
       problems.append(f"shape   params[{module!r}][{param!r}]: expected {shape}, "
                       f"got {np.shape(entries[param])}")
+    elif not np.isfinite(np.asarray(entries[param], np.float32)).all():
+      problems.append(f"value   params[{module!r}][{param!r}]: holds NaN or inf (in float32)")
   if problems:
     raise HaikuParamsError(model_name, problems)
 

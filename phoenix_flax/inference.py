@@ -171,6 +171,15 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   return B, C
 
 
+def _count(name: str, value, low: int, high: Optional[int] = None, what: str = "") -> int:
+  """`value` as a Python int in `[low, high]` (NumPy integers accepted, bools not)."""
+  ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+  if not ok or value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r} must be an integer {bound}{what}")
+  return int(value)
+
+
 def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings
                         ) -> tuple[RecsysBatch, RecsysEmbeddings]:
   """Drops the candidate fields, so that context-only programs do not retrace per C."""
@@ -249,12 +258,12 @@ class RankingRunner:
         raise ValueError(f"cache.{name} has shape {tuple(getattr(cache, name).shape)}, "
                          f"expected {shape}: encode this batch's users with encode_context")
 
-  def _check_chunking(self, chunk_size) -> None:
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-      raise ValueError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+  def _check_chunking(self, chunk_size) -> int:
+    chunk_size = _count("chunk_size", chunk_size, 1)
     if not self.config.candidate_isolation:
       raise ValueError("candidate_isolation=False: a candidate's score depends on the "
                        "candidates before it, so it cannot be scored in chunks; use rank")
+    return chunk_size
 
   def score_candidates(self, cache: ContextCache, batch: RecsysBatch,
                        embeddings: RecsysEmbeddings, chunk_size: int) -> RankingOutput:
@@ -263,15 +272,20 @@ class RankingRunner:
     The last chunk is padded with hash-0 candidates; one compiled program serves every
     chunk (its start index is traced), so any candidate count reuses it.
     """
-    self._check_chunking(chunk_size)
+    chunk_size = self._check_chunking(chunk_size)
     B, _ = validate_inputs(self.config, batch, embeddings)
     self._check_cache(cache, B)
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
 
   def rank_chunked(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
                    chunk_size: int) -> RankingOutput:
-    """`encode_context` then `score_candidates`: equal to `rank`, in bounded memory."""
-    self._check_chunking(chunk_size)
+    """`encode_context` then `score_candidates`: equal to `rank`, in bounded memory.
+
+    Chunks always run the isolation-aware attention, so against `rank` of a model with
+    `attention_impl="dense"` they agree up to float rounding (about 1e-7 in float32,
+    1e-2 in bfloat16), and exactly the same way whatever the chunking.
+    """
+    chunk_size = self._check_chunking(chunk_size)
     validate_inputs(self.config, batch, embeddings)
     cache = self._encode(self.model, *_without_candidates(batch, embeddings))
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
@@ -322,7 +336,8 @@ def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: Recs
 
 
 class RetrievalRunner:
-  """Two-tower retrieval with a built model: `set_corpus`, then `retrieve`."""
+  """Two-tower retrieval with a built model: `encode_corpus` (the candidate tower over
+  the corpus items' hash embeddings), `set_corpus`, then `retrieve`."""
 
   def __init__(self, model: PhoenixRetrievalModel):
     if not isinstance(model, PhoenixRetrievalModel):
@@ -334,6 +349,9 @@ class RetrievalRunner:
     self._encode = _counted_jit(self.trace_counts, "encode_user",
                                 lambda m, b, e: m.build_user_representation(b, e)[0])
     self._retrieve = _counted_jit(self.trace_counts, "retrieve", _retrieve)
+    self._tower = _counted_jit(
+        self.trace_counts, "encode_corpus",
+        lambda tower, p, a: tower(jnp.concatenate([p, a], axis=1)[None])[0])
 
   @classmethod
   def from_config(cls, config: PhoenixRetrievalModelConfig, *, key: PRNGKeyArray
@@ -348,6 +366,24 @@ class RetrievalRunner:
     """Unit-norm user representations `[B, D]`."""
     validate_inputs(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
+
+  def encode_corpus(self, post_embeddings: ArrayLike, author_embeddings: ArrayLike) -> Array:
+    """Unit-norm corpus vectors `[N, D]` from the candidate tower, for `set_corpus`.
+
+    `post_embeddings [N, I, D]` and `author_embeddings [N, Au, D]` are each corpus item's
+    hash embeddings (the same lookup as a candidate's). One compiled program per N.
+    """
+    hc, D = self.config.hash_config, self.config.emb_size
+    post, author = np.asarray(post_embeddings), np.asarray(author_embeddings)
+    N = post.shape[0] if post.ndim else 0
+    for name, x, h in (("post_embeddings", post, hc.num_item_hashes),
+                       ("author_embeddings", author, hc.num_author_hashes)):
+      if x.shape != (N, h, D) or N < 1:
+        raise ValueError(f"{name} has shape {x.shape}, expected [N >= 1, {h}, {D}] "
+                         f"(N = {N} corpus items from post_embeddings)")
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} has dtype {x.dtype}, expected floats")
+    return self._tower(self.model.candidate_tower, jnp.asarray(post), jnp.asarray(author))
 
   def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
     """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`."""
@@ -368,18 +404,22 @@ class RetrievalRunner:
 
   def retrieve(self, batch: RecsysBatch, embeddings: RecsysEmbeddings, top_k: int,
                corpus_mask: Optional[ArrayLike] = None) -> RetrievalResult:
-    """Top-k corpus items per user by dot product; `corpus_mask [N]` False excludes."""
+    """Top-k corpus items per user by dot product. `corpus_mask [N]` False excludes an
+    item: `top_k` may not exceed the items it keeps (the model itself would fill the
+    rest with masked items at score -1e12, as the release does)."""
     if self.corpus_embeddings is None:
       raise ValueError("corpus is not set: call set_corpus(embeddings, post_ids) first")
     N = self.corpus_embeddings.shape[0]
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= N:
-      raise ValueError(f"top_k={top_k!r} must be an integer in [1, {N}] (corpus size)")
+    top_k = _count("top_k", top_k, 1, N, " (corpus size)")
     if corpus_mask is not None:
       mask = np.asarray(corpus_mask)
       if mask.shape != (N,):
         raise ValueError(f"corpus_mask has shape {mask.shape}, expected ({N},)")
       if mask.dtype != bool and not np.isin(mask, (0, 1)).all():
         raise ValueError("corpus_mask must be boolean or 0/1")
+      kept = int(np.count_nonzero(mask))
+      if top_k > kept:
+        raise ValueError(f"top_k={top_k} exceeds the {kept} corpus items corpus_mask keeps")
       corpus_mask = jnp.asarray(mask, bool)
     validate_inputs(self.config, batch, embeddings, with_candidates=False)
     return self._retrieve(self.model, *_without_candidates(batch, embeddings),

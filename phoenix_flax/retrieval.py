@@ -143,7 +143,10 @@ class PhoenixRetrievalModel(eqx.Module):
   def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
                corpus_embeddings: Array, top_k: int, corpus_mask: Optional[Array] = None,
                ) -> RetrievalOutput:
-    """Top-k corpus items for each user by dot product; masked items score -1e12."""
+    """Top-k corpus items for each user by dot product; masked items score -1e12 (and
+    still fill the top k when fewer than k items are unmasked, as in the release).
+    `top_k` fixes an output shape: under `jax.jit` pass it as a static argument
+    (`RetrievalRunner` does this for you)."""
     user, _ = self.build_user_representation(batch, embeddings)
     return retrieve_top_k(user, corpus_embeddings, top_k, corpus_mask)
 

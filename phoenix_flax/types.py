@@ -13,7 +13,12 @@ from jaxtyping import Array
 
 
 class RecsysBatch(NamedTuple):
-  """Hashed ids and features. Hash 0 is padding; actions are 0/1."""
+  """Hashed ids and features. Hash 0 is padding; actions are 0/1.
+
+  The optional later-release fields count only when the model's config reads them:
+  timestamps with `post_age_granularity_mins`, dwell times with `dwell_time_norm`.
+  Otherwise they are ignored (as by the release), whatever they hold.
+  """
 
   user_hashes: Array                # [B, U] int
   history_post_hashes: Array        # [B, S, I] int

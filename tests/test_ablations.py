@@ -22,7 +22,8 @@ EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
 def fake_runner(diverge=()):
   """A stand-in for run_experiment: writes result.json and metrics.jsonl per seed.
 
-  AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed; `diverge` lists (variant, seed)."""
+  AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed; `diverge` lists
+  (variant, seed)."""
   calls = []
 
   def run(config, workdir):

@@ -272,6 +272,50 @@ def test_non_sandwich_layout_is_rejected(ranking_params):
                    _ranking_config(norm_layout="post"))
 
 
+def test_settings_the_release_cannot_run_do_not_export(ranking_params):
+  """Settings with no parameter of their own: the release would run the exported tree as
+  another model. Import takes them (a released checkpoint may start a variant)."""
+  _, tree = ranking_params
+  for overrides, message in [(dict(attn_logit_cap=None), "attn_logit_cap=None"),
+                             (dict(attn_logit_cap=10.0), "attn_logit_cap=10.0"),
+                             (dict(candidate_isolation=False), "candidate_isolation=False")]:
+    model = haiku_compat.ranking_model_from_haiku(tree, _ranking_config(**overrides))
+    with pytest.raises(ValueError, match=message):
+      haiku_compat.ranking_model_to_haiku(model)
+  retrieval = pf.PhoenixRetrievalModelConfig(
+      model=_transformer_config(attn_logit_cap=None), emb_size=64, history_seq_len=S,
+      candidate_seq_len=C)
+  with pytest.raises(ValueError, match="attn_logit_cap=None"):
+    _traced_export(haiku_compat.retrieval_model_to_haiku, pf.PhoenixRetrievalModel, retrieval)
+  anchored = haiku_compat.ranking_model_from_haiku(tree, _ranking_config(right_anchored_rope=True))
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(anchored), tree)  # a later-release flag
+
+
+def test_entries_that_are_not_finite_float_arrays_are_named(ranking_params):
+  _, tree = ranking_params
+  broken = {m: dict(e) for m, e in tree.items()}
+  query = "transformer/decoder_layer_0/multi_head_attention/query"
+  broken[query]["w"] = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  broken["phoenix_model"]["proj_mat_1"] = {"w": np.zeros((128, 64), np.float32)}
+  broken["phoenix_model"]["unembeddings"] = np.zeros((64, 19), np.int32)
+  nan = np.array(tree["phoenix_model/rms_norm"]["scale"])
+  nan[3] = np.nan
+  broken["phoenix_model/rms_norm"]["scale"] = nan
+  broken["phoenix_model"]["bias"] = {"b": 0}
+  with pytest.raises(ValueError) as err:
+    haiku_compat.ranking_model_from_haiku(broken, _ranking_config())
+  message = str(err.value)
+  assert "(5 problem(s))" in message
+  assert (f"value   params[{query!r}]['w']: is a ShapeDtypeStruct, expected an array of "
+          "floats") in message
+  assert ("value   params['phoenix_model']['proj_mat_1']: is a dict, expected an array of "
+          "floats") in message
+  assert ("value   params['phoenix_model']['unembeddings']: has dtype int32, expected floats"
+          in message)
+  assert "value   params['phoenix_model/rms_norm']['scale']: holds NaN or inf" in message
+  assert "extra   params['phoenix_model']['bias']: got a dict" in message
+
+
 class _NormWithBias(eqx.Module):
   """A norm with one more parameter than the release's: what a new switch may add."""
 

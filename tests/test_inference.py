@@ -261,6 +261,8 @@ def test_chunked_scoring_rejects_bad_chunk_size_and_cache(ranker):
     ranker.score_candidates(wrong_users, batch, emb, chunk_size=4)
   with pytest.raises(ValueError, match="chunk_size=0"):
     ranker.score_candidates(wrong_users, batch, emb, chunk_size=0)
+  np.testing.assert_array_equal(ranker.rank_chunked(batch, emb, np.int64(3)).scores,
+                                ranker.rank_chunked(batch, emb, 3).scores)
 
 
 def test_chunked_scoring_needs_candidate_isolation():
@@ -308,11 +310,25 @@ def test_retrieval_runner_retrieve(retriever, corpus):
   retriever.retrieve(batch, emb, top_k=10)
   assert retriever.trace_counts["retrieve"] == 1
 
+  found = retriever.retrieve(batch, emb, top_k=np.int64(10))
+  np.testing.assert_array_equal(found.top_k_indices, out.top_k_indices)
+
   mask = np.ones(100, bool)
   mask[idx[:, :3].ravel()] = False
   masked = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask)
   assert np.all(mask[np.asarray(masked.top_k_indices)])
   np.testing.assert_array_equal(masked.top_k_post_ids, np.asarray(ids_N)[masked.top_k_indices])
+
+
+def test_encode_corpus_is_the_candidate_tower(retriever):
+  """A corpus item's vector is the one the item gets as a candidate."""
+  batch, emb = _batch(RETRIEVAL, batch_size=2)
+  expected, _ = retriever.model.build_candidate_representation(batch, emb)
+  flat = lambda x: np.asarray(x).reshape((-1,) + x.shape[2:])
+  got = retriever.encode_corpus(flat(emb.candidate_post_embeddings),
+                                flat(emb.candidate_author_embeddings))
+  np.testing.assert_allclose(got, flat(expected), rtol=0, atol=1e-6)
+  np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, rtol=1e-5)
 
 
 def test_retrieval_runner_rejects_bad_inputs(corpus):
@@ -333,6 +349,15 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
       runner.retrieve(batch, emb, top_k=top_k)
   with pytest.raises(ValueError, match=r"corpus_mask has shape \(50,\)"):
     runner.retrieve(batch, emb, top_k=5, corpus_mask=np.ones(50, bool))
+  few = np.zeros(100, bool)
+  few[[4, 9]] = True
+  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps"):
+    runner.retrieve(batch, emb, top_k=3, corpus_mask=few)
+  with pytest.raises(ValueError, match=r"author_embeddings has shape \(4, 2, 32\), expected "
+                     r"\[N >= 1, 2, 32\] \(N = 3"):
+    runner.encode_corpus(np.zeros((3, 2, 32), np.float32), np.zeros((4, 2, 32), np.float32))
+  with pytest.raises(ValueError, match="post_embeddings has dtype int32"):
+    runner.encode_corpus(np.zeros((3, 2, 32), np.int32), np.zeros((3, 2, 32), np.float32))
   bad = np.asarray(batch.user_hashes).copy()
   bad[1, 0] = -2
   with pytest.raises(ValueError, match="user_hashes holds -2"):

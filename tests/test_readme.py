@@ -11,22 +11,25 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def usage_block() -> str:
-  """The first ```python block of the README's "## Usage" section."""
+def usage_blocks() -> list[str]:
+  """The ```python blocks of the README's "## Usage" section (before its subsections),
+  in order."""
   readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  section = re.search(r"^## Usage\n(.*?)(?=^## |\Z)", readme, re.M | re.S)
+  section = re.search(r"^## Usage\n(.*?)(?=^##+ |\Z)", readme, re.M | re.S)
   assert section, "README.md has no '## Usage' section"
-  block = re.search(r"```python\n(.*?)```", section.group(1), re.S)
-  assert block, "the Usage section has no ```python block"
-  return block.group(1)
+  blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+  assert len(blocks) == 2, "the Usage section should show ranking, then retrieval"
+  return blocks
 
 
 def test_readme_usage_runs_as_written():
-  stdout = io.StringIO()
-  with contextlib.redirect_stdout(stdout):
-    exec(compile(usage_block(), "README.md:Usage", "exec"), {"__name__": "readme_usage"})
-  lines = stdout.getvalue().strip().splitlines()
-  assert lines[-1] == "(2, 8)", stdout.getvalue()
+  """Ranking, then retrieval (which reuses the first block's names), as a reader runs them."""
+  namespace = {"__name__": "readme_usage"}
+  for i, (block, last) in enumerate(zip(usage_blocks(), ["(2, 8)", "(2, 10)"])):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+      exec(compile(block, f"README.md:Usage[{i}]", "exec"), namespace)
+    assert stdout.getvalue().strip().splitlines()[-1] == last, stdout.getvalue()
 
 
 def test_quickstart_runs():
