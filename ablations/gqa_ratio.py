@@ -4,7 +4,10 @@ serving memory.
 Hypothesis: with 8 query heads, sharing each key/value head among 2, 4 or 8 query heads
 shrinks the per-user KV cache (what a server keeps to score a user's candidates in
 chunks) and the attention parameters proportionally, while the ranking AUC barely moves,
-so the AUC per KV-cache byte improves as the KV heads shrink.
+so the AUC per KV-cache byte improves as the KV heads shrink. (Scoring throughput does
+not depend on the trained weights, so its seeds are repeated timings in one
+process: its CI and p measure timing noise within that process, not how much the
+speed-up changes from one process or host load to another.)
 
 Task knobs: `model.num_q_heads=8` fixed, the default ranking task otherwise.
 

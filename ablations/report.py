@@ -90,11 +90,17 @@ def headline_lines(results: Mapping) -> list[str]:
   """One sentence per headline comparison: pooled over conditions when the sweep has
   them, per variant otherwise."""
   better = results.get("better", {})
-  scope = " (pooled over all conditions)" if results.get("pooled_comparisons") else ""
-  lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope}, `{c['metric']}`: "
+
+  def scope(c: Mapping) -> tuple[str, str]:
+    if "conditions" not in c:
+      return "", f"{c['n']} pairs"
+    return (f" (pooled: per seed, the mean over {c['conditions']} conditions)",
+            f"{c['n']} seeds")
+
+  lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope(c)[0]}, `{c['metric']}`: "
            f"{verdict(c, better.get(c['metric']))} (Δ = {fmt(c['delta'])}, "
            f"95% CI {fmt_ci(c['ci95'])}, {p_phrase('p', c['p_value'])}, "
-           f"{p_phrase('Holm p', c.get('p_holm'))}, {c['n']} pairs)."
+           f"{p_phrase('Holm p', c.get('p_holm'))}, {scope(c)[1]})."
            for c in headline_comparisons(results)]
   return lines or ["- No comparison with the baseline could be computed."]
 
@@ -182,6 +188,8 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
     out += [results["hypothesis"], ""]
   if results.get("command"):
     out += ["Command:", "", f"    {results['command']}", ""]
+  if results.get("environment"):
+    out += [environment_line(results["environment"]), ""]
   conditions = "; ".join(f"{axis} = " + ", ".join(map(str, levels))
                          for axis, levels in (results.get("conditions") or {}).items())
   out += [f"Baseline (the released setting): **{results['baseline']}**. "
@@ -203,19 +211,35 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
     out += other_metrics_table(results, others) + [""]
   if plots:
     out += ["## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots] + [""]
-  out += ["## How to read this", "",
-          "Values are the mean ± the half-width of the t-based 95% confidence interval over "
-          "seeds. Each variant is compared with the baseline run of the same seed (and the "
-          "same condition): a paired t-test on the differences, or the exact McNemar test "
-          "for `diverged` (which needs at least 6 pairs that disagree, all in one "
-          "direction, to reach p < 0.05: read the divergence counts directly when there "
-          "are fewer). `Holm p` corrects for the number of comparisons of one metric; "
-          "a verdict says *significant* only when it is below 0.05, so a real but small "
-          "effect can read *no significant difference* with few seeds. A diverged run "
-          "(non-finite loss) counts in `diverged` and has no other final metric: it is "
-          "left out of the means and of the pairs it belongs to (the pair count says how "
-          "many remained).", ""]
+  out += ["## How to read this", "", HOW_TO_READ, ""]
   return "\n".join(out)
+
+
+HOW_TO_READ = (
+    "Values are the mean ± the half-width of the t-based 95% confidence interval over "
+    "seeds. Each variant is compared with the baseline run of the same seed (and the "
+    "same condition): a paired t-test on the differences, or the exact McNemar test "
+    "for `diverged` (which needs at least 6 pairs that disagree, all in one "
+    "direction, to reach p < 0.05: read the divergence counts directly when there "
+    "are fewer; no CI is given when every pair agrees). A pooled comparison first "
+    "averages each seed's values over the conditions, then pairs those means by seed, "
+    "because every condition trains with the same seeds: it has as many pairs as seeds. "
+    "`Holm p` corrects for the number of comparisons of one metric in one table (the "
+    "per-condition rows, or the pooled rows), not across metrics; "
+    "a verdict says *significant* only when it is below 0.05, so a real but small "
+    "effect can read *no significant difference* with few seeds. A CI of zero width "
+    "(± 0) means every seed gave the same difference, as a deterministic quantity "
+    "(a parameter count) does; its p is then 0 unless the difference is 0. A diverged "
+    "run (non-finite loss) counts in `diverged` and has no other final metric: it is "
+    "left out of the means and of the pairs it belongs to (the pair count says how "
+    "many remained).")
+
+
+def environment_line(env: Mapping) -> str:
+  """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ..." of a results.json."""
+  code = env.get("code") or "not a git checkout"
+  return (f"Code: {code}; Python {env.get('python')}, jax {env.get('jax')}, "
+          f"jaxlib {env.get('jaxlib')}, numpy {env.get('numpy')}.")
 
 
 def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
@@ -328,9 +352,11 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   out = [f"# Phoenix ablations ({preset} preset)", ""]
   if command:
     out += ["Command:", "", f"    {command}", ""]
-  out += ["Each row: a variant against the released setting (pooled over the sweep's "
-          "conditions where it has several), paired over seeds; significant means Holm-"
-          "adjusted p < 0.05.", "",
+  envs = {environment_line(r["environment"]) for _, r in entries if r.get("environment")}
+  out += sorted(envs) + ([""] if envs else [])
+  out += ["Each row: a variant against the released setting, paired over seeds (where the "
+          "sweep has several conditions, pooled: each seed's values averaged over them "
+          "first); significant means Holm-adjusted p < 0.05.", "",
           "| ablation | variant vs baseline | metric | Δ [95% CI] | p | Holm p | verdict |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
   for rel, results in entries:

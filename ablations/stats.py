@@ -163,13 +163,24 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   return out
 
 
+def rate_difference(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]
+                    ) -> dict:
+  """`paired_t` of event rates in [0, 1] (e.g. the share of a seed's runs that diverged),
+  without a CI when every pair differs by the same amount: equal observed rates (say,
+  no divergence on either side in three pairs) do not pin the true rates down."""
+  out = paired_t(baseline, variant)
+  if out["ci95"] is not None and out["ci95"][0] == out["ci95"][1]:
+    out["ci95"] = None
+  return out
+
+
 def mcnemar_exact(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]
                   ) -> dict:
   """Exact McNemar test for paired 0/1 outcomes (a two-sided sign test on the pairs that
   disagree). "delta" is the difference in rates; "ci95" the t-interval of the paired
-  differences (zero-width when they are all equal)."""
+  differences, None when they are all equal (`rate_difference`)."""
   b, v = _pairs(baseline, variant)
-  out = paired_t(b.tolist(), v.tolist())
+  out = rate_difference(b.tolist(), v.tolist())
   up = int(np.sum((v > 0.5) & (b < 0.5)))
   down = int(np.sum((v < 0.5) & (b > 0.5)))
   discordant = up + down

@@ -30,13 +30,20 @@ results.json:
                                               "per_seed": [float|null]}}}},
      "comparisons": [{"variant", "baseline", "metric", "delta", "ci95": [lo, hi],
                       "p_value", "p_holm", "n", "test"}],
-     "pooled_comparisons": [the same, with "variant" an arm: pairs over every condition
-                            level x seed; empty when the sweep has no conditions]}
+     "pooled_comparisons": [the same, with "variant" an arm and "conditions" the number
+                            of condition levels averaged; empty without conditions],
+     "environment": {"python", "jax", "jaxlib", "numpy", "code"}}
 
 Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
 variant minus the baseline variant of the same condition, paired by seed (paired t-test;
-exact McNemar test for the 0/1 metric `diverged`); `p_holm` is Holm-adjusted over the
-comparisons of one metric. Diverged runs are never dropped silently: each counts in
+exact McNemar test for the 0/1 metric `diverged`). A pooled comparison averages, per
+seed, the arm's and the baseline's values over the condition levels, then pairs those
+means by seed: every level trains with the same seeds, so the seed, not the seed x level
+pair, is the independent unit (t with seeds - 1 degrees of freedom; `diverged` becomes a
+per-seed rate, `stats.rate_difference`). A seed missing a value at some level (a diverged
+run) leaves the pooled comparison of that metric. `p_holm` is Holm-adjusted over the
+comparisons of one metric: the per-condition rows form one family, the pooled rows
+another. Diverged runs are never dropped silently: each counts in
 `diverged` and in the `diverged` metric, and has null for every other metric, so means
 and paired differences use the finished runs and `n` says how many. Null also marks what
 cannot be computed (a CI from one value).
@@ -49,9 +56,11 @@ import copy
 import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -60,6 +69,7 @@ from absl import app, flags, logging
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import ml_collections
 import numpy as np
 
@@ -480,10 +490,11 @@ class Sweep:
           members = [v for v in self.variants if v.arm == arm and v.cell in baselines]
           if arm == ab.baseline or not members:
             continue
-          base = [x for v in members for x in table[baselines[v.cell].name][metric]]
-          this = [x for v in members for x in table[v.name][metric]]
-          prow.append({"variant": arm, "baseline": ab.baseline, "metric": metric,
-                       **test(base, this)})
+          pooled_test = stats.rate_difference if metric == "diverged" else stats.paired_t
+          row = pooled_test(seed_means([table[baselines[v.cell].name][metric] for v in members]),
+                            seed_means([table[v.name][metric] for v in members]))
+          prow.append({"variant": arm, "baseline": ab.baseline, "metric": metric, **row,
+                       "test": f"{row['test']} of seed means", "conditions": len(members)})
         pooled += _with_holm(prow)
     axes = ab.conditions(self.preset) if ab.conditions else {}
     return {"ablation": ab.name, "preset": self.preset, "baseline": ab.baseline,
@@ -495,7 +506,34 @@ class Sweep:
             "arms": list(dict.fromkeys(v.arm for v in self.variants)),
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
             "variants": variants, "comparisons": comparisons,
-            "pooled_comparisons": pooled}
+            "pooled_comparisons": pooled, "environment": environment()}
+
+
+def seed_means(levels: Sequence[Sequence[Optional[float]]]) -> list[Optional[float]]:
+  """Per seed, the mean of its values over the condition levels (`levels[c][seed]`); None
+  for a seed missing a value at some level, so that its pair leaves the comparison."""
+  out = []
+  for values in zip(*levels):
+    present = [x for x in values if x is not None and math.isfinite(x)]
+    out.append(sum(present) / len(present) if len(present) == len(values) else None)
+  return out
+
+
+def environment() -> dict:
+  """What produced the numbers: Python, JAX and NumPy versions, and the code's git commit
+  (with "+changes" when its tracked files differ from it; None outside a git checkout)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True,
+                                     text=True, timeout=30)
+  try:
+    head = git("rev-parse", "--short=12", "HEAD")
+    code = head.stdout.strip() if head.returncode == 0 else None
+    if code and git("diff", "--quiet", "HEAD", "--").returncode != 0:
+      code += "+changes"
+  except (OSError, subprocess.SubprocessError):
+    code = None
+  return {"python": sys.version.split()[0], "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "numpy": np.__version__, "code": code}
 
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -59,8 +59,13 @@ def retrieval_demo(corpus_size: int = 1000, top_k: int = 5) -> None:
   config = PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=64, history_seq_len=16)
   runner = RetrievalRunner.from_config(config, key=jax.random.key(2))
   batch, embeddings = example_batch(config, batch_size=2, key=jax.random.key(3))
-  corpus, post_ids = example_corpus(corpus_size, config.emb_size, jax.random.key(4))
-  runner.set_corpus(corpus, post_ids)
+  # Corpus items are encoded by the candidate tower from their hash embeddings (here the
+  # example batch's random ones); example_corpus supplies distinct post ids.
+  _, items = example_batch(config, batch_size=1, key=jax.random.key(4),
+                           num_candidates=corpus_size)
+  _, post_ids = example_corpus(corpus_size, config.emb_size, jax.random.key(5))
+  runner.set_corpus(runner.encode_corpus(items.candidate_post_embeddings[0],
+                                         items.candidate_author_embeddings[0]), post_ids)
   result = runner.retrieve(batch, embeddings, top_k=top_k)
   print(f"\nRetrieval: top {top_k} of {corpus_size} corpus items per user (post id: score)")
   for b in range(2):

@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 import ablations
-from ablations import run_all, sweep
+from ablations import run_all, stats, sweep
 from phoenix_flax.training import run_dirs
 from phoenix_flax.training.schema import seed_config
 
@@ -134,12 +136,30 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert comps[("c_hi", "auc_mean")]["n"] == 3
   assert comps[("c_hi", "diverged")]["test"] == "exact McNemar"
   assert comps[("c_hi", "diverged")]["p_value"] == 1.0
+  # Pooled: per seed, the mean over the two conditions, then paired by seed (the seeds are
+  # shared across conditions); c loses seed 1, whose c_hi run diverged.
   pooled = {(r["variant"], r["metric"]): r for r in on_disk["pooled_comparisons"]}
-  assert pooled[("b", "auc_mean")]["n"] == 8
-  assert pooled[("c", "auc_mean")]["n"] == 7
+  values = lambda name: on_disk["variants"][name]["metrics"]["auc_mean"]["per_seed"]
+  for arm, seeds in (("b", [0, 1, 2, 3]), ("c", [0, 2, 3])):
+    row = pooled[(arm, "auc_mean")]
+    d = np.array([(values(f"{arm}_lo")[s] + values(f"{arm}_hi")[s]
+                   - values("a_lo")[s] - values("a_hi")[s]) / 2 for s in seeds])
+    t = d.mean() / (d.std(ddof=1) / math.sqrt(d.size))
+    assert row["n"] == len(seeds) and row["conditions"] == 2
+    assert row["delta"] == pytest.approx(d.mean())
+    assert row["p_value"] == pytest.approx(2 * stats.t_cdf(-abs(t), d.size - 1))
+    assert row["test"] == "paired t of seed means"
+  rate = pooled[("c", "diverged")]
+  assert rate["delta"] == pytest.approx(0.5 / 4) and rate["n"] == 4
+  assert pooled[("b", "diverged")]["ci95"] is None   # no divergence: no CI
+  env = on_disk["environment"]
+  assert env["jax"] == jax.__version__ and env["python"] == sys.version.split()[0]
 
   text = (tmp_path / "REPORT.md").read_text()
   assert "Toy hypothesis." in text and "python -m toy" in text
+  assert f"jax {jax.__version__}" in text
+  assert "(pooled: per seed, the mean over 2 conditions), `auc_mean`" in text
+  assert "4 seeds)." in text
   assert "significantly higher (better)" in text
   assert "| c_hi | 4 | 1 |" in text
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text

@@ -80,8 +80,19 @@ def test_mcnemar_exact():
   r = stats.mcnemar_exact([0] * 8, [1] * 6 + [0] * 2)
   assert r["p_value"] == pytest.approx(2 / 64) and r["delta"] == pytest.approx(0.75)
   assert r["test"] == "exact McNemar"
-  assert stats.mcnemar_exact([0, 0, 0], [0, 0, 0])["p_value"] == 1.0
+  none = stats.mcnemar_exact([0, 0, 0], [0, 0, 0])
+  assert none["p_value"] == 1.0 and none["delta"] == 0.0
+  assert none["ci95"] is None   # three pairs without divergence do not pin the rates at 0
   assert stats.mcnemar_exact([1, 0, 1], [0, 1, 1])["p_value"] == 1.0
+
+
+def test_rate_difference_and_zero_spread():
+  rates = stats.rate_difference([0.0, 0.0, 0.0], [0.5, 0.0, 0.0])
+  assert rates["delta"] == pytest.approx(1 / 6) and rates["ci95"][0] < 0 < rates["ci95"][1]
+  assert stats.rate_difference([0.0, 0.0], [0.0, 0.0])["ci95"] is None
+  # A deterministic quantity (every seed differs by the same amount) keeps its exact CI.
+  fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])
+  assert fixed["ci95"] == [-40.0, -40.0] and fixed["p_value"] == 0.0
 
 
 def test_holm():
