@@ -128,6 +128,17 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
     checkpoint.load(str(tmp_path), 10, tree)
 
 
+def test_a_restart_at_an_earlier_step_replaces_the_later_checkpoints(tmp_path):
+  """After a restart from step 10 (the newest step every seed had), the old step 30 file
+  must not make the new step 20 the one pruned."""
+  tree = {"a": np.arange(3, dtype=np.float32)}
+  for step in (10, 20, 30):
+    checkpoint.save(str(tmp_path), step, tree, keep=3)
+  checkpoint.save(str(tmp_path), 20, {"a": tree["a"] + 1}, keep=2)
+  assert checkpoint.available_steps(str(tmp_path)) == [10, 20]
+  np.testing.assert_array_equal(checkpoint.load(str(tmp_path), 20, tree)["a"], tree["a"] + 1)
+
+
 def test_atomic_file_replaces_only_on_success_and_syncs_the_folder(tmp_path, monkeypatch):
   path = tmp_path / "out.json"
   writers.write_json(str(path), {"x": 1})

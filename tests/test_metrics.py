@@ -41,17 +41,39 @@ def test_roc_auc_matches_pairwise_reference_with_ties_and_mask(seed, levels):
   np.testing.assert_allclose(float(auc), ref, atol=1e-6)
 
 
-def test_roc_auc_invalid_and_nan_safe():
+def test_roc_auc_invalid_and_nan():
   scores = np.array([0.1, 0.4, np.nan, 0.9], np.float32)
-  labels = np.array([1, 1, 0, 1], np.float32)
-  auc, valid = auc_jit(scores, labels, np.ones(4, bool))  # the only negative is NaN
-  assert (float(auc), bool(valid)) == (0.5, False)
+  auc, valid = auc_jit(scores, np.array([1, 1, 1, 1], np.float32), np.ones(4, bool))
+  assert (float(auc), bool(valid)) == (0.5, False)   # no negative: not valid
+  # A NaN score of a valid entry leaves the order undefined; validity is the labels'.
   auc, valid = auc_jit(scores, np.array([1, 0, 0, 1], np.float32), np.ones(4, bool))
+  assert bool(valid) and np.isnan(float(auc))
+  masked = np.array([True, True, False, True])      # a padded NaN does not count
+  auc, valid = auc_jit(scores, np.array([1, 0, 0, 1], np.float32), masked)
   assert bool(valid) and float(auc) == pytest.approx(pairwise_auc([0.1, 0.4, 0.9], [1, 0, 1],
                                                                    np.ones(3))[0])
   auc, valid = auc_jit(np.array([1.0, -np.inf, np.inf], np.float32), np.array([1, 0, 0]),
                        np.ones(3, bool))
   assert bool(valid) and float(auc) == pytest.approx(0.5)
+
+
+def test_ranking_metrics_of_a_non_finite_model():
+  """A diverged model's metrics are NaN, never numbers over the finite rest; the Bayes
+  figures are the world's whatever the model."""
+  rng = np.random.default_rng(7)
+  B, C, A = 8, 6, 3
+  logits = rng.normal(size=(B, C, A)).astype(np.float32)
+  labels = (rng.random((B, C, A)) < 0.4).astype(np.float32)
+  probs = rng.random((B, C, A)).astype(np.float32)
+  mask = np.ones((B, C), bool)
+  fine = metrics.ranking_metrics(logits, labels, probs, mask, k=3)
+  for broken in (np.full_like(logits, np.nan), np.where(np.arange(B)[:, None, None] < 4,
+                                                         np.nan, logits)):
+    got = metrics.ranking_metrics(broken, labels, probs, mask, k=3)
+    for key in ("auc_mean", "auc_gap", "logloss", "calibration_error", "ndcg@3", "recall@3"):
+      assert np.isnan(float(got[key])), key
+    for key in ("bayes_auc_mean", "bayes_logloss", "bayes_recall@3", "num_valid_actions"):
+      assert float(got[key]) == pytest.approx(float(fine[key])), key
 
 
 def test_per_action_auc_matches_reference():

@@ -47,6 +47,12 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.mesh.distributed=True", "--config.world.history_len=0"], "history_len"),
       (["--config.mesh.distributed=True", "--config.mesh.num_processes=2",
         "--config.mesh.process_id=2"], "mesh.process_id"),
+      # settings that would otherwise be ignored, and a setting that could lose progress
+      (["--config.mesh.shard_hash_tables=True"], "mesh.shard_hash_tables=True is invalid"),
+      (["--config.mesh.num_processes=2"], "only with mesh.distributed=True"),
+      (["--config.num_seeds=2", "--config.output.keep_checkpoints=1"],
+       "output.keep_checkpoints=1 is invalid"),
+      (["--config.mesh.distributed=True"], "Set config.mesh.coordinator_address"),
   ]
   procs = [subprocess.Popen(_command("--config=experiments/configs/ranking.py:smoke",
                                      f"--workdir={workdir}", *extra),

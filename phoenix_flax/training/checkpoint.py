@@ -39,15 +39,23 @@ def _path(run_dir: str, step: int) -> str:
 
 
 def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
-  """Writes `tree` as the checkpoint of `step`; deletes all but the newest `keep`."""
+  """Writes `tree` as the checkpoint of `step`; keeps it and the `keep - 1` before it.
+
+  Checkpoints of later steps are deleted: they are left from before a restart at an
+  earlier step (a run resumes from the newest step all its seeds share), which retrains
+  them.
+  """
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1")
   os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
   path = _path(run_dir, step)
   with writers.atomic_file(path, "wb") as f:
     eqx.tree_serialise_leaves(f, tree)
-  for old in available_steps(run_dir)[:-keep]:
-    os.remove(_path(run_dir, old))
+  steps = available_steps(run_dir)
+  kept = [s for s in steps if s <= step][-keep:]
+  for old in steps:
+    if old not in kept:
+      os.remove(_path(run_dir, old))
   writers.remove_temporaries(checkpoint_dir(run_dir))   # partial files of killed writers
   return path
 

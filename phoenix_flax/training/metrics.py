@@ -18,11 +18,13 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
 
   Returns `(auc, valid)`; `valid` is False and `auc` 0.5 unless there is at least one
-  positive (label > 0.5) and one negative. O(N log N): each positive counts the
-  negatives below and tied with it by binary search in the sorted negative scores.
+  positive (label > 0.5) and one negative (it depends on the labels only). A NaN score
+  among the masked entries (a model gone non-finite) leaves the order undefined: `auc`
+  is then NaN. O(N log N): each positive counts the negatives below and tied with it by
+  binary search in the sorted negative scores.
   """
   scores_N = jnp.asarray(scores_N, jnp.float32)
-  mask_N = jnp.asarray(mask_N, bool) & ~jnp.isnan(scores_N)
+  mask_N = jnp.asarray(mask_N, bool)
   pos_N = mask_N & (labels_N > 0.5)
   neg_N = mask_N & ~(labels_N > 0.5)
   n_pos, n_neg = jnp.sum(pos_N), jnp.sum(neg_N)
@@ -32,7 +34,8 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   wins_N = (below_N + 0.5 * (at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
   valid = (n_pos > 0) & (n_neg > 0)
   auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
-  return jnp.where(valid, auc, 0.5), valid
+  undefined = valid & jnp.any(mask_N & jnp.isnan(scores_N))
+  return jnp.where(undefined, jnp.nan, jnp.where(valid, auc, 0.5)), valid
 
 
 def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
@@ -125,7 +128,10 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
   candidates (favorite label 1), `num_valid_actions`, and `auc/<action>` and
-  `bayes_auc/<action>` per action (0.5 where the action is not valid).
+  `bayes_auc/<action>` per action (0.5 where the action is not valid). Which actions
+  are valid depends on the labels only, so the Bayes figures never depend on the model.
+  A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
+  (null in JSON), never a number computed over the rest.
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else
@@ -140,15 +146,18 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   clipped_BCA = jnp.clip(probs_BCA, 1e-7, 1.0 - 1e-7)
   bayes_logits_BCA = jnp.log(clipped_BCA) - jnp.log1p(-clipped_BCA)
   favorite_BC = labels_BCA[..., 0] > 0.5
+  undefined = jnp.any(jnp.isnan(logits_BCA) & mask_BC[..., None])
+  model = lambda x: jnp.where(undefined, jnp.nan, x)
   out = {
       "auc_mean": auc_mean,
       "bayes_auc_mean": bayes_mean,
       "auc_gap": bayes_mean - auc_mean,
-      "logloss": log_loss(logits_BCA, labels_BCA, mask_BC),
+      "logloss": model(log_loss(logits_BCA, labels_BCA, mask_BC)),
       "bayes_logloss": log_loss(bayes_logits_BCA, labels_BCA, mask_BC),
-      "calibration_error": calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA, mask_BC),
-      f"ndcg@{k}": ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k),
-      f"recall@{k}": recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k),
+      "calibration_error": model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
+                                                   mask_BC)),
+      f"ndcg@{k}": model(ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k)),
+      f"recall@{k}": model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k)),
       f"bayes_recall@{k}": recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k),
       "num_valid_actions": jnp.sum(valid_A).astype(jnp.float32),
   }

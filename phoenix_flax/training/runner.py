@@ -8,10 +8,13 @@ finished, `result.json`:
 
   {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...},
    "diverged": bool, "diverged_at_step": int | null, "steps": int, "seed": int,
-   "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int}
+   "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int,
+   "fprop_dtype": str, "num_devices": int}
 
 `final` holds the primary eval split's metrics under their own names and the extra
-splits' as "<split>/<metric>" (NaN/inf are written as null). `wall_seconds` is the run's
+splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is the forward
+dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
+and `num_devices` the size of the last call's mesh. `wall_seconds` is the run's
 whole time (over resumes); `examples_per_second` counts the training examples of every
 vmapped seed per second of training chunks, the compiling first chunk excluded.
 
@@ -255,6 +258,8 @@ class _Group:
           "wall_seconds": self.wall(i),
           "examples_per_second": throughput,
           "num_seeds_vmapped": len(self.seeds),
+          "fprop_dtype": self.trainer.spec.model.fprop_dtype,
+          "num_devices": self.trainer.placement.num_devices,
       })
       if self.main:
         write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])

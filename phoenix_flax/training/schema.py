@@ -41,12 +41,14 @@ command line as `--config.<section>.<field>=value`):
                       recall@K against the corpus of every post).
   mesh.*              `num_devices` (1 = no mesh, -1 = all; batch sharded over a "data"
                       axis, parameters replicated), `shard_hash_tables` (rows of the hash
-                      tables sharded over "data"), `distributed` (call
-                      `jax.distributed.initialize`, with `coordinator_address`,
-                      `num_processes`, `process_id` when given; auto-detected otherwise).
+                      tables sharded over "data"; needs num_devices other than 1),
+                      `distributed` (call `jax.distributed.initialize`, with
+                      `coordinator_address`, `num_processes`, `process_id` when given,
+                      auto-detected otherwise; those three are an error without it).
   output.*            `seed_subdirs`: None = `<workdir>/seed_<k>/` only when num_seeds > 1,
                       True = always, False = never (one seed only); `keep_checkpoints`:
-                      newest checkpoints kept per run (the last is the final model).
+                      newest checkpoints kept per run (the last is the final model; at
+                      least 2 with several seeds).
 """
 
 from __future__ import annotations
@@ -309,6 +311,11 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
                                   and (m.num_processes is None
                                        or m.process_id < m.num_processes)),
          "mesh.process_id", m.process_id, "must be an integer in [0, num_processes), or None")
+  _check(not m.shard_hash_tables or m.num_devices != 1, "mesh.shard_hash_tables",
+         m.shard_hash_tables, "needs a mesh: set mesh.num_devices to -1 (all) or N > 1")
+  for f in ("coordinator_address", "num_processes", "process_id"):
+    _check(m.distributed or m[f] is None, f"mesh.{f}", m[f],
+           "is read only with mesh.distributed=True: set it on every host, or unset this")
   out = c.output
   _check(out.seed_subdirs in (None, True, False), "output.seed_subdirs", out.seed_subdirs,
          "must be None (auto), True or False")
@@ -316,6 +323,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          out.seed_subdirs, "False needs num_seeds=1 (several seeds need one directory each)")
   _check(_is_int(out.keep_checkpoints) and out.keep_checkpoints >= 1,
          "output.keep_checkpoints", out.keep_checkpoints, "must be an integer >= 1")
+  _check(out.keep_checkpoints >= 2 or c.num_seeds == 1, "output.keep_checkpoints",
+         out.keep_checkpoints, "must be >= 2 with several seeds: their checkpoints are "
+         "written one after another, and a kill between two writes must leave a step that "
+         "every seed has")
   return ExperimentSpec(config=c, world=world, train_split=train_split,
                         eval_splits=eval_splits, model=model, action_weights=weights)
 

@@ -27,12 +27,23 @@ _distributed_initialized = False
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None) -> None:
-  """`jax.distributed.initialize` once per process (arguments auto-detected when None)."""
+  """`jax.distributed.initialize` once per process (arguments auto-detected when None).
+
+  It waits (JAX's timeout: minutes) until all `num_processes` processes have joined, so
+  start the same command on every host. A failure to start (no coordinator given and
+  none detected) is a `ConfigError` naming the `config.mesh` fields.
+  """
   global _distributed_initialized
   if _distributed_initialized:
     return
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  try:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+  except (ValueError, RuntimeError) as e:
+    raise ConfigError(
+        f"config.mesh.distributed=True: jax.distributed.initialize failed ({e}). Set "
+        "config.mesh.coordinator_address, num_processes and process_id, or run where JAX "
+        "detects the cluster (e.g. SLURM, Cloud TPU)") from e
   _distributed_initialized = True
 
 
