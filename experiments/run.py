@@ -15,6 +15,7 @@ before any work starts.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 from absl import app, flags
@@ -47,6 +48,9 @@ EXIT_BAD_INPUT = 2
 
 
 def _duration(seconds: float) -> str:
+  """h:mm:ss, or "?" while unknown (NaN: before the first chunk that did not compile)."""
+  if math.isnan(seconds):
+    return "?"
   seconds = int(max(seconds, 0))
   return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 

@@ -25,6 +25,7 @@ that every seed of the call has, and ends with the same numbers as an uninterrup
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -54,7 +55,7 @@ class Progress(NamedTuple):
   step: int
   num_steps: int
   steps_per_second: float       # over the latest chunk
-  eta_seconds: float
+  eta_seconds: float           # NaN until a chunk that did not compile was timed
   loss: tuple[float, ...]       # mean training loss of the chunk, per seed
   num_diverged: int
   evaluated: dict               # "<split>/<metric>" -> per-seed values, on eval steps
@@ -300,8 +301,14 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
       g.save()
     if progress is not None and g.main:
       rate = t.steps_per_call / dt
-      mean_rate = timed_chunks * t.steps_per_call / train_seconds if timed_chunks else rate
-      progress(Progress(g.step, t.num_steps, rate, (t.num_steps - g.step) / mean_rate,
+      remaining = t.num_steps - g.step
+      if not remaining:
+        eta = 0.0
+      elif timed_chunks:
+        eta = remaining * train_seconds / (timed_chunks * t.steps_per_call)
+      else:   # only the compiling first chunk so far: its rate says nothing
+        eta = math.nan
+      progress(Progress(g.step, t.num_steps, rate, eta,
                         tuple(r["train/loss"] for r in train_rows.values()),
                         int(diverged.sum()), new_eval))
     if diverged.all():
