@@ -14,6 +14,7 @@ import pytest
 
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
+from phoenix_flax.training import runner
 from phoenix_flax.training.runner import load_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def _curve(run_dir):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypatch):
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   cli = subprocess.run(
       [sys.executable, "-m", "experiments.run",
@@ -110,10 +111,19 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env):
   # field's default: it is still skipped as finished, and it loads.
   config_path = os.path.join(killed, "config.json")
   stored = json.load(open(config_path))
+  assert stored["model"]["fprop_dtype"] == "float32"   # what the config's None resolved to
   del stored["model"]["attention_impl"]
+  stored["model"]["fprop_dtype"] = None                # as written before dtypes were
   json.dump(stored, open(config_path, "w"))
   assert run_experiment(ranking_configs.get_config("smoke"), killed)[0]["final"] == want["final"]
   assert load_run(killed).trainer.spec.model.attention_impl == "isolated"
+
+  # A platform where None means another dtype must not resume or skip the run as its own.
+  stored["model"]["fprop_dtype"] = "float32"
+  json.dump(stored, open(config_path, "w"))
+  monkeypatch.setattr(runner, "default_fprop_dtype", lambda: "bfloat16")
+  with pytest.raises(ConfigError, match="model.fprop_dtype"):
+    run_experiment(ranking_configs.get_config("smoke"), killed)
 
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):

@@ -2,7 +2,8 @@
 
 Layout: one seed writes into `workdir` itself; several seeds write into
 `workdir/seed_<k>/` (`config.output.seed_subdirs=True` gives that layout to one seed too).
-Each run directory holds `config.json` (the seed's own config), `events.out.tfevents.*`,
+Each run directory holds `config.json` (the seed's own config, with the forward dtype
+that `model.fprop_dtype=None` resolved to), `events.out.tfevents.*`,
 `metrics.jsonl`, `checkpoint/` (the newest is the final model once finished) and, once
 finished, `result.json`:
 
@@ -38,8 +39,8 @@ import numpy as np
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
-                                          check_config, flatten, parse_config, seed_config,
-                                          with_defaults)
+                                          check_config, default_fprop_dtype, flatten,
+                                          parse_config, seed_config, with_defaults)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
@@ -47,6 +48,7 @@ from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
+FPROP_KEY = "model.fprop_dtype"
 
 
 class Progress(NamedTuple):
@@ -75,6 +77,11 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
     return
   found = flatten(jsonable(with_defaults(read_json(path)).to_dict()), skip=RUNTIME_SECTIONS)
   wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
+  # config.json holds the forward dtype a None resolved to on the platform that started
+  # the run (None in runs written before it did), so that resuming on another platform
+  # is refused instead of training on in another dtype.
+  wanted[FPROP_KEY] = wanted.get(FPROP_KEY) or default_fprop_dtype()
+  found[FPROP_KEY] = found.get(FPROP_KEY) or wanted[FPROP_KEY]
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
     raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}); "
@@ -205,6 +212,7 @@ class _Group:
       for k in seeds:
         os.makedirs(dirs[k], exist_ok=True)
         cfg_k = seed_config(self.config, k)
+        cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
         write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
         self.writers[k] = RunWriter(dirs[k], flatten(cfg_k, skip=RUNTIME_SECTIONS),
                                     self.step or None)
