@@ -1,7 +1,9 @@
 """Retrieval task: the two-tower PhoenixRetrievalModel behind hash-embedding tables,
 trained with an in-batch sampled softmax (a user's positive is its first favorited
 candidate; the other users' positives are its negatives) and evaluated by recall@K
-against the corpus of every post, beside the Bayes-optimal recall of the generator.
+against the corpus of every post, beside `bayes_recall@K`: the recall of an oracle that
+ranks the corpus by the generator's true favorite probability (a reference, not a
+ceiling; see `training.loop.bayes_corpus_top_k`).
 
     python -m experiments.run --config=experiments/configs/retrieval.py --workdir=/tmp/ret
 

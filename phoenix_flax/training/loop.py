@@ -125,7 +125,14 @@ def forward_with_new_companions(system: RankingSystem, batch: RecsysBatch, mask_
 def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: int, k: int,
                        budget: int = 1 << 24) -> Array:
   """Post ids `[B, k]` with the highest true logit of `action` over the whole corpus
-  (surface 0, age 0), scored in user chunks of at most ~`budget` elements."""
+  (surface 0, age 0), scored in user chunks of at most ~`budget` elements.
+
+  Its recall (`bayes_recall@K`) is an oracle reference, not a ceiling: it knows the
+  link but not how candidate lists are drawn, and recall counts positives among the
+  drawn candidates. A model trained with the in-batch loss also learns which posts tend
+  to be drawn for a user and can score above it (README, "Training on the synthetic
+  world").
+  """
   B, L = interest_BL.shape
   N, A = world.cfg.num_posts, world.cfg.num_actions
   chunk = max(1, min(B, budget // (N * (L + A))))
