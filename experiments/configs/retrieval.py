@@ -26,8 +26,10 @@ def get_config(preset: str = "cpu") -> ml_collections.ConfigDict:
     raise ValueError(f"unknown preset {preset!r} for retrieval.py; use one of {PRESETS}")
   c = base_config("retrieval")
   ranking.apply_preset_sizes(c, preset)     # the same world, model and optimizer
+  # cpu: 2048 evaluation lists; over 512, the oracle's recall@100 varied with an SD of
+  # 0.017 between evaluation sets (30 sets), as much as the model-to-oracle gap.
   c.train.update(dict(num_steps=2000, batch_size=64, steps_per_call=100, eval_every=500,
-                      checkpoint_every=500, eval_batch_size=128, eval_batches=4))
+                      checkpoint_every=500, eval_batch_size=128, eval_batches=16))
   c.retrieval.recall_k = (10, 100)
   if preset == "smoke":
     c.train.update(dict(num_steps=20, batch_size=8, steps_per_call=10, eval_every=10,
