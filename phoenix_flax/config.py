@@ -11,6 +11,7 @@ checkpoint, which cannot train; "zeros" reproduces them) and `fprop_dtype` to fl
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ NORM_LAYOUTS = ("sandwich", "pre", "post")
 PARAM_INITS = ("variance_scaling", "zeros", "rezero")
 FPROP_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("isolated", "dense")
+POST_AGE_MAX_MINUTES = 4800   # ages beyond it share the last post-age bucket
 
 
 def _fail(cls: str, field: str, value: Any, fix: str) -> None:
@@ -29,6 +31,15 @@ def _fail(cls: str, field: str, value: Any, fix: str) -> None:
 def _positive_int(cls: str, field: str, value: Any) -> None:
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     _fail(cls, field, value, "must be an integer >= 1")
+
+
+def _positive_float(cls: str, field: str, value: Any) -> None:
+  # A bool would count as 1.0 and a string fail in a comparison; inf or NaN gives NaN
+  # scores (inf * tanh(0)).
+  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+      value, (bool, np.bool_))
+  if not ok or not math.isfinite(value) or value <= 0:
+    _fail(cls, field, value, "must be a finite number > 0")
 
 
 def _bool(cls: str, field: str, value: Any) -> None:
@@ -93,12 +104,12 @@ class TransformerConfig:
     if self.num_q_heads % self.num_kv_heads:
       _fail(c, "num_kv_heads", self.num_kv_heads,
             f"must divide num_q_heads={self.num_q_heads} (grouped-query attention)")
-    if not self.widening_factor > 0 or ffn_size(self.emb_size, self.widening_factor) < 1:
+    _positive_float(c, "widening_factor", self.widening_factor)
+    if ffn_size(self.emb_size, self.widening_factor) < 1:
       _fail(c, "widening_factor", self.widening_factor, "must give a positive ffn_size")
-    if not self.attn_output_multiplier > 0:
-      _fail(c, "attn_output_multiplier", self.attn_output_multiplier, "must be > 0")
-    if self.attn_logit_cap is not None and not self.attn_logit_cap > 0:
-      _fail(c, "attn_logit_cap", self.attn_logit_cap, "use a float > 0, or None for no cap")
+    _positive_float(c, "attn_output_multiplier", self.attn_output_multiplier)
+    if self.attn_logit_cap is not None:
+      _positive_float(c, "attn_logit_cap", self.attn_logit_cap)
     if self.norm_layout not in NORM_LAYOUTS:
       _fail(c, "norm_layout", self.norm_layout, f"use one of {NORM_LAYOUTS}")
     if self.param_init not in PARAM_INITS:
@@ -139,8 +150,7 @@ class NormConfig:
   use_log: bool = False
 
   def __post_init__(self):
-    if not self.norm_scale > 0:
-      _fail("NormConfig", "norm_scale", self.norm_scale, "must be > 0")
+    _positive_float("NormConfig", "norm_scale", self.norm_scale)
     _bool("NormConfig", "use_log", self.use_log)
 
 
@@ -205,6 +215,9 @@ class PhoenixModelConfig:
       _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
     if self.post_age_granularity_mins is not None:
       _positive_int(c, "post_age_granularity_mins", self.post_age_granularity_mins)
+      if self.post_age_granularity_mins > POST_AGE_MAX_MINUTES:
+        _fail(c, "post_age_granularity_mins", self.post_age_granularity_mins,
+              f"must be at most {POST_AGE_MAX_MINUTES} (the oldest bucketed age, in minutes)")
     if self.dwell_time_norm is not None and not isinstance(self.dwell_time_norm, NormConfig):
       _fail(c, "dwell_time_norm", self.dwell_time_norm, "pass a NormConfig or None")
     _positive_int(c, "dwell_hidden_size", self.dwell_hidden_size)
@@ -218,7 +231,7 @@ class PhoenixModelConfig:
 
   @property
   def num_post_age_buckets(self) -> int:
-    return 4800 // self.post_age_granularity_mins + 2
+    return POST_AGE_MAX_MINUTES // self.post_age_granularity_mins + 2
 
   def make(self, *, key):
     from phoenix_flax.ranking import PhoenixModel

@@ -6,9 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from phoenix_flax.config import NormConfig
-
-POST_AGE_MAX_MINUTES = 4800
+from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig
 
 
 def action_embedding(actions_BSA: Array, action_projection_AD: Array) -> Array:

@@ -66,6 +66,8 @@ def weighted_score(probs: ArrayLike, weights: Union[Mapping[str, float], ArrayLi
   """`sum_a w_a * p_a` over the last axis; `weights` is `{action name: weight}` (absent
   actions weigh 0; negative actions usually get negative weights) or an `[A]` vector."""
   probs = jnp.asarray(probs)
+  if not jnp.issubdtype(probs.dtype, jnp.floating):
+    probs = probs.astype(jnp.float32)   # weights would otherwise be cast to integers
   A = probs.shape[-1]
   if isinstance(weights, Mapping):
     w = np.zeros(A, np.float32)
@@ -78,6 +80,8 @@ def weighted_score(probs: ArrayLike, weights: Union[Mapping[str, float], ArrayLi
     w = np.asarray(weights, np.float32)
     if w.shape != (A,):
       raise ValueError(f"weights has shape {w.shape}, expected ({A},) to match probs")
+  if not np.isfinite(w).all():
+    raise ValueError(f"weights hold a non-finite value: {w[~np.isfinite(w)][0]}")
   return probs @ jnp.asarray(w, probs.dtype)
 
 
@@ -97,10 +101,21 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
     raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected floats")
 
 
-def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str) -> None:
+INT32_MAX = np.iinfo(np.int32).max
+
+
+def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str,
+                  prefix: str = "batch") -> None:
   if bad.any():
-    raise ValueError(f"batch.{name} holds {a[bad][0].item()!r} at index "
+    raise ValueError(f"{prefix}.{name} holds {a[bad][0].item()!r} at index "
                      f"{tuple(int(i) for i in np.argwhere(bad)[0])}; {rule}")
+
+
+def _check_finite(prefix: str, name: str, x) -> None:
+  """Floats must be finite: one NaN embedding makes every score it reaches NaN (and a
+  NaN corpus row tops every retrieval)."""
+  a = np.asarray(x, np.float32)
+  _check_values(name, a, ~np.isfinite(a), "values must be finite", prefix)
 
 
 def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
@@ -146,13 +161,26 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   arrays = {name: np.asarray(getattr(batch, name)) for name, *_ in specs}
 
   for name, a in arrays.items():
+    if jnp.issubdtype(a.dtype, jnp.integer):   # the model computes in int32
+      _check_values(name, a, (a > INT32_MAX) | (a < -INT32_MAX), "values must fit int32"
+                    + (" (timestamps are in seconds)" if "timestamps" in name else ""))
     if name.endswith("_hashes"):
       _check_values(name, a, a < 0, "hashes must be >= 0 (0 = padding)")
+    elif name.endswith("_timestamps"):
+      _check_values(name, a, a < 0, "timestamps must be >= 0 seconds (0 = missing)")
     elif name.endswith("_product_surface"):
       _check_values(name, a, (a < 0) | (a >= V), f"surface ids must lie in [0, {V})")
   actions = arrays["history_actions"]
   _check_values("history_actions", actions, (actions != 0) & (actions != 1),
                 "actions must be 0 or 1")
+  if getattr(config, "right_anchored_rope", False):
+    first_hash = arrays["history_post_hashes"][..., 0]
+    after_pad = np.logical_or.accumulate(first_hash == 0, axis=1)
+    _check_values("history_post_hashes", first_hash,
+                  (first_hash != 0) & np.pad(after_pad[:, :-1], ((0, 0), (1, 0))),
+                  "with right_anchored_rope=True the history must be left-aligned (valid "
+                  "items first, oldest first, hash-0 padding after); this item follows "
+                  "padding")
   if "history_dwell_times" in arrays:
     dwell = arrays["history_dwell_times"].astype(np.float64)
     _check_values("history_dwell_times", dwell, ~np.isfinite(dwell), "dwell times must be finite")
@@ -168,6 +196,7 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
                    "B, C, num_author_hashes, emb_size")]
   for name, shape, dims in emb_specs:
     _field("embeddings", name, getattr(embeddings, name), shape, dims, "float")
+    _check_finite("embeddings", name, getattr(embeddings, name))
   return B, C
 
 
@@ -383,6 +412,7 @@ class RetrievalRunner:
                          f"(N = {N} corpus items from post_embeddings)")
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} has dtype {x.dtype}, expected floats")
+      _check_finite("corpus", name, x)
     return self._tower(self.model.candidate_tower, jnp.asarray(post), jnp.asarray(author))
 
   def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
@@ -393,12 +423,15 @@ class RetrievalRunner:
       raise ValueError(f"corpus embeddings has shape {emb.shape}, expected [N >= 1, {D}]")
     if not jnp.issubdtype(emb.dtype, jnp.floating):
       raise ValueError(f"corpus embeddings has dtype {emb.dtype}, expected floats")
+    _check_finite("corpus", "embeddings", emb)
     ids = np.asarray(post_ids)
     if ids.shape != (emb.shape[0],):
       raise ValueError(f"corpus post_ids has shape {ids.shape}, expected ({emb.shape[0]},) "
                        "to match the corpus embeddings")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise ValueError(f"corpus post_ids has dtype {ids.dtype}, expected integers")
+    _check_values("post_ids", ids, np.abs(ids) > INT32_MAX, "post ids must fit int32",
+                  "corpus")
     self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
     self.corpus_post_ids = jnp.asarray(ids)
 

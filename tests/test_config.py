@@ -72,6 +72,14 @@ BAD_CONFIGS = [
     ("right_anchored_rope", lambda: ranking_config(right_anchored_rope=1)),
     ("num_continuous_actions", lambda: ranking_config(num_continuous_actions=True)),
     ("enable_linear_proj", lambda: retrieval_config(enable_linear_proj="no")),
+    # values that would pass a `> 0` test and break the model, or fail in a comparison
+    ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=float("inf"))),
+    ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=True)),
+    ("attn_output_multiplier", lambda: transformer_config(attn_output_multiplier=float("nan"))),
+    ("widening_factor", lambda: transformer_config(widening_factor="2")),
+    ("widening_factor", lambda: transformer_config(widening_factor=float("inf"))),
+    ("norm_scale", lambda: pf.NormConfig(norm_scale=float("inf"))),
+    ("post_age_granularity_mins", lambda: ranking_config(post_age_granularity_mins=4801)),
 ]
 
 

@@ -71,6 +71,11 @@ def test_weighted_score_by_name_and_by_vector():
     weighted_score(probs, {"likes": 1.0})
   with pytest.raises(ValueError, match=r"weights has shape \(3,\)"):
     weighted_score(probs, [1.0, 2.0, 3.0])
+  with pytest.raises(ValueError, match="non-finite value: nan"):
+    weighted_score(probs, {"favorite_score": float("nan")})
+  # Integer probabilities must not turn the weights into integers.
+  np.testing.assert_allclose(weighted_score(np.ones((2, 19), np.int32), {"favorite_score": 0.7}),
+                             [0.7, 0.7], rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------- example data
@@ -154,6 +159,19 @@ def test_chunked_scoring_equals_scoring_at_once(ranker):
   assert ranker.trace_counts["encode_context"] == 1
 
 
+def test_right_anchored_positions_need_left_aligned_history(anchored_ranker, ranker):
+  """Right-aligned history would put the newest item after the candidates' position."""
+  batch, emb = _batch(batch_size=2, history_lengths=[3, 8])
+  hashes = np.asarray(batch.history_post_hashes).copy()
+  hashes[0] = np.roll(hashes[0], 5, axis=0)      # padding first, then the 3 items
+  shifted = batch._replace(history_post_hashes=hashes)
+  with pytest.raises(ValueError, match=r"history_post_hashes holds .* at index \(0, 5\); "
+                                       "with right_anchored_rope=True the history must be "
+                                       "left-aligned"):
+    anchored_ranker.rank(shifted, emb)
+  ranker.rank(shifted, emb)    # sequential positions take any layout, as the release does
+
+
 def test_right_anchored_scores_ignore_chunking_and_order(anchored_ranker):
   batch, emb = _batch(batch_size=2, num_candidates=NUM_MANY, history_lengths=[3, 8])
   at_once = np.asarray(anchored_ranker.rank(batch, emb).scores)
@@ -224,6 +242,14 @@ BAD_INPUTS = {
                            "history_post_embeddings has dtype int32"),
     "list instead of array": (_replace_batch("user_hashes", lambda x: np.asarray(x).tolist()),
                               "user_hashes is a list; pass a numpy or jax array"),
+    # int64 values past int32 would be cut to int32 on the device (2**32 -> padding)
+    "hash past int32": (_replace_batch("candidate_post_hashes",
+                                       lambda x: _set((0, 1, 0), 2 ** 32)(x.astype(np.int64))),
+                        "candidate_post_hashes holds 4294967296.*fit int32"),
+    "NaN embedding": (_replace_emb("candidate_post_embeddings", _set((1, 2, 0, 3), np.nan)),
+                      r"candidate_post_embeddings holds nan at index \(1, 2, 0, 3\)"),
+    "inf embedding": (_replace_emb("user_embeddings", _set((0, 0, 0), np.inf)),
+                      "user_embeddings holds inf"),
 }
 
 
@@ -343,6 +369,13 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
     runner.set_corpus(corpus_ND[:, :16], ids_N)
   with pytest.raises(ValueError, match="post_ids has dtype float32"):
     runner.set_corpus(corpus_ND, ids_N.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"corpus.embeddings holds nan at index \(7, 0\)"):
+    runner.set_corpus(np.asarray(corpus_ND).copy() * np.where(np.arange(100) == 7, np.nan,
+                                                              1.0)[:, None], ids_N)
+  too_big = np.asarray(ids_N, np.int64)
+  too_big[0] = 2 ** 32
+  with pytest.raises(ValueError, match="corpus.post_ids holds 4294967296.*fit int32"):
+    runner.set_corpus(corpus_ND, too_big)
   runner.set_corpus(corpus_ND, ids_N)
   for top_k in (0, 101, 2.0):
     with pytest.raises(ValueError, match=rf"top_k={top_k!r} must be an integer in \[1, 100\]"):
