@@ -4,7 +4,9 @@
 or a trainable `RankingSystem` / `RetrievalSystem` with its hash tables) in an
 `nnx.Module` whose arrays are `nnx.Param`s; calling it (or any public method of the
 wrapped module: `forward`, `encode_context`, `score_candidates`, `user_representation`,
-...) rebuilds the Equinox module from the current parameters and runs the Equinox code.
+...) rebuilds the Equinox module from the parameters at call time and runs the Equinox
+code. The named wrappers carry those methods as their own, so `nnx.jit` takes them in
+the unbound form, `nnx.jit(NNXPhoenixModel.forward)(model, ...)`.
 `to_equinox(wrapper)` gives the Equinox module back. Both directions are exact: the same
 arrays bit for bit, the same config object with every switch.
 
@@ -58,6 +60,8 @@ if not hasattr(nnx.Variable, "get_value"):   # the Variable API of flax 0.12.8
   raise ImportError(f"phoenix_flax.flax_nnx needs flax>=0.12.8, found {flax.__version__}: "
                     "pip install -U -e '.[flax]'")
 
+import functools
+import inspect
 from typing import Any, Optional
 
 import equinox as eqx
@@ -152,6 +156,14 @@ def _nested(paths: tuple[tuple[str, ...], ...], values: list) -> nnx.Dict:
   return build(root)
 
 
+def _forwarded(name: str, function) -> Any:
+  """`wrapper.name(...)`: the wrapped module's method, on the current parameters."""
+  @functools.wraps(function)
+  def method(self, *args, **kwargs):
+    return getattr(self.to_equinox(), name)(*args, **kwargs)
+  return method
+
+
 class EquinoxModule(nnx.Module):
   """An Equinox module as an `nnx.Module`: arrays in `params` as `nnx.Param`s, the rest
   (configs, static fields) static; calls and public methods run the Equinox code.
@@ -164,6 +176,16 @@ class EquinoxModule(nnx.Module):
   """
 
   _wraps: Optional[type] = None   # subclasses: the Equinox class they accept
+
+  def __init_subclass__(cls, **kwargs):
+    # The wrapped class's public methods become methods of the wrapper class, so that
+    # `nnx.jit(NNXPhoenixModel.forward)(model, ...)` works and `nnx.jit(model.forward)`
+    # meets NNX's own refusal of bound methods (which would bake in the parameters).
+    super().__init_subclass__(**kwargs)
+    for name in dir(cls._wraps) if cls._wraps is not None else ():
+      if (not name.startswith("_") and name not in vars(cls)
+          and inspect.isfunction(inspect.getattr_static(cls._wraps, name))):
+        setattr(cls, name, _forwarded(name, getattr(cls._wraps, name)))
 
   def __init__(self, module: eqx.Module):
     wraps = type(self)._wraps
@@ -200,11 +222,28 @@ class EquinoxModule(nnx.Module):
 
   def __getattr__(self, name: str):
     # Only reached when ordinary lookup fails: forwards public attributes of the wrapped
-    # module (its methods, bound to the current parameters, and its fields, e.g. config).
+    # module: its fields (e.g. config) as they are now, and its methods as functions that
+    # rebuild the module from the parameters when called, not when looked up (a method
+    # kept across training steps would otherwise run on the old parameters).
     structure = vars(self).get("structure")
     if name.startswith("_") or structure is None or not hasattr(structure.static, name):
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if inspect.ismethod(getattr(structure.static, name)):
+      return functools.partial(_forwarded(name, getattr(type(structure.static), name)), self)
     return getattr(self.to_equinox(), name)
+
+  def __setattr__(self, name: str, value: Any):
+    # The wrapped module's fields live in `params` (arrays) or the graph definition
+    # (config, static fields): an attribute of the same name would shadow them on
+    # reading while the model went on using the old values.
+    structure = vars(self).get("structure")
+    if (structure is not None and not name.startswith("_")
+        and name not in ("params", "structure") and hasattr(structure.static, name)):
+      raise AttributeError(
+          f"{name!r} belongs to the wrapped {type(structure.static).__name__}: set a "
+          f"parameter through `.params` (e.g. model.params.{name}[...] = new), or build a "
+          "new wrapper with to_nnx(...) for another config")
+    super().__setattr__(name, value)
 
   def __dir__(self):
     structure = vars(self).get("structure")

@@ -34,6 +34,8 @@ ACTIONS = (
 NEGATIVE_ACTIONS = ACTIONS[14:18]
 PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
 
+_NNX_HINT = "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
+
 CANDIDATE_BATCH_FIELDS = ("candidate_post_hashes", "candidate_author_hashes",
                           "candidate_product_surface", "candidate_post_timestamps")
 CANDIDATE_EMBEDDING_FIELDS = ("candidate_post_embeddings", "candidate_author_embeddings")
@@ -248,7 +250,8 @@ class RankingRunner:
 
   def __init__(self, model: PhoenixModel):
     if not isinstance(model, PhoenixModel):
-      raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}")
+      raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}"
+                      + _NNX_HINT * (type(model).__name__.startswith("NNX")))
     self.model = model
     self.trace_counts = collections.Counter()
     self._rank = _counted_jit(self.trace_counts, "rank", _rank)
@@ -370,7 +373,8 @@ class RetrievalRunner:
 
   def __init__(self, model: PhoenixRetrievalModel):
     if not isinstance(model, PhoenixRetrievalModel):
-      raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}")
+      raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}"
+                      + _NNX_HINT * (type(model).__name__.startswith("NNX")))
     self.model = model
     self.corpus_embeddings: Optional[Array] = None
     self.corpus_post_ids: Optional[Array] = None

@@ -311,3 +311,25 @@ def test_import_error_names_the_extra_and_core_import_needs_no_flax():
   assert "flax_nnx imported: False" in proc.stdout
   assert ("ImportError: phoenix_flax.flax_nnx needs Flax: pip install -e '.[flax]' "
           "(or pip install 'phoenix_flax[flax]')") in proc.stdout
+
+
+@needs_flax
+def test_methods_and_fields_follow_the_parameters():
+  """A method kept across an update runs on the new parameters; `nnx.jit` takes the
+  wrapper class's method (module as argument) and refuses a bound one, as NNX does; a
+  field of the wrapped module cannot be shadowed by assignment."""
+  config = ranking_config()
+  model = flax_nnx.to_nnx(pf.PhoenixModel(config, key=jax.random.key(0)))
+  batch, emb = pf.example_batch(config, 2, jax.random.key(1))
+  kept = model.forward
+  model.params.unembeddings[...] = jnp.zeros_like(model.params.unembeddings[...])
+  assert bool(jnp.all(kept(batch, emb)[0].logits == 0))
+  jitted = nnx.jit(flax_nnx.NNXPhoenixModel.forward)(model, batch, emb)[0].logits
+  assert bool(jnp.all(jitted == 0))
+  with pytest.raises(ValueError, match="bound methods"):
+    nnx.jit(model.forward)(batch, emb)
+  for name, value in (("unembeddings", jnp.ones((4, 19))), ("config", config)):
+    with pytest.raises(AttributeError, match=f"'{name}' belongs to the wrapped PhoenixModel"):
+      setattr(model, name, value)
+  with pytest.raises(TypeError, match="flax_nnx.to_equinox"):
+    pf.RankingRunner(model)
