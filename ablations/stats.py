@@ -127,6 +127,16 @@ def summarize(per_seed: Sequence[Optional[float]]) -> dict:
           "n": int(x.size), "per_seed": [_clean(v) for v in per_seed]}
 
 
+def seed_means(levels: Sequence[Sequence[Optional[float]]]) -> list[Optional[float]]:
+  """Per seed, the mean of its values over the condition levels (`levels[c][seed]`); None
+  for a seed missing a value at some level, so that its pair leaves a paired comparison."""
+  out = []
+  for values in zip(*levels):
+    present = [x for x in values if _clean(x) is not None]
+    out.append(sum(present) / len(present) if len(present) == len(values) else None)
+  return out
+
+
 def _pairs(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]):
   if len(baseline) != len(variant):
     raise ValueError(f"paired comparison needs equal lengths, got {len(baseline)} "

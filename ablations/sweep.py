@@ -56,7 +56,6 @@ import copy
 import dataclasses
 import itertools
 import json
-import math
 import os
 import re
 import shlex
@@ -486,13 +485,14 @@ class Sweep:
       comparisons += _with_holm(rows)
       if len(baselines) > 1:
         prow = []
+        pooled_test = stats.rate_difference if metric == "diverged" else stats.paired_t
         for arm in dict.fromkeys(v.arm for v in self.variants):
           members = [v for v in self.variants if v.arm == arm and v.cell in baselines]
           if arm == ab.baseline or not members:
             continue
-          pooled_test = stats.rate_difference if metric == "diverged" else stats.paired_t
-          row = pooled_test(seed_means([table[baselines[v.cell].name][metric] for v in members]),
-                            seed_means([table[v.name][metric] for v in members]))
+          row = pooled_test(
+              stats.seed_means([table[baselines[v.cell].name][metric] for v in members]),
+              stats.seed_means([table[v.name][metric] for v in members]))
           prow.append({"variant": arm, "baseline": ab.baseline, "metric": metric, **row,
                        "test": f"{row['test']} of seed means", "conditions": len(members)})
         pooled += _with_holm(prow)
@@ -507,16 +507,6 @@ class Sweep:
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
             "variants": variants, "comparisons": comparisons,
             "pooled_comparisons": pooled, "environment": environment()}
-
-
-def seed_means(levels: Sequence[Sequence[Optional[float]]]) -> list[Optional[float]]:
-  """Per seed, the mean of its values over the condition levels (`levels[c][seed]`); None
-  for a seed missing a value at some level, so that its pair leaves the comparison."""
-  out = []
-  for values in zip(*levels):
-    present = [x for x in values if x is not None and math.isfinite(x)]
-    out.append(sum(present) / len(present) if len(present) == len(values) else None)
-  return out
 
 
 def environment() -> dict:

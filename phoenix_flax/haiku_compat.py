@@ -200,9 +200,12 @@ def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   return tree
 
 
+_ARRAY_TYPES = (np.ndarray, np.generic, jax.Array)
+
+
 def _not_an_array(value: Any) -> Optional[str]:
   """Why `value` cannot be a parameter (None if it can): a float array is expected."""
-  if not isinstance(value, (np.ndarray, np.generic, jax.Array)):
+  if not isinstance(value, _ARRAY_TYPES):
     return f"is a {type(value).__name__}, expected an array of floats"
   if not jnp.issubdtype(value.dtype, jnp.floating):
     return f"has dtype {value.dtype}, expected floats"
@@ -211,7 +214,7 @@ def _not_an_array(value: Any) -> Optional[str]:
 
 def _describe(value: Any) -> str:
   """An extra entry: its shape, or its type if it is not an array."""
-  if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+  if isinstance(value, _ARRAY_TYPES):
     return f"got shape {np.shape(value)}"
   return f"got a {type(value).__name__}"
 
