@@ -12,7 +12,8 @@ setup(
     packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
     # Every floor is the oldest version the test suite passed with, each set installed
     # at its floors in a fresh venv. Core: jax 0.6.0, equinox 0.11.11, ml_collections
-    # 1.0.0, numpy 1.26.4 and the rest as listed (flax tests aside; dm-haiku 0.0.14).
+    # 1.0.0, numpy 1.26.4 and the rest as listed (flax tests aside; that venv had dm-haiku
+    # 0.0.14, which the [test] floor set later for jax 0.10.2, 0.0.15, now excludes).
     # Older jax lacks `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
     # collectives by default (< 0.5.1), and its jaxlib crashed on reading the persistent
     # compilation cache (< 0.6.0); equinox < 0.11.11 fails to import on jax >= 0.6;

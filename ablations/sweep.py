@@ -566,8 +566,9 @@ def hypothesis(doc: str) -> str:
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "cpu", list(PRESETS),
-                  "smoke: seconds, for tests; cpu: minutes on 2 CPU cores; full: "
-                  "accelerator scale.")
+                  "smoke: a tiny world and model, for tests (a sweep still takes a "
+                  "few minutes on 2 CPU cores, mostly compilation); cpu: 3-9 minutes "
+                  "an ablation on 2 CPU cores; full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
                     "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>; for "

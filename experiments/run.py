@@ -34,7 +34,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "num_seeds, world_seed, eval_seed, world.* (synthetic world), train_split.* and "
     "eval_split.* (how batches are drawn), model.* (shape and ablation switches), "
     "optim.* (AdamW, warmup + cosine, clipping), train.* (steps, batch, eval and "
-    "checkpoint cadence), retrieval.*, mesh.* (devices, sharding, multi-host), output.*; "
+    "checkpoint cadence), extra_eval_splits.<name>.* (more evaluation splits), retrieval.*, "
+    "mesh.* (devices, sharding, multi-host), output.*; "
     "every field is documented in phoenix_flax/training/schema.py.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(

@@ -181,7 +181,9 @@ class PhoenixModelConfig:
     candidate_isolation: candidates see user + history + themselves only (release);
       False gives them the plain causal mask (they see earlier candidates).
     attention_impl: "isolated" computes isolation-aware attention without the C x C
-      block; "dense" builds the full masked [T, T] attention (the reference path).
+      block; "dense" builds the full masked [T, T] attention (the reference path). It
+      applies with candidate_isolation=True only: without isolation a candidate attends
+      to the candidates before it, and the dense causal path is the only one.
     post_age_granularity_mins: None = no post-age feature; else the candidate post-age
       bucket embedding (table of 4800 // g + 2 rows) joins the candidate tokens.
     dwell_time_norm: None = no dwell feature; else the history dwell-time embedding.

@@ -1,4 +1,7 @@
-"""Feature embeddings of the recsys tokens: actions, product surface, post age, dwell."""
+"""Feature embeddings of the recsys tokens (actions, product surface, post age, dwell) and
+the hashing helpers that turn raw ids into the hashes a `RecsysBatch` carries and look
+those hashes up in embedding tables.
+"""
 
 from __future__ import annotations
 
@@ -47,3 +50,52 @@ def dwell_time_embedding(dwell_BS: Array, config: NormConfig, w1_1H: Array, w2_H
   """`gelu(normalize(dwell)[..., None] @ W1) @ W2` -> `[B, S, D]`."""
   x = normalize_continuous_value(dwell_BS, config)[..., None]
   return jax.nn.gelu(x @ w1_1H) @ w2_HD
+
+
+# One seed per hash function: the five 32-bit primes of xxHash32.
+_HASH_SEEDS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+
+
+def _mix32(x: Array) -> Array:
+  """The murmur3 32-bit finaliser: a bijection of uint32 that spreads every input bit."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
+             valid: Array | None = None) -> Array:
+  """Hashes of integer ids `[...]` -> int32 `[..., num_hashes]` in `[1, num_buckets)`.
+
+  Hash function k mixes the id with its own seed, so two ids that collide under one
+  function rarely collide under the other (the point of several hashes per entity). 0 is
+  never produced for a valid id: it marks padding, where `valid` (bool, the ids' shape)
+  is False. Deterministic; ids are taken modulo 2**32 (int64 ids fold their high half in
+  first when x64 is enabled).
+  """
+  if not 1 <= num_hashes <= len(_HASH_SEEDS):
+    raise ValueError(f"num_hashes must lie in [1, {len(_HASH_SEEDS)}], got {num_hashes}")
+  if not isinstance(num_buckets, int) or num_buckets < 2:
+    raise ValueError(f"num_buckets must be an int >= 2 (bucket 0 is padding), got "
+                     f"{num_buckets!r}")
+  ids = jnp.asarray(ids)
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"ids must hold integers, got dtype {ids.dtype}")
+  if ids.dtype.itemsize == 8:
+    ids = ids ^ (ids >> 32)
+  x = ids.astype(jnp.uint32)[..., None]
+  seeds = jnp.asarray(_HASH_SEEDS[:num_hashes], jnp.uint32)
+  mixed = _mix32(_mix32(x ^ seeds) + seeds)
+  hashes = (1 + mixed % jnp.uint32(num_buckets - 1)).astype(jnp.int32)
+  if valid is not None:
+    hashes = jnp.where(jnp.asarray(valid, bool)[..., None], hashes, 0)
+  return hashes
+
+
+def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
+  """`table[hashes]` `[..., D]`, with hash 0 (padding) giving zeros and no gradient to row 0.
+  Out-of-range hashes are clipped to the table (validate them before, as the runners do)."""
+  emb = jnp.take(table_ND, hashes, axis=0, mode="clip")
+  return emb * (hashes != 0)[..., None].astype(emb.dtype)

@@ -1,8 +1,8 @@
 """Import and export of the released Haiku parameter trees.
 
 A tree is a two-level mapping `{module_path: {param_name: array}}` (what
-`hk.transform(...).init` returns; dm-haiku is not needed to read it), with the release's
-names (SPEC.md, "Haiku parameter tree of the Jan release"):
+`hk.transform(...).init` returns; dm-haiku is not needed to read it), with the names of
+the Jan release's Haiku code:
 
     phoenix_model                product_surface_embedding_table, action_projection,
                                  proj_mat_1, proj_mat_2, proj_mat_3, unembeddings

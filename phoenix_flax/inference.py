@@ -154,12 +154,11 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
     specs += [("candidate_post_hashes", (B, C, I), "B, C, num_item_hashes", "int"),
               ("candidate_author_hashes", (B, C, Au), "B, C, num_author_hashes", "int"),
               ("candidate_product_surface", (B, C), "B, C", "int")]
-    if (getattr(config, "post_age_granularity_mins", None) is not None
-        or batch.impression_timestamps is not None
-        or batch.candidate_post_timestamps is not None):
+    # Timestamps and dwell times are checked (and required) only when the model reads them.
+    if getattr(config, "post_age_granularity_mins", None) is not None:
       specs += [("impression_timestamps", (B,), "B", "int"),
                 ("candidate_post_timestamps", (B, C), "B, C", "int")]
-  if getattr(config, "dwell_time_norm", None) is not None or batch.history_dwell_times is not None:
+  if getattr(config, "dwell_time_norm", None) is not None:
     specs.append(("history_dwell_times", (B, S), "B, history_seq_len", "any"))
   for name, shape, dims, kind in specs:
     _field("batch", name, getattr(batch, name), shape, dims, kind)
@@ -203,6 +202,19 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
     _field("embeddings", name, getattr(embeddings, name), shape, dims, "float")
     _check_finite("embeddings", name, getattr(embeddings, name))
   return B, C
+
+
+def _unread_dropped(config, batch):
+  """The batch without the optional fields the model does not read, so that whatever they
+  hold is ignored, as by the release (and never reaches the compiled program)."""
+  if not isinstance(batch, RecsysBatch):
+    return batch   # validate_inputs names the type
+  drop = {}
+  if getattr(config, "post_age_granularity_mins", None) is None:
+    drop.update(impression_timestamps=None, candidate_post_timestamps=None)
+  if getattr(config, "dwell_time_norm", None) is None:
+    drop.update(history_dwell_times=None)
+  return batch._replace(**drop)
 
 
 def _count(name: str, value, low: int, high: Optional[int] = None, what: str = "") -> int:
@@ -272,11 +284,13 @@ class RankingRunner:
 
   def rank(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RankingOutput:
     """Probabilities `[B, C, A]` and candidates by favorite_score, padding last."""
+    batch = _unread_dropped(self.config, batch)
     validate_inputs(self.config, batch, embeddings)
     return self._rank(self.model, batch, embeddings)
 
   def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
     """Per-layer keys/values of each user's context (candidate fields are ignored)."""
+    batch = _unread_dropped(self.config, batch)
     validate_inputs(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
@@ -308,6 +322,7 @@ class RankingRunner:
     chunk (its start index is traced), so any candidate count reuses it.
     """
     chunk_size = self._check_chunking(chunk_size)
+    batch = _unread_dropped(self.config, batch)
     B, _ = validate_inputs(self.config, batch, embeddings)
     self._check_cache(cache, B)
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
@@ -321,6 +336,7 @@ class RankingRunner:
     1e-2 in bfloat16), and exactly the same way whatever the chunking.
     """
     chunk_size = self._check_chunking(chunk_size)
+    batch = _unread_dropped(self.config, batch)
     validate_inputs(self.config, batch, embeddings)
     cache = self._encode(self.model, *_without_candidates(batch, embeddings))
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
@@ -400,6 +416,7 @@ class RetrievalRunner:
 
   def encode_user(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> Array:
     """Unit-norm user representations `[B, D]`."""
+    batch = _unread_dropped(self.config, batch)
     validate_inputs(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
@@ -461,6 +478,7 @@ class RetrievalRunner:
       if top_k > kept:
         raise ValueError(f"top_k={top_k} exceeds the {kept} corpus items corpus_mask keeps")
       corpus_mask = jnp.asarray(mask, bool)
+    batch = _unread_dropped(self.config, batch)
     validate_inputs(self.config, batch, embeddings, with_candidates=False)
     return self._retrieve(self.model, *_without_candidates(batch, embeddings),
                           self.corpus_embeddings, self.corpus_post_ids, top_k, corpus_mask)

@@ -3,7 +3,8 @@
 Parameters are float32; computation runs in the dtype of the input (the forward dtype).
 Linear weights are stored `[in, out]` as in the release. The attention projections q|k|v
 and the two GeGLU input branches are stored fused (one matmul each); `haiku_compat`
-splits them into the release's separate parameters and back.
+splits them into the release's separate parameters and back. Rotary embedding has no
+parameters, so it is a function (`apply_rope`) rather than a module.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ ROPE_BASE = 10000.0
 
 
 def variance_scaling(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> Array:
-  """Truncated normal with std 1/sqrt(fan_in) (Haiku's default Linear initialiser)."""
+  """Truncated normal (cut at 2 std) rescaled to an actual std of 1/sqrt(fan_in): Haiku's
+  `VarianceScaling(1.0, "fan_in", "truncated_normal")`. (`hk.Linear`'s default,
+  `TruncatedNormal(1/sqrt(fan_in))`, skips the rescaling and has ~0.88 of that std.)"""
   stddev = 1.0 / jnp.sqrt(fan_in) / 0.87962566103423978
   return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
 

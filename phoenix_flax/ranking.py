@@ -15,16 +15,17 @@ from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
 from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
 from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
-                                check_batch, check_embeddings)
+                                check_batch, check_candidate_embeddings,
+                                check_candidate_fields, check_embeddings)
 
 
 def block_user_reduce(user_hashes: Array, user_embeddings: Array, num_user_hashes: int,
                       emb_size: int, proj_mat_1: Array) -> tuple[Array, Array]:
   """`[B,U,D]` hash embeddings -> one user token `[B,1,D]` and its mask `[B,1]`."""
   B = user_hashes.shape[0]
-  flat = user_embeddings.reshape(B, 1, num_user_hashes * emb_size)
-  token = flat.astype(proj_mat_1.dtype) @ proj_mat_1
-  return token, (user_hashes[:, 0] != 0)[:, None]
+  flat_B1F = user_embeddings.reshape(B, 1, num_user_hashes * emb_size)
+  token_B1D = flat_B1F.astype(proj_mat_1.dtype) @ proj_mat_1
+  return token_B1D, (user_hashes[:, 0] != 0)[:, None]
 
 
 def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Array,
@@ -36,8 +37,8 @@ def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Ar
   parts = [history_post_embeddings.reshape(B, S, -1),
            history_author_embeddings.reshape(B, S, -1),
            action_embeddings, product_surface_embeddings, *extra_features]
-  tokens = jnp.concatenate([p.astype(proj_mat_3.dtype) for p in parts], axis=-1) @ proj_mat_3
-  return tokens, history_post_hashes[:, :, 0] != 0
+  tokens_BSD = jnp.concatenate([p.astype(proj_mat_3.dtype) for p in parts], axis=-1) @ proj_mat_3
+  return tokens_BSD, history_post_hashes[:, :, 0] != 0
 
 
 def block_candidate_reduce(candidate_post_hashes: Array, candidate_post_embeddings: Array,
@@ -49,8 +50,28 @@ def block_candidate_reduce(candidate_post_hashes: Array, candidate_post_embeddin
   parts = [candidate_post_embeddings.reshape(B, C, -1),
            candidate_author_embeddings.reshape(B, C, -1),
            product_surface_embeddings, *extra_features]
-  tokens = jnp.concatenate([p.astype(proj_mat_2.dtype) for p in parts], axis=-1) @ proj_mat_2
-  return tokens, candidate_post_hashes[:, :, 0] != 0
+  tokens_BCD = jnp.concatenate([p.astype(proj_mat_2.dtype) for p in parts], axis=-1) @ proj_mat_2
+  return tokens_BCD, candidate_post_hashes[:, :, 0] != 0
+
+
+def context_tokens(model, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+                   extra_history_features: tuple[Array, ...] = ()) -> tuple[Array, Array]:
+  """User + history tokens `[B, 1+S, D]` (forward dtype) and their padding mask `[B, 1+S]`,
+  for either Phoenix model (both carry the release's `proj_mat_1`, `proj_mat_3`, surface
+  table and action projection). Shapes are the caller's to check."""
+  c = model.config
+  user_B1D, user_mask_B1 = block_user_reduce(
+      batch.user_hashes, embeddings.user_embeddings, c.hash_config.num_user_hashes,
+      c.emb_size, model.proj_mat_1)
+  surface_BSD = features.single_hot_embedding(batch.history_product_surface,
+                                              model.product_surface_embedding_table)
+  actions_BSD = features.action_embedding(batch.history_actions, model.action_projection)
+  hist_BSD, hist_mask_BS = block_history_reduce(
+      batch.history_post_hashes, embeddings.history_post_embeddings,
+      embeddings.history_author_embeddings, surface_BSD, actions_BSD, model.proj_mat_3,
+      extra_history_features)
+  tokens_BND = jnp.concatenate([user_B1D, hist_BSD], axis=1).astype(c.fprop_dtype)
+  return tokens_BND, jnp.concatenate([user_mask_B1, hist_mask_BS], axis=1)
 
 
 class Diagnostics(NamedTuple):
@@ -107,61 +128,57 @@ class PhoenixModel(eqx.Module):
              with_candidates: bool = True) -> tuple[int, int]:
     c = self.config
     B, C = check_batch(batch, c.hash_config, c.history_seq_len, c.num_actions,
-                       with_candidates=with_candidates)
+                       with_candidates=with_candidates,
+                       post_age=c.post_age_granularity_mins is not None,
+                       dwell=c.dwell_time_norm is not None)
     check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, C, c.emb_size,
                      with_candidates)
-    if c.post_age_granularity_mins is not None and with_candidates and (
-        batch.impression_timestamps is None or batch.candidate_post_timestamps is None):
-      raise ValueError("post_age_granularity_mins is set: batch.impression_timestamps and "
-                       "batch.candidate_post_timestamps are required")
-    if c.dwell_time_norm is not None and batch.history_dwell_times is None:
-      raise ValueError("dwell_time_norm is set: batch.history_dwell_times is required")
     return B, C
+
+  def _check_candidates(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,
+                        batch_size: Optional[int] = None) -> None:
+    c = self.config
+    B, C = check_candidate_fields(batch, c.hash_config, batch_size,
+                                  post_age=c.post_age_granularity_mins is not None)
+    check_candidate_embeddings(embeddings, c.hash_config, B, C, c.emb_size)
 
   def build_context_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                            ) -> tuple[Array, Array]:
     """User + history tokens `[B, 1+S, D]` (forward dtype) and their padding mask."""
     c = self.config
-    user, user_mask = block_user_reduce(batch.user_hashes, embeddings.user_embeddings,
-                                        c.hash_config.num_user_hashes, c.emb_size,
-                                        self.proj_mat_1)
-    surface = features.single_hot_embedding(batch.history_product_surface,
-                                            self.product_surface_embedding_table)
-    actions = features.action_embedding(batch.history_actions, self.action_projection)
+    self._check(batch, embeddings, with_candidates=False)
     extra = ()
     if c.dwell_time_norm is not None:
       extra = (features.dwell_time_embedding(batch.history_dwell_times, c.dwell_time_norm,
                                              self.dwell_proj_1, self.dwell_proj_2),)
-    hist, hist_mask = block_history_reduce(
-        batch.history_post_hashes, embeddings.history_post_embeddings,
-        embeddings.history_author_embeddings, surface, actions, self.proj_mat_3, extra)
-    tokens = jnp.concatenate([user, hist], axis=1).astype(c.fprop_dtype)
-    return tokens, jnp.concatenate([user_mask, hist_mask], axis=1)
+    return context_tokens(self, batch, embeddings, extra)
 
   def build_candidate_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                              ) -> tuple[Array, Array]:
     """Candidate tokens `[B, C, D]` (forward dtype) and their padding mask `[B, C]`."""
     c = self.config
-    surface = features.single_hot_embedding(batch.candidate_product_surface,
-                                            self.product_surface_embedding_table)
+    self._check_candidates(batch, embeddings)
+    surface_BCD = features.single_hot_embedding(batch.candidate_product_surface,
+                                                self.product_surface_embedding_table)
     extra = ()
     if c.post_age_granularity_mins is not None:
-      bucket = features.compute_post_age_bucket(batch.impression_timestamps[:, None],
-                                                batch.candidate_post_timestamps,
-                                                c.post_age_granularity_mins)
-      extra = (features.single_hot_embedding(bucket, self.post_age_embedding_table),)
-    tokens, mask = block_candidate_reduce(
+      bucket_BC = features.compute_post_age_bucket(batch.impression_timestamps[:, None],
+                                                   batch.candidate_post_timestamps,
+                                                   c.post_age_granularity_mins)
+      extra = (features.single_hot_embedding(bucket_BC, self.post_age_embedding_table),)
+    tokens_BCD, mask_BC = block_candidate_reduce(
         batch.candidate_post_hashes, embeddings.candidate_post_embeddings,
-        embeddings.candidate_author_embeddings, surface, self.proj_mat_2, extra)
-    return tokens.astype(c.fprop_dtype), mask
+        embeddings.candidate_author_embeddings, surface_BCD, self.proj_mat_2, extra)
+    return tokens_BCD.astype(c.fprop_dtype), mask_BC
 
   def build_inputs(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                    ) -> tuple[Array, Array, int]:
     """The release's sequence: `[B, 1+S+C, D]`, padding mask `[B, T]`, offset `1+S`."""
-    ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
-    cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
-    return (jnp.concatenate([ctx, cand], axis=1),
-            jnp.concatenate([ctx_mask, cand_mask], axis=1), ctx.shape[1])
+    self._check(batch, embeddings)
+    ctx_BND, ctx_mask_BN = self.build_context_tokens(batch, embeddings)
+    cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
+    return (jnp.concatenate([ctx_BND, cand_BCD], axis=1),
+            jnp.concatenate([ctx_mask_BN, cand_mask_BC], axis=1), ctx_BND.shape[1])
 
   def context_positions(self, context_mask_BN: Array) -> Optional[Array]:
     if not self.config.right_anchored_rope:
@@ -180,7 +197,6 @@ class PhoenixModel(eqx.Module):
 
   def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
     """Per-layer keys/values of the user + history context (candidate fields unused)."""
-    self._check(batch, embeddings, with_candidates=False)
     ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
     _, cache = self.transformer.encode_context(ctx, ctx_mask, self.context_positions(ctx_mask))
     return cache
@@ -192,18 +208,19 @@ class PhoenixModel(eqx.Module):
     if not self.config.candidate_isolation:
       raise ValueError("score_candidates needs candidate_isolation=True: without it a "
                        "candidate's score depends on the candidates before it")
-    cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
+    self._check_candidates(batch, embeddings, cache.padding_mask.shape[0])
+    cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
     out = self.transformer.score_candidates(
-        cand, cand_mask, cache, self.candidate_positions(cand_mask, first_index))
+        cand_BCD, cand_mask_BC, cache, self.candidate_positions(cand_mask_BC, first_index))
     return self._head(out.embeddings)
 
   def _head(self, h_BCD: Array) -> RecsysModelOutput:
-    h = self.final_norm(h_BCD)
-    logits = h.astype(self.unembeddings.dtype) @ self.unembeddings
+    normed_BCD = self.final_norm(h_BCD)
+    logits_BCA = normed_BCD.astype(self.unembeddings.dtype) @ self.unembeddings
     continuous = None
     if self.continuous_unembeddings is not None:
-      continuous = jax.nn.sigmoid(h.astype(jnp.float32) @ self.continuous_unembeddings)
-    return RecsysModelOutput(logits, continuous)
+      continuous = jax.nn.sigmoid(normed_BCD.astype(jnp.float32) @ self.continuous_unembeddings)
+    return RecsysModelOutput(logits_BCA, continuous)
 
   def forward(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
               ) -> tuple[RecsysModelOutput, Diagnostics]:
@@ -211,19 +228,19 @@ class PhoenixModel(eqx.Module):
     c = self.config
     self._check(batch, embeddings)
     if c.candidate_isolation and c.attention_impl == "isolated":
-      ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
-      cand, cand_mask = self.build_candidate_tokens(batch, embeddings)
-      out = self.transformer.isolated(ctx, ctx_mask, cand, cand_mask,
-                                      self.context_positions(ctx_mask),
-                                      self.candidate_positions(cand_mask))
-      return (self._head(out.embeddings[:, ctx.shape[1]:]),
+      ctx_BND, ctx_mask_BN = self.build_context_tokens(batch, embeddings)
+      cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
+      out = self.transformer.isolated(ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC,
+                                      self.context_positions(ctx_mask_BN),
+                                      self.candidate_positions(cand_mask_BC))
+      return (self._head(out.embeddings[:, ctx_BND.shape[1]:]),
               Diagnostics(out.max_abs_attn_logit, out.residual_rms))
-    tokens, mask, offset = self.build_inputs(batch, embeddings)
+    tokens_BTD, mask_BT, offset = self.build_inputs(batch, embeddings)
     positions = None
     if c.right_anchored_rope:
-      positions = right_anchored_rope_positions(mask, c.history_seq_len, 1)
+      positions = right_anchored_rope_positions(mask_BT, c.history_seq_len, 1)
     out: TransformerOutput = self.transformer(
-        tokens, mask, offset if c.candidate_isolation else None, positions)
+        tokens_BTD, mask_BT, offset if c.candidate_isolation else None, positions)
     return (self._head(out.embeddings[:, offset:]),
             Diagnostics(out.max_abs_attn_logit, out.residual_rms))
 

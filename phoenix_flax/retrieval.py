@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from phoenix_flax import features
 from phoenix_flax.config import PhoenixRetrievalModelConfig
 from phoenix_flax.layers import variance_scaling
-from phoenix_flax.ranking import Diagnostics, block_history_reduce, block_user_reduce
+from phoenix_flax.ranking import Diagnostics, context_tokens
 from phoenix_flax.transformer import Transformer
 from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RetrievalOutput, check_batch,
-                                check_embeddings)
+                                check_candidate_embeddings, check_embeddings)
 
 NORM_EPS = 1e-12
 MASKED_SCORE = -1e12
@@ -110,22 +109,12 @@ class PhoenixRetrievalModel(eqx.Module):
                        with_candidates=False)
     check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, 0, c.emb_size,
                      with_candidates=False)
-    user, user_mask = block_user_reduce(batch.user_hashes, embeddings.user_embeddings,
-                                        c.hash_config.num_user_hashes, c.emb_size,
-                                        self.proj_mat_1)
-    surface = features.single_hot_embedding(batch.history_product_surface,
-                                            self.product_surface_embedding_table)
-    actions = features.action_embedding(batch.history_actions, self.action_projection)
-    hist, hist_mask = block_history_reduce(
-        batch.history_post_hashes, embeddings.history_post_embeddings,
-        embeddings.history_author_embeddings, surface, actions, self.proj_mat_3)
-    tokens = jnp.concatenate([user, hist], axis=1).astype(c.fprop_dtype)
-    mask_BT = jnp.concatenate([user_mask, hist_mask], axis=1)
-    out = self.transformer(tokens, mask_BT)
-    h = out.embeddings.astype(jnp.float32)
-    m = mask_BT[..., None].astype(jnp.float32)
-    pooled = jnp.sum(h * m, axis=1) / jnp.maximum(jnp.sum(m, axis=1), 1.0)
-    user_BD, norm_B1 = l2_normalize(pooled)
+    tokens_BTD, mask_BT = context_tokens(self, batch, embeddings)
+    out = self.transformer(tokens_BTD, mask_BT)
+    h_BTD = out.embeddings.astype(jnp.float32)
+    m_BT1 = mask_BT[..., None].astype(jnp.float32)
+    pooled_BD = jnp.sum(h_BTD * m_BT1, axis=1) / jnp.maximum(jnp.sum(m_BT1, axis=1), 1.0)
+    user_BD, norm_B1 = l2_normalize(pooled_BD)
     return user_BD, norm_B1, Diagnostics(out.max_abs_attn_logit, out.residual_rms)
 
   def build_candidate_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
@@ -134,9 +123,15 @@ class PhoenixRetrievalModel(eqx.Module):
     if not isinstance(embeddings, RecsysEmbeddings):
       raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
     post, author = embeddings.candidate_post_embeddings, embeddings.candidate_author_embeddings
-    chex.assert_rank([post, author], 4, custom_message="candidate embeddings must be [B,C,h,D]")
-    chex.assert_equal_shape_prefix([post, author], 2,
-                                   custom_message="candidate post/author embeddings")
+    chex.assert_rank(post, 4, custom_message="field candidate_post_embeddings must be "
+                     "[B, C, num_item_hashes, emb_size]")
+    c = self.config
+    B, C = post.shape[:2]
+    check_candidate_embeddings(embeddings, c.hash_config, B, C, c.emb_size)
+    chex.assert_shape(batch.candidate_post_hashes, (B, C, c.hash_config.num_item_hashes),
+                      custom_message="field candidate_post_hashes")
+    chex.assert_type(batch.candidate_post_hashes, int,
+                     custom_message="field candidate_post_hashes must hold integers")
     reps = self.candidate_tower(jnp.concatenate([post, author], axis=2))
     return reps, batch.candidate_post_hashes[:, :, 0] != 0
 

@@ -17,7 +17,8 @@ class RecsysBatch(NamedTuple):
 
   The optional later-release fields count only when the model's config reads them:
   timestamps with `post_age_granularity_mins`, dwell times with `dwell_time_norm`.
-  Otherwise they are ignored (as by the release), whatever they hold.
+  Otherwise they are ignored (as by the release), whatever they hold: neither the model
+  nor the runners check them.
   """
 
   user_hashes: Array                # [B, U] int
@@ -54,9 +55,10 @@ class RetrievalOutput(NamedTuple):
   top_k_scores: Array               # [B, K], sorted descending
 
 
-def _check(x, shape, name: str, kind: str) -> None:
+def _check(x, shape, name: str, kind: str, required_by: str = "") -> None:
   if x is None:
-    raise ValueError(f"{name} is required but is None")
+    raise ValueError(f"{name} is required" + (f": {required_by} is set" if required_by
+                                              else " but is None"))
   chex.assert_shape(x, shape, custom_message=f"field {name}")
   if kind == "int":
     chex.assert_type(x, int, custom_message=f"field {name} must hold integers")
@@ -64,11 +66,20 @@ def _check(x, shape, name: str, kind: str) -> None:
     chex.assert_type(x, float, custom_message=f"field {name} must hold floats")
 
 
-def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: int,
-                with_candidates: bool = True) -> tuple[int, int]:
-  """Checks ranks, shapes and dtypes of a batch; returns (B, C) (C = 0 without candidates)."""
+def _require(batch: RecsysBatch) -> None:
   if not isinstance(batch, RecsysBatch):
     raise TypeError(f"batch must be a RecsysBatch, got {type(batch).__name__}")
+
+
+def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: int,
+                with_candidates: bool = True, *, post_age: bool = False,
+                dwell: bool = False) -> tuple[int, int]:
+  """Checks ranks, shapes and dtypes of a batch; returns (B, C) (C = 0 without candidates).
+
+  The optional fields are checked, and required, only when the model reads them: the
+  timestamps with `post_age`, the dwell times with `dwell`; otherwise they are ignored.
+  """
+  _require(batch)
   chex.assert_rank(batch.user_hashes, 2, custom_message="field user_hashes must be [B, U]")
   B = batch.user_hashes.shape[0]
   S, I, Au = history_len, hash_config.num_item_hashes, hash_config.num_author_hashes
@@ -81,34 +92,56 @@ def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: 
                      f"config.num_actions={num_actions}")
   _check(batch.history_actions, (B, S, num_actions), "history_actions", "any")
   _check(batch.history_product_surface, (B, S), "history_product_surface", "int")
-  if batch.history_dwell_times is not None:
-    _check(batch.history_dwell_times, (B, S), "history_dwell_times", "any")
+  if dwell:
+    _check(batch.history_dwell_times, (B, S), "history_dwell_times", "any", "dwell_time_norm")
   if not with_candidates:
     return B, 0
+  return check_candidate_fields(batch, hash_config, B, post_age=post_age)
+
+
+def check_candidate_fields(batch: RecsysBatch, hash_config, batch_size: Optional[int] = None,
+                           *, post_age: bool = False) -> tuple[int, int]:
+  """Checks the candidate fields of a batch (of `batch_size` users when given); returns
+  (B, C)."""
+  _require(batch)
+  I, Au = hash_config.num_item_hashes, hash_config.num_author_hashes
   chex.assert_rank(batch.candidate_post_hashes, 3,
                    custom_message="field candidate_post_hashes must be [B, C, I]")
+  B = batch.candidate_post_hashes.shape[0] if batch_size is None else batch_size
   C = batch.candidate_post_hashes.shape[1]
   _check(batch.candidate_post_hashes, (B, C, I), "candidate_post_hashes", "int")
   _check(batch.candidate_author_hashes, (B, C, Au), "candidate_author_hashes", "int")
   _check(batch.candidate_product_surface, (B, C), "candidate_product_surface", "int")
-  if batch.impression_timestamps is not None:
-    _check(batch.impression_timestamps, (B,), "impression_timestamps", "int")
-  if batch.candidate_post_timestamps is not None:
-    _check(batch.candidate_post_timestamps, (B, C), "candidate_post_timestamps", "int")
+  if post_age:
+    _check(batch.impression_timestamps, (B,), "impression_timestamps", "int",
+           "post_age_granularity_mins")
+    _check(batch.candidate_post_timestamps, (B, C), "candidate_post_timestamps", "int",
+           "post_age_granularity_mins")
   return B, C
 
 
 def check_embeddings(emb: RecsysEmbeddings, hash_config, B: int, S: int, C: int, D: int,
                      with_candidates: bool = True) -> None:
   """Checks that every embedding matches the batch's shape and is floating point."""
-  if not isinstance(emb, RecsysEmbeddings):
-    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(emb).__name__}")
+  _require_embeddings(emb)
   I, Au = hash_config.num_item_hashes, hash_config.num_author_hashes
   _check(emb.user_embeddings, (B, hash_config.num_user_hashes, D), "user_embeddings", "float")
   _check(emb.history_post_embeddings, (B, S, I, D), "history_post_embeddings", "float")
   _check(emb.history_author_embeddings, (B, S, Au, D), "history_author_embeddings", "float")
   if with_candidates:
-    _check(emb.candidate_post_embeddings, (B, C, I, D), "candidate_post_embeddings", "float")
-    _check(emb.candidate_author_embeddings, (B, C, Au, D), "candidate_author_embeddings",
-           "float")
+    check_candidate_embeddings(emb, hash_config, B, C, D)
 
+
+def check_candidate_embeddings(emb: RecsysEmbeddings, hash_config, B: int, C: int,
+                               D: int) -> None:
+  """Checks the candidate embeddings: `[B, C, hashes, D]` floats."""
+  _require_embeddings(emb)
+  I, Au = hash_config.num_item_hashes, hash_config.num_author_hashes
+  _check(emb.candidate_post_embeddings, (B, C, I, D), "candidate_post_embeddings", "float")
+  _check(emb.candidate_author_embeddings, (B, C, Au, D), "candidate_author_embeddings",
+         "float")
+
+
+def _require_embeddings(emb: RecsysEmbeddings) -> None:
+  if not isinstance(emb, RecsysEmbeddings):
+    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(emb).__name__}")

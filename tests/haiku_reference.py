@@ -1,9 +1,13 @@
 """Independent dm-haiku reference of the released (Jan release) Phoenix models.
 
-Written from SPEC.md alone and never imports `phoenix_flax`: it is the yardstick the
-parity tests hold our Equinox code to. Module names are chosen so that
-`hk.transform(...).init` yields exactly the release's parameter tree, and every parameter
-is zero-initialised as released (tests load random values before comparing).
+Written from the project's written specification of the released code alone (not shipped:
+it records the release's semantics and parameter names, which this file and
+`phoenix_flax/haiku_compat.py` restate) and never imports `phoenix_flax`: it is the
+yardstick the parity tests hold our Equinox code to. Module names are chosen so that
+`hk.transform(...).init` yields exactly the release's parameter tree. Every parameter is
+zero-initialised (the release zeroes only the transformer's Linear weights and RMSNorm
+scales); initial values never matter here, as the tests load random values before
+comparing.
 
 Batches and embeddings are read by attribute only (`batch.user_hashes`, ...), so the
 `RecsysBatch` / `RecsysEmbeddings` containers of any implementation can be passed in.

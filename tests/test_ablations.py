@@ -127,6 +127,9 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert c["diverged"] == 1 and c["diverged_at_step"] == [None, 7, None, None]
   assert c["metrics"]["auc_mean"]["per_seed"][1] is None
   assert c["metrics"]["auc_mean"]["n"] == 3
+  # The diverged run wrote a finite logloss; a diverged run's metrics never count.
+  assert c["metrics"]["logloss"]["per_seed"][1] is None
+  assert c["metrics"]["logloss"]["n"] == 3
   assert c["metrics"]["diverged"]["per_seed"] == [0.0, 1.0, 0.0, 0.0]
 
   comps = {(r["variant"], r["metric"]): r for r in on_disk["comparisons"]}

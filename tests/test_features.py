@@ -1,5 +1,6 @@
 """Post-age buckets, continuous normalisation and the token feature embeddings."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -89,3 +90,59 @@ def test_dwell_time_embedding_formula():
   gelu = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
   out = features.dwell_time_embedding(jnp.asarray(dwell), cfg, jnp.asarray(w1), jnp.asarray(w2))
   np.testing.assert_allclose(out, gelu @ w2, atol=1e-5)
+
+
+def test_hash_ids_range_padding_and_determinism():
+  ids = jnp.arange(-50, 5000)
+  valid = ids % 7 != 0
+  h = pf.hash_ids(ids, 1000, 2, valid)
+  assert h.shape == (ids.shape[0], 2) and h.dtype == jnp.int32
+  h = np.asarray(h)
+  assert (h[np.asarray(valid)] >= 1).all() and (h < 1000).all()
+  assert (h[~np.asarray(valid)] == 0).all()
+  np.testing.assert_array_equal(h, pf.hash_ids(ids, 1000, 2, valid))
+  # Without a mask every id is valid, and the first function does not depend on how many
+  # functions are asked for.
+  np.testing.assert_array_equal(pf.hash_ids(ids, 1000, 1)[:, 0],
+                                np.asarray(pf.hash_ids(ids, 1000, 3))[:, 0])
+
+
+def test_hash_ids_spread_and_independent_functions():
+  ids = jnp.arange(100_000)
+  h = np.asarray(pf.hash_ids(ids, 257, 2))
+  counts = np.bincount(h[:, 0], minlength=257)[1:]
+  expected = ids.shape[0] / 256
+  chi2 = np.sum((counts - expected) ** 2 / expected)
+  assert chi2 < 256 + 6 * np.sqrt(2 * 256)     # uniform over the 256 buckets
+  # Pairs that collide under the first function collide under the second at the chance
+  # rate (1/256), not systematically.
+  same_first = h[:-1, 0] == h[1:, 0]
+  order = np.argsort(h[:, 0], kind="stable")
+  a, b = order[:-1], order[1:]
+  collide = h[a, 0] == h[b, 0]
+  both = np.mean(h[a[collide], 1] == h[b[collide], 1])
+  assert both < 3 / 256, both
+  assert same_first.mean() < 3 / 256
+
+
+def test_hash_ids_int64_and_bad_arguments():
+  x64 = (jax.enable_x64(True) if hasattr(jax, "enable_x64")   # newer jax
+         else __import__("jax.experimental", fromlist=["x"]).enable_x64())
+  with x64:   # int64 ids fold their high half in
+    h = np.asarray(pf.hash_ids(jnp.array([2**40 + 3, 3], jnp.int64), 1 << 20, 2))
+  assert (h[0] != h[1]).all()
+  with pytest.raises(ValueError, match="num_buckets"):
+    pf.hash_ids(jnp.arange(3), 1)
+  with pytest.raises(ValueError, match="num_hashes"):
+    pf.hash_ids(jnp.arange(3), 10, 0)
+  with pytest.raises(ValueError, match="integers"):
+    pf.hash_ids(jnp.arange(3.0), 10)
+
+
+def test_lookup_hash_embeddings_pads_with_zeros_without_gradient():
+  table = jnp.arange(12.0).reshape(4, 3) + 1
+  hashes = jnp.array([[0, 2], [3, 0]])
+  np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, hashes)[0, 0], 0.0)
+  np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, hashes)[0, 1], table[2])
+  grad = jax.grad(lambda t: pf.lookup_hash_embeddings(t, hashes).sum())(table)
+  np.testing.assert_array_equal(grad[:, 0], [0.0, 0.0, 1.0, 1.0])

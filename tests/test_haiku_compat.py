@@ -1,6 +1,6 @@
 """Haiku import/export: release tree names, round trips, errors, and numerical parity
-with the independent dm-haiku reference in `haiku_reference.py` (SPEC.md's example
-shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
+with the independent dm-haiku reference in `haiku_reference.py` (the specification's
+example shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
 
 import dataclasses
 import types

@@ -275,6 +275,20 @@ def test_missing_feature_fields_are_named():
     validate_inputs(config, batch._replace(history_dwell_times=None), emb)
 
 
+def test_runners_ignore_fields_the_model_does_not_read(ranker):
+  """With post age and dwell off, timestamps and dwell times are ignored whatever they
+  hold (as by the release): not validated, and not passed to the compiled program."""
+  batch, emb = _batch()
+  junk = batch._replace(impression_timestamps=np.full((9,), -5),
+                        candidate_post_timestamps=np.array([np.nan]),
+                        history_dwell_times="not an array")
+  expected = ranker.rank(batch, emb)
+  traces = dict(ranker.trace_counts)
+  for got in (ranker.rank(junk, emb), ranker.rank_chunked(junk, emb, 4)):
+    np.testing.assert_allclose(got.scores, expected.scores, atol=1e-6)
+  assert ranker.trace_counts["rank"] == traces["rank"]
+
+
 def test_chunked_scoring_rejects_bad_chunk_size_and_cache(ranker):
   batch, emb = _batch()
   for chunk_size in (0, -1, 2.5, True):

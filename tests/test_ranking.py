@@ -79,12 +79,46 @@ def test_without_isolation_later_candidates_change():
     dict(candidate_mask=[[0, 1, 1], [1, 0, 0]]),
     dict(history_valid=[0, 0]),
     dict(history_valid=[0, 4], user_valid=[False, True], candidate_mask=[[0, 0, 0], [1, 1, 1]]),
-], ids=["padded_candidates", "empty_history", "fully_padded_row"])
+    dict(history_valid=[0, 4], user_valid=[False, True], candidate_mask=None),
+], ids=["padded_candidates", "empty_history", "fully_padded_row", "padded_context"])
 def test_padding_gives_finite_outputs(impl, case):
   cfg = ranking_config(attention_impl=impl)
   out, diag = forward(model_for(cfg), *padded_batch(cfg, **case))
   assert np.all(np.isfinite(out.logits))
   assert np.all(np.isfinite(diag.max_abs_attn_logit)) and np.all(np.isfinite(diag.residual_rms))
+
+
+def test_padded_context_with_valid_candidates_matches_dense():
+  """A row whose user and history are all padding: each candidate attends to itself only.
+  The fast path's softmax must take the candidate's own logit into its row maximum, or
+  exp(own - (-1e30)) overflows."""
+  cfg = ranking_config()
+  batch, emb = padded_batch(cfg, history_valid=[0, 4], user_valid=[False, True],
+                            candidate_mask=None)
+  fast = forward(model_for(cfg), batch, emb)[0].logits
+  dense = forward(model_for(dataclasses.replace(cfg, attention_impl="dense")), batch, emb)[0]
+  assert np.all(np.isfinite(fast))
+  np.testing.assert_allclose(fast, dense.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+def test_padded_user_and_history_do_not_reach_candidates(impl):
+  """Padded tokens are masked as keys: the embeddings of a padded user (hash 0) and of
+  padded history items do not change any valid candidate's logits."""
+  cfg = ranking_config(attention_impl=impl)
+  model = model_for(cfg)
+  batch, emb = padded_batch(cfg, user_valid=[False, True])    # row 1: 2 padded items
+  base = forward(model, batch, emb)[0].logits
+  pad_SI = (batch.history_post_hashes[..., :1] == 0)[..., None]
+  moved = lambda x: jnp.where(pad_SI, 3.0 - 2.0 * x, x)
+  other = emb._replace(user_embeddings=emb.user_embeddings.at[0].multiply(-2.0),
+                       history_post_embeddings=moved(emb.history_post_embeddings),
+                       history_author_embeddings=moved(emb.history_author_embeddings))
+  changed = forward(model, batch, other)[0].logits
+  valid = np.asarray(CANDIDATE_MASK, bool)
+  np.testing.assert_allclose(changed[valid], base[valid], atol=1e-5)
+  live = emb._replace(user_embeddings=emb.user_embeddings.at[1].multiply(-2.0))
+  assert max_abs_diff(forward(model, batch, live)[0].logits[1], base[1]) > 1e-3
 
 
 @pytest.mark.parametrize("impl", ["isolated", "dense"])
@@ -277,6 +311,43 @@ def test_wrong_dtype_names_the_field():
     model(batch._replace(candidate_post_hashes=batch.candidate_post_hashes * 1.0), emb)
   with pytest.raises(AssertionError, match="user_embeddings"):
     model(batch, emb._replace(user_embeddings=emb.user_embeddings.astype(jnp.int32)))
+
+
+@pytest.mark.parametrize("entry", ["build_inputs", "build_context_tokens",
+                                   "build_candidate_tokens", "score_candidates"])
+def test_every_model_entry_point_names_a_bad_field(entry):
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  cache = model.encode_context(batch, emb)
+  call = {"score_candidates": lambda b, e: model.score_candidates(cache, b, e)}.get(
+      entry, getattr(model, entry))
+  call(batch, emb)
+  bad = emb._replace(candidate_post_embeddings=emb.candidate_post_embeddings[..., :-1])
+  if entry == "build_context_tokens":
+    bad = emb._replace(history_post_embeddings=emb.history_post_embeddings[..., :-1])
+  with pytest.raises(AssertionError, match="post_embeddings"):
+    call(batch, bad)
+  with pytest.raises(AssertionError, match="hashes must hold integers"):
+    call(batch._replace(candidate_post_hashes=batch.candidate_post_hashes * 1.0,
+                        history_post_hashes=batch.history_post_hashes * 1.0), emb)
+  if entry == "score_candidates":   # a batch of other users than the cache's
+    one = jax.tree.map(lambda x: x[:1], (batch, emb))
+    with pytest.raises(AssertionError, match="candidate_post_hashes"):
+      call(*one)
+
+
+def test_fields_the_model_does_not_read_are_ignored():
+  """Timestamps and dwell times count only with the options that read them (as released);
+  otherwise the model neither checks nor reads them."""
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  junk = batch._replace(impression_timestamps=jnp.full((7,), -1.5),
+                        candidate_post_timestamps=jnp.zeros((1,), bool),
+                        history_dwell_times=jnp.zeros((3, 2, 1)))
+  np.testing.assert_array_equal(model(junk, emb).logits, model(batch, emb).logits)
+  with pytest.raises(ValueError, match="impression_timestamps is required: "
+                     "post_age_granularity_mins is set"):
+    model_for(dataclasses.replace(cfg, post_age_granularity_mins=60))(batch, emb)
 
 
 def test_wrong_history_length_names_the_field():

@@ -159,3 +159,17 @@ def test_wrong_embedding_shape_names_the_field():
   emb = emb._replace(history_author_embeddings=emb.history_author_embeddings[..., :16])
   with pytest.raises(AssertionError, match="history_author_embeddings"):
     model.build_user_representation(batch, emb)
+
+
+def test_candidate_representation_checks_its_fields():
+  model, batch, emb = model_and_batch()
+  model.build_candidate_representation(batch, emb)
+  with pytest.raises(AssertionError, match="candidate_author_embeddings"):
+    model.build_candidate_representation(
+        batch, emb._replace(candidate_author_embeddings=emb.candidate_author_embeddings[..., :-1]))
+  with pytest.raises(AssertionError, match="candidate_post_embeddings must hold floats"):
+    model.build_candidate_representation(
+        batch, emb._replace(candidate_post_embeddings=emb.candidate_post_embeddings > 0))
+  with pytest.raises(AssertionError, match="candidate_post_hashes"):
+    model.build_candidate_representation(
+        batch._replace(candidate_post_hashes=batch.candidate_post_hashes[:1]), emb)

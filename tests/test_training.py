@@ -19,8 +19,9 @@ from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
-from phoenix_flax.training.loop import forward_with_new_companions, mix_companions
-from phoenix_flax.training.runner import _train_scalars, load_run
+from phoenix_flax.training import checkpoint
+from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
+from phoenix_flax.training.runner import _resume_step, _train_scalars, load_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,8 @@ def test_hash_tables_padding_is_zero_and_gets_no_gradient():
   post, _ = tables.post_embeddings(hashes, hashes % 3)
   assert np.all(np.asarray(post[0, 0]) == 0) and np.all(np.asarray(post[1, 1]) == 0)
   np.testing.assert_allclose(post[0, 1], tables.post_table[2])
-  grads = jax.grad(lambda t: jnp.sum(t.post_embeddings(hashes, hashes % 3)[0] ** 2))(tables)
+  # A linear loss: row 0 would get a gradient of 1 per padded slot without the mask.
+  grads = jax.grad(lambda t: jnp.sum(t.post_embeddings(hashes, hashes % 3)[0]))(tables)
   assert np.all(np.asarray(grads.post_table[0]) == 0)
   assert np.any(np.asarray(grads.post_table[2]) != 0)
   with pytest.raises(ValueError, match="post_buckets"):
@@ -249,6 +251,49 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   sb = jax.jit(sample_batch, static_argnums=(1, 2))(
       loaded.trainer.world, loaded.trainer.spec.train_split, 2, jax.random.PRNGKey(0))
   assert eqx.filter_jit(loaded.system)(sb.batch).shape == (2, 4, 19)
+
+
+def test_divergence_guard_freezes_a_seed_for_good():
+  """A non-finite step marks the seed diverged at that 1-based step and keeps its
+  parameters and optimizer state; later finite steps neither train it nor clear the flag."""
+  trainer = Trainer(parse_config(smoke_config()))
+  update = eqx.filter_jit(trainer.update)
+  state = unstack(trainer.init([0]), 0)
+  sb = trainer.sample_train_batch(trainer.world, state)
+  state, _ = update(state, sb)   # warmup starts at learning rate 0: step 1 changes nothing
+  same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)
+
+  fine, _ = update(state, sb)
+  assert not fine.diverged and int(fine.diverged_step) == -1 and int(fine.step) == 2
+  assert any(np.any(np.asarray(a) != np.asarray(b))
+             for a, b in zip(jax.tree.leaves(fine.params), jax.tree.leaves(state.params)))
+
+  leaves, tree = jax.tree.flatten(state.params)
+  leaves[0] = jnp.full_like(leaves[0], jnp.nan)
+  poisoned = eqx.tree_at(lambda s: s.params, state, jax.tree.unflatten(tree, leaves))
+  bad, _ = update(poisoned, sb)
+  assert bool(bad.diverged) and int(bad.diverged_step) == 2 and int(bad.step) == 2
+  same(bad.params, poisoned.params)
+  same(bad.opt_state, poisoned.opt_state)
+
+  healed = eqx.tree_at(lambda s: s.params, bad, state.params)
+  after, _ = update(healed, sb)
+  assert bool(after.diverged) and int(after.diverged_step) == 2 and int(after.step) == 3
+  same(after.params, healed.params)
+  same(after.opt_state, healed.opt_state)
+
+
+def test_resume_step_is_the_newest_every_seed_has(tmp_path):
+  """A kill between two seeds' checkpoint writes leaves them at different steps; the run
+  resumes from the newest step all seeds have."""
+  tree = {"w": jnp.arange(3.0)}
+  dirs = [str(tmp_path / "seed_0"), str(tmp_path / "seed_1")]
+  for d, steps in zip(dirs, ([10, 20], [10])):
+    for step in steps:
+      checkpoint.save(d, step, tree, keep=3)
+  assert _resume_step(dirs) == 10
+  assert _resume_step(dirs[:1]) == 20
+  assert _resume_step([str(tmp_path / "empty")]) == 0
 
 
 @pytest.mark.slow

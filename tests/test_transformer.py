@@ -205,6 +205,20 @@ def test_isolated_path_matches_dense_and_chunks():
   np.testing.assert_allclose(chunked, whole.embeddings, atol=1e-6)
 
 
+def test_score_candidates_default_positions_follow_the_context():
+  """Without explicit positions, cached scoring numbers candidates N, N+1, ... after an
+  N-token context, as the dense path's default positions 0..T-1 do."""
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(5))
+  x = inputs(1)
+
+  def isolated(t, x):
+    _, cache = t.encode_context(x[:, :OFFSET], PADDING[:, :OFFSET])
+    return t.score_candidates(x[:, OFFSET:], PADDING[:, OFFSET:], cache).embeddings
+
+  dense = call(lambda t, x: t(x, PADDING, OFFSET), tr, x).embeddings
+  np.testing.assert_allclose(call(isolated, tr, x), dense[:, OFFSET:], atol=1e-5)
+
+
 def test_rezero_layers_are_identity_at_init():
   cfg = transformer_config(param_init="rezero")
   tr = pf.Transformer(cfg, key=jax.random.key(5))

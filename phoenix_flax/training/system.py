@@ -17,15 +17,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.features import lookup_hash_embeddings
 from phoenix_flax.ranking import Diagnostics, PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput, retrieve_top_k
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
-
-
-def _lookup(table_ND: Array, hashes: Array) -> Array:
-  """`table[hashes]`, with hash 0 (padding) giving zeros and no gradient."""
-  emb = jnp.take(table_ND, hashes, axis=0, mode="clip")
-  return emb * (hashes != 0)[..., None].astype(emb.dtype)
 
 
 class HashEmbeddingTables(eqx.Module):
@@ -52,7 +47,7 @@ class HashEmbeddingTables(eqx.Module):
 
   def post_embeddings(self, post_hashes: Array, author_hashes: Array) -> tuple[Array, Array]:
     """Post `[..., I, D]` and author `[..., Au, D]` embeddings of candidate-like items."""
-    return _lookup(self.post_table, post_hashes), _lookup(self.author_table, author_hashes)
+    return lookup_hash_embeddings(self.post_table, post_hashes), lookup_hash_embeddings(self.author_table, author_hashes)
 
   def __call__(self, batch: RecsysBatch) -> RecsysEmbeddings:
     """Looks up every hash of a batch (the release's `RecsysEmbeddings`)."""
@@ -61,7 +56,7 @@ class HashEmbeddingTables(eqx.Module):
     cand_post, cand_author = self.post_embeddings(batch.candidate_post_hashes,
                                                   batch.candidate_author_hashes)
     return RecsysEmbeddings(
-        user_embeddings=_lookup(self.user_table, batch.user_hashes),
+        user_embeddings=lookup_hash_embeddings(self.user_table, batch.user_hashes),
         history_post_embeddings=hist_post,
         candidate_post_embeddings=cand_post,
         history_author_embeddings=hist_author,
