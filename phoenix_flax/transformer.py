@@ -43,6 +43,22 @@ class ContextCache(NamedTuple):
 AttendFn = Callable[[MultiHeadAttention, Array], tuple[Array, Array]]
 
 
+def _check_tokens(config: TransformerConfig, what: str, x_BTD: Array, mask_BT: Array,
+                  positions_BT: Optional[Array] = None, batch_size: Optional[int] = None
+                  ) -> None:
+  """Token embeddings `[B, T, emb_size]` with a `[B, T]` padding mask (and positions)."""
+  if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != config.emb_size:
+    raise ValueError(f"{what} must be [B, T, emb_size={config.emb_size}], got shape "
+                     f"{getattr(x_BTD, 'shape', type(x_BTD).__name__)}")
+  B, T = x_BTD.shape[:2]
+  if batch_size is not None and B != batch_size:
+    raise ValueError(f"{what} holds {B} users, the cache {batch_size}")
+  for name, x in (("padding_mask", mask_BT), ("positions", positions_BT)):
+    if x is not None and tuple(getattr(x, "shape", ())) != (B, T):
+      raise ValueError(f"{what}: {name} has shape {tuple(getattr(x, 'shape', ()))}, "
+                       f"expected {(B, T)}")
+
+
 class DecoderLayer(eqx.Module):
   """One Grok layer. Norms present depend on `norm_layout`:
 
@@ -210,9 +226,8 @@ class Transformer(eqx.Module):
 
     `candidate_start_offset` selects the recsys mask, otherwise the causal mask.
     """
+    _check_tokens(self.config, "embeddings", embeddings, padding_mask, positions)
     B, T, _ = embeddings.shape
-    if padding_mask.shape != (B, T):
-      raise ValueError(f"padding_mask has shape {padding_mask.shape}, expected {(B, T)}")
     if candidate_start_offset is None:
       structure = causal_mask(T, embeddings.dtype)
     else:
@@ -227,6 +242,7 @@ class Transformer(eqx.Module):
                      positions_BN: Optional[Array] = None,
                      ) -> tuple[TransformerOutput, ContextCache]:
     """Runs the context (user + history) causally and caches each layer's keys/values."""
+    _check_tokens(self.config, "context", embeddings_BND, padding_mask_BN, positions_BN)
     B, N, _ = embeddings_BND.shape
     padding_mask_BN = padding_mask_BN.astype(bool)
     pos = _default_positions(B, N) if positions_BN is None else positions_BN
@@ -254,6 +270,8 @@ class Transformer(eqx.Module):
                        cache: ContextCache, positions_BC: Optional[Array] = None,
                        ) -> TransformerOutput:
     """Runs isolated candidates against a `ContextCache` (any number of candidates)."""
+    _check_tokens(self.config, "candidates", embeddings_BCD, padding_mask_BC, positions_BC,
+                  cache.padding_mask.shape[0])
     B, C, _ = embeddings_BCD.shape
     N = cache.padding_mask.shape[1]
     pos = _default_positions(B, C, N) if positions_BC is None else positions_BC
@@ -277,6 +295,9 @@ class Transformer(eqx.Module):
     Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
     output and GeGLU matmul over all tokens, and only attention is split in two.
     """
+    _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
+    _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
+                  candidate_positions_BC, context_BND.shape[0])
     B, N, _ = context_BND.shape
     C = candidates_BCD.shape[1]
     ctx_pos = _default_positions(B, N) if context_positions_BN is None else context_positions_BN

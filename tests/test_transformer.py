@@ -254,3 +254,20 @@ def test_padding_mask_shape_is_checked():
   tr = pf.Transformer(transformer_config(num_layers=1), key=jax.random.key(8))
   with pytest.raises(ValueError, match="padding_mask"):
     tr(inputs(), PADDING[:, :-1])
+
+
+def test_every_entry_point_checks_its_tokens():
+  tr = pf.Transformer(transformer_config(num_layers=1), key=jax.random.key(8))
+  x, D = inputs(), transformer_config().emb_size
+  ctx, cand = x[:, :OFFSET], x[:, OFFSET:]
+  _, cache = tr.encode_context(ctx, PADDING[:, :OFFSET])
+  with pytest.raises(ValueError, match=f"embeddings must be \\[B, T, emb_size={D}\\]"):
+    tr(x[..., :-1], PADDING)
+  with pytest.raises(ValueError, match="positions has shape"):
+    tr(x, PADDING, OFFSET, positions()[:, :-1])
+  with pytest.raises(ValueError, match="context must be"):
+    tr.encode_context(ctx[0], PADDING[0, :OFFSET])
+  with pytest.raises(ValueError, match="candidates holds 1 users, the cache 2"):
+    tr.score_candidates(cand[:1], PADDING[:1, OFFSET:], cache)
+  with pytest.raises(ValueError, match="candidates: padding_mask"):
+    tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, :OFFSET])
