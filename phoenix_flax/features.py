@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig
@@ -75,20 +76,24 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
   is False. Deterministic; ids are taken modulo 2**32 (int64 ids fold their high half in
   first when x64 is enabled).
   """
-  if not 1 <= num_hashes <= len(_HASH_SEEDS):
-    raise ValueError(f"num_hashes must lie in [1, {len(_HASH_SEEDS)}], got {num_hashes}")
-  if not isinstance(num_buckets, int) or num_buckets < 2:
-    raise ValueError(f"num_buckets must be an int >= 2 (bucket 0 is padding), got "
-                     f"{num_buckets!r}")
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+  if not is_int(num_hashes) or not 1 <= num_hashes <= len(_HASH_SEEDS):
+    raise ValueError(f"num_hashes must be an int in [1, {len(_HASH_SEEDS)}], got "
+                     f"{num_hashes!r}")
+  if not is_int(num_buckets) or not 2 <= num_buckets <= np.iinfo(np.int32).max:
+    raise ValueError(f"num_buckets must be an int in [2, 2**31 - 1] (bucket 0 is padding), "
+                     f"got {num_buckets!r}")
   ids = jnp.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must hold integers, got dtype {ids.dtype}")
+  if valid is not None and tuple(np.shape(valid)) != ids.shape:
+    raise ValueError(f"valid has shape {tuple(np.shape(valid))}, the ids {ids.shape}")
   if ids.dtype.itemsize == 8:
     ids = ids ^ (ids >> 32)
   x = ids.astype(jnp.uint32)[..., None]
-  seeds = jnp.asarray(_HASH_SEEDS[:num_hashes], jnp.uint32)
+  seeds = jnp.asarray(_HASH_SEEDS[:int(num_hashes)], jnp.uint32)
   mixed = _mix32(_mix32(x ^ seeds) + seeds)
-  hashes = (1 + mixed % jnp.uint32(num_buckets - 1)).astype(jnp.int32)
+  hashes = (1 + mixed % jnp.uint32(int(num_buckets) - 1)).astype(jnp.int32)
   if valid is not None:
     hashes = jnp.where(jnp.asarray(valid, bool)[..., None], hashes, 0)
   return hashes

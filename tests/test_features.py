@@ -137,6 +137,12 @@ def test_hash_ids_int64_and_bad_arguments():
     pf.hash_ids(jnp.arange(3), 10, 0)
   with pytest.raises(ValueError, match="integers"):
     pf.hash_ids(jnp.arange(3.0), 10)
+  with pytest.raises(ValueError, match="num_buckets"):
+    pf.hash_ids(jnp.arange(3), 2**31)
+  with pytest.raises(ValueError, match="valid has shape"):
+    pf.hash_ids(jnp.arange(3), 10, valid=jnp.ones((1,), bool))
+  np.testing.assert_array_equal(pf.hash_ids(jnp.arange(3), np.int64(10), np.int32(2)),
+                                pf.hash_ids(jnp.arange(3), 10, 2))
 
 
 def test_lookup_hash_embeddings_pads_with_zeros_without_gradient():

@@ -47,7 +47,8 @@ class HashEmbeddingTables(eqx.Module):
 
   def post_embeddings(self, post_hashes: Array, author_hashes: Array) -> tuple[Array, Array]:
     """Post `[..., I, D]` and author `[..., Au, D]` embeddings of candidate-like items."""
-    return lookup_hash_embeddings(self.post_table, post_hashes), lookup_hash_embeddings(self.author_table, author_hashes)
+    return (lookup_hash_embeddings(self.post_table, post_hashes),
+            lookup_hash_embeddings(self.author_table, author_hashes))
 
   def __call__(self, batch: RecsysBatch) -> RecsysEmbeddings:
     """Looks up every hash of a batch (the release's `RecsysEmbeddings`)."""
