@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ablations
-from ablations import run_all, stats, sweep
+from ablations import report, run_all, stats, sweep
 from phoenix_flax.training import run_dirs
 from phoenix_flax.training.schema import seed_config
 
@@ -152,6 +152,12 @@ def test_sweep_results_stats_and_report(tmp_path):
     assert row["delta"] == pytest.approx(d.mean())
     assert row["p_value"] == pytest.approx(2 * stats.t_cdf(-abs(t), d.size - 1))
     assert row["test"] == "paired t of seed means"
+  # Holm families: one per metric among the per-condition rows, one among the pooled rows.
+  for rows in (on_disk["comparisons"], on_disk["pooled_comparisons"]):
+    for metric in {r["metric"] for r in rows}:
+      family = [r for r in rows if r["metric"] == metric]
+      assert [r["p_holm"] for r in family] == stats.holm([r["p_value"] for r in family])
+    assert any(r["p_holm"] > r["p_value"] for r in rows)   # the adjustment does something
   rate = pooled[("c", "diverged")]
   assert rate["delta"] == pytest.approx(0.5 / 4) and rate["n"] == 4
   assert pooled[("b", "diverged")]["ci95"] is None   # no divergence: no CI
@@ -169,6 +175,28 @@ def test_sweep_results_stats_and_report(tmp_path):
   for png in ("curves.png", "effects.png"):
     assert (tmp_path / png).stat().st_size > 1000
     assert f"({png})" in text
+
+
+def test_which_side_of_a_metric_is_better():
+  """The verdict's better/worse reading of every metric the ablations report."""
+  assert sweep.BETTER == {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower",
+                          "diverged": "lower", "calibration_error": "lower",
+                          "score_consistency": "lower", "auc": "higher", "loss": "lower"}
+  assert sweep.better("eval/recall@10") == "higher" and sweep.better("ndcg@5") == "higher"
+  assert sweep.better("shift_mean/logloss") == "lower"
+  assert sweep.better("bayes_recall@10") is None
+
+
+def test_verdict_uses_the_holm_adjusted_p():
+  row = {"p_value": 0.03, "p_holm": 0.09, "delta": 0.01, "n": 3}
+  assert report.verdict(row, "higher") == "no significant difference"
+  assert report.verdict({**row, "p_holm": 0.04}, "higher") == \
+      "significantly higher (better)"
+  assert report.verdict({**row, "p_holm": 0.04, "delta": -0.01}, "higher") == \
+      "significantly lower (worse)"
+  assert report.verdict({**row, "p_holm": 0.04}, None) == "significantly higher"
+  assert report.verdict({"p_value": None, "delta": None, "n": 1}, "higher") == \
+      "not testable (1 complete pairs)"
 
 
 def test_small_effect_reads_not_significant(tmp_path):

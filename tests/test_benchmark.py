@@ -57,6 +57,14 @@ def test_run_benchmark_reports_every_field(tmp_path):
     for field in ("speedup", "candidates_per_s", "achieved_gflops", "matmul_gflops", "mfu",
                   "useful_gflop"):
       assert r[field] > 0, (name, field)
+    # The derived figures follow from the timings (matmul: 2 n^3 FLOPs).
+    fast = r["fast"]["median_s"]
+    assert r["matmul_gflops"] == pytest.approx(2 * 64 ** 3 / r["matmul_median_s"] / 1e9)
+    assert r["achieved_gflops"] == pytest.approx(r["useful_gflop"] / fast)
+    assert r["mfu"] == pytest.approx(r["achieved_gflops"] / r["matmul_gflops"])
+    assert r["speedup"] == pytest.approx(r["reference"]["median_s"] / fast)
+    assert r["candidates_per_s"] == pytest.approx(
+        r["case"]["batch"] * r["case"]["candidates"] / fast)
   assert report["configs"]["full"]["max_abs_logit_diff"] <= 1e-5
   chunked = report["configs"]["chunked"]
   assert chunked["max_abs_prob_diff"] <= 1e-5 and chunked["max_abs_prob_diff_dense"] <= 1e-5

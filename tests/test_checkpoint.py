@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
 from phoenix_flax.training import runner
 from phoenix_flax.training.runner import load_run
+from phoenix_flax.training.schema import parse_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,6 +174,43 @@ def test_atomic_file_replaces_only_on_success_and_syncs_the_folder(tmp_path, mon
   with pytest.raises(ValueError, match="mode='a'"):
     with writers.atomic_file(str(path), "a"):
       pass
+
+
+def test_write_json_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
+  """result.json and config.json go through atomic_file: a write that fails midway (a kill,
+  a full disk) leaves the previous content, never a truncated file that reads as done."""
+  path = tmp_path / "result.json"
+  writers.write_json(str(path), {"steps": 20})
+
+  def partial_dump(obj, f, **kw):
+    f.write('{"steps": 4')
+    raise OSError("disk full")
+
+  monkeypatch.setattr(json, "dump", partial_dump)
+  with pytest.raises(OSError, match="disk full"):
+    writers.write_json(str(path), {"steps": 40})
+  assert json.loads(path.read_text()) == {"steps": 20}
+  assert os.listdir(tmp_path) == ["result.json"]
+
+
+def test_placement_needs_batches_and_sharded_tables_that_divide_the_devices():
+  """Checked before any work, not discovered inside jit midway through a run."""
+  eight = types.SimpleNamespace(num_devices=8, shard_hash_tables=True)
+  ok = ranking_configs.get_config("smoke")
+  ok.train.update(batch_size=16, eval_batch_size=16)
+  ok.world.update(user_buckets=256, post_buckets=512, author_buckets=64)
+  runner._validate_placement(parse_config(ok), eight)
+  for section, field, value in (("train", "batch_size", 12), ("train", "eval_batch_size", 12),
+                                ("world", "post_buckets", 1001)):
+    bad = ranking_configs.get_config("smoke")
+    bad.train.update(batch_size=16, eval_batch_size=16)
+    bad.world.update(user_buckets=256, post_buckets=512, author_buckets=64)
+    bad[section][field] = value
+    with pytest.raises(ConfigError, match=f"config.{section}.{field}={value} is invalid"):
+      runner._validate_placement(parse_config(bad), eight)
+  bad.world.post_buckets = 1001   # unsharded tables may have any size
+  runner._validate_placement(parse_config(bad), types.SimpleNamespace(
+      num_devices=8, shard_hash_tables=False))
 
 
 def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):

@@ -127,6 +127,8 @@ def test_rank_orders_by_favorite_with_padding_last(ranker):
   for b, valid in ((0, ranked[0, :4]), (1, ranked[1])):
     fav = scores[b, valid, 0]
     assert np.all(fav[:-1] >= fav[1:])
+  chunked = ranker.rank_chunked(batch, emb, 4)   # padding last within and across chunks
+  np.testing.assert_array_equal(chunked.ranked_indices, out.ranked_indices)
   with pytest.raises(ValueError, match="valid names: favorite_score, reply_score"):
     out.action("like_score")
 
@@ -289,6 +291,23 @@ def test_runners_ignore_fields_the_model_does_not_read(ranker):
   assert ranker.trace_counts["rank"] == traces["rank"]
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("impression_timestamps", -5, "timestamps must be >= 0"),
+    ("candidate_post_timestamps", -1, "timestamps must be >= 0"),
+    ("history_dwell_times", np.nan, "dwell times must be finite"),
+    ("history_dwell_times", np.inf, "dwell times must be finite"),
+    ("history_actions", -1, "0 or 1"),
+])
+def test_feature_values_are_validated(field, value, message):
+  config = dataclasses.replace(RANKING, post_age_granularity_mins=60,
+                               dwell_time_norm=NormConfig())
+  batch, emb = _batch(config)
+  x = np.array(getattr(batch, field))
+  x.flat[0] = value
+  with pytest.raises(ValueError, match=f"{field} holds .*{message}"):
+    validate_inputs(config, batch._replace(**{field: x}), emb)
+
+
 def test_chunked_scoring_rejects_bad_chunk_size_and_cache(ranker):
   batch, emb = _batch()
   for chunk_size in (0, -1, 2.5, True):
@@ -358,6 +377,14 @@ def test_retrieval_runner_retrieve(retriever, corpus):
   masked = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask)
   assert np.all(mask[np.asarray(masked.top_k_indices)])
   np.testing.assert_array_equal(masked.top_k_post_ids, np.asarray(ids_N)[masked.top_k_indices])
+  as_ints = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask.astype(np.int32))
+  np.testing.assert_array_equal(as_ints.top_k_indices, masked.top_k_indices)
+
+  # Candidate fields play no part in retrieval: another candidate count compiles nothing.
+  traces = retriever.trace_counts["retrieve"]
+  other, other_emb = _batch(RETRIEVAL, batch_size=3, num_candidates=9)
+  retriever.retrieve(other, other_emb, top_k=10)
+  assert retriever.trace_counts["retrieve"] == traces
 
 
 def test_encode_corpus_is_the_candidate_tower(retriever):

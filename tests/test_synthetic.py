@@ -13,6 +13,7 @@ import pytest
 import phoenix_flax as pf
 from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
                                     sample_batch, true_logits, user_interest)
+from phoenix_flax.synthetic.sampling import _history_lengths
 from phoenix_flax.synthetic.world import history_weights
 from phoenix_flax.training.metrics import per_action_auc
 
@@ -194,6 +195,36 @@ def test_list_correlation_gives_each_list_one_session_topic():
   topics = np.asarray(session.candidate_post_ids) % SMALL.num_topics
   assert topics.shape == (64, 9) and np.all(topics == topics[:, :1])
   assert len(np.unique(topics[:, 0])) > 1
+
+
+def test_list_correlation_moves_the_interest_labels_are_drawn_from():
+  """A correlated list shifts the user's interest toward its session topic (by
+  list_correlation * session_scale), and the list's probabilities come from that interest."""
+  w = world()
+  T = SMALL.num_topics
+  for corr in (1.0, 0.5):
+    split = SplitConfig(relevant_fraction=1.0, list_correlation=corr)
+    sb = sample(w, split, 64, jax.random.PRNGKey(1))
+    base = user_interest(w, sb.user_ids, jnp.maximum(sb.history_post_ids, 0), sb.history_len)
+    moved = np.asarray(sb.interest) - np.asarray(base)
+    scale = np.linalg.norm(moved, axis=-1)
+    np.testing.assert_allclose(scale, corr * SMALL.session_scale, rtol=1e-4)
+    if corr == 1.0:   # every list is its session topic's (see the test above)
+      topic = np.asarray(sb.candidate_post_ids)[:, 0] % T
+      np.testing.assert_allclose(moved, SMALL.session_scale * np.asarray(w.topic_vecs_TL)[topic],
+                                 atol=1e-5)
+
+
+def test_log_uniform_history_lengths():
+  """log_uniform draws n with P(n) = log((n+2)/(n+1)) / log((max+2)/(min+1)): every length
+  from min to max, short ones most often."""
+  u = jax.random.uniform(jax.random.PRNGKey(0), (200_000,))
+  n = np.asarray(_history_lengths(SplitConfig(history_dist="log_uniform"), 12, u))
+  assert n.min() == 1 and n.max() == 12
+  lengths = np.arange(1, 13)
+  expected = np.log((lengths + 2) / (lengths + 1)) / np.log(14 / 2)
+  got = np.bincount(n, minlength=13)[1:] / n.size
+  np.testing.assert_allclose(got, expected, atol=0.005)
 
 
 def test_post_age_decays_positive_actions_only():

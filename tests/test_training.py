@@ -308,6 +308,8 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert f"diverged at step {result['diverged_at_step']}" in out
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert rows and rows[-1]["step"] <= 40
+  # Training stops once every seed has diverged; `steps` counts the steps run.
+  assert result["steps"] == max(r["step"] for r in rows) < 40
 
 
 def test_every_training_statistic_is_logged():
