@@ -145,6 +145,7 @@ def test_rank_compiles_once_per_shape(ranker):
 def test_chunked_scoring_equals_scoring_at_once(ranker):
   batch, emb = _batch(batch_size=1, num_candidates=NUM_MANY)
   at_once = ranker.rank(batch, emb)
+  before = dict(ranker.trace_counts)   # the fixture is shared with other tests
   chunked = ranker.rank_chunked(batch, emb, chunk_size=64)
   assert chunked.scores.shape == (1, NUM_MANY, 19)
   np.testing.assert_allclose(chunked.scores, at_once.scores, atol=1e-5, rtol=0)
@@ -152,13 +153,14 @@ def test_chunked_scoring_equals_scoring_at_once(ranker):
   assert np.all(fav[:-1] >= fav[1:])
   assert sorted(np.asarray(chunked.ranked_indices[0]).tolist()) == list(range(NUM_MANY))
   # One compiled chunk program serves all 32 chunks and any later candidate count.
-  assert ranker.trace_counts["score_candidates"] == 1
+  compiled = dict(ranker.trace_counts)
+  for name in ("score_candidates", "encode_context"):
+    assert compiled[name] - before.get(name, 0) <= 1
   small, small_emb = _batch(batch_size=1, num_candidates=130)
   cache = ranker.encode_context(small, small_emb)
   assert ranker.score_candidates(cache, small, small_emb, chunk_size=64).scores.shape == (
       1, 130, 19)
-  assert ranker.trace_counts["score_candidates"] == 1
-  assert ranker.trace_counts["encode_context"] == 1
+  assert dict(ranker.trace_counts) == compiled
 
 
 def test_right_anchored_positions_need_left_aligned_history(anchored_ranker, ranker):
