@@ -86,6 +86,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   assert got["final"] == want["final"]
   assert got["steps"] == want["steps"] == 40 and got["diverged"] is False
   assert _curve(killed) == _curve(straight)
+  # Wall time carries over the kill: the resumed rows continue from the checkpoint's.
+  walls = [r["wall_seconds"] for r in _rows(killed)]
+  assert walls == sorted(walls) and got["wall_seconds"] >= walls[-1]
   assert checkpoint.available_steps(killed)[-1] == 40
 
   # Finished: the same call is skipped (nothing rewritten); another config is refused.
@@ -106,6 +109,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   assert late.returncode == 0, late.stderr[-3000:]
   late = json.load(open(os.path.join(killed, "result.json")))
   assert late["final"] == want["final"] and late["steps"] == 40
+  assert late["wall_seconds"] >= walls[-1]
   assert late["examples_per_second"] > 0
   assert _curve(killed) == _curve(straight)
 

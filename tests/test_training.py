@@ -246,6 +246,16 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
                          "examples_per_second"}
   assert result["steps"] == 40 and result["diverged"] is False
   assert result["num_seeds_vmapped"] == 2 and result["final"]["bayes_auc_mean"] > 0.5
+  # Throughput counts the examples of both seeds: batch 8 x 2 per step, over the timed
+  # chunks (every chunk after the first, which compiles).
+  rows = [json.loads(line) for line in open(tmp_path / "both" / "seed_1" / "metrics.jsonl")]
+  for row in rows:
+    assert row["perf/examples_per_second"] == pytest.approx(
+        16 * row["perf/steps_per_second"], rel=1e-9)
+  timed = rows[1:]
+  expected = len(timed) * 10 * 16 / sum(10 / r["perf/steps_per_second"] for r in timed)
+  assert result["examples_per_second"] == pytest.approx(expected, rel=1e-6)
+  assert together[0]["examples_per_second"] == result["examples_per_second"]
   loaded = load_run(str(tmp_path / "both" / "seed_1"))
   assert loaded.step == 40
   sb = jax.jit(sample_batch, static_argnums=(1, 2))(
