@@ -215,6 +215,19 @@ def test_list_correlation_moves_the_interest_labels_are_drawn_from():
                                  atol=1e-5)
 
 
+def test_history_dwell_times_follow_the_dwell_action():
+  """Dwell times are long (>= 10 s) where the binary long-dwell action (the last one)
+  fired, short (3 s on average) where it did not, and 0 at padding."""
+  sb = sample(world(), SplitConfig(), BIG, jax.random.PRNGKey(3))
+  dwell = np.asarray(sb.batch.history_dwell_times)
+  long = np.asarray(sb.batch.history_actions)[..., -1] == 1
+  valid = np.asarray(sb.batch.history_post_hashes)[..., 0] != 0
+  assert long.any() and (valid & ~long).any()
+  assert np.all(dwell[long] >= 10.0)
+  assert abs(dwell[valid & ~long].mean() - 3.0) < 0.3
+  assert np.all(dwell[~valid] == 0.0)
+
+
 def test_log_uniform_history_lengths():
   """log_uniform draws n with P(n) = log((n+2)/(n+1)) / log((max+2)/(min+1)): every length
   from min to max, short ones most often."""
