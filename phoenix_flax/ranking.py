@@ -145,8 +145,12 @@ class PhoenixModel(eqx.Module):
   def build_context_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                            ) -> tuple[Array, Array]:
     """User + history tokens `[B, 1+S, D]` (forward dtype) and their padding mask."""
-    c = self.config
     self._check(batch, embeddings, with_candidates=False)
+    return self._context_tokens(batch, embeddings)
+
+  def _context_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                      ) -> tuple[Array, Array]:
+    c = self.config
     extra = ()
     if c.dwell_time_norm is not None:
       extra = (features.dwell_time_embedding(batch.history_dwell_times, c.dwell_time_norm,
@@ -156,8 +160,12 @@ class PhoenixModel(eqx.Module):
   def build_candidate_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                              ) -> tuple[Array, Array]:
     """Candidate tokens `[B, C, D]` (forward dtype) and their padding mask `[B, C]`."""
-    c = self.config
     self._check_candidates(batch, embeddings)
+    return self._candidate_tokens(batch, embeddings)
+
+  def _candidate_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                        ) -> tuple[Array, Array]:
+    c = self.config
     surface_BCD = features.single_hot_embedding(batch.candidate_product_surface,
                                                 self.product_surface_embedding_table)
     extra = ()
@@ -175,8 +183,12 @@ class PhoenixModel(eqx.Module):
                    ) -> tuple[Array, Array, int]:
     """The release's sequence: `[B, 1+S+C, D]`, padding mask `[B, T]`, offset `1+S`."""
     self._check(batch, embeddings)
-    ctx_BND, ctx_mask_BN = self.build_context_tokens(batch, embeddings)
-    cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
+    return self._inputs(batch, embeddings)
+
+  def _inputs(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+              ) -> tuple[Array, Array, int]:
+    ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
+    cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     return (jnp.concatenate([ctx_BND, cand_BCD], axis=1),
             jnp.concatenate([ctx_mask_BN, cand_mask_BC], axis=1), ctx_BND.shape[1])
 
@@ -209,7 +221,7 @@ class PhoenixModel(eqx.Module):
       raise ValueError("score_candidates needs candidate_isolation=True: without it a "
                        "candidate's score depends on the candidates before it")
     self._check_candidates(batch, embeddings, cache.padding_mask.shape[0])
-    cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
+    cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     out = self.transformer.score_candidates(
         cand_BCD, cand_mask_BC, cache, self.candidate_positions(cand_mask_BC, first_index))
     return self._head(out.embeddings)
@@ -228,14 +240,14 @@ class PhoenixModel(eqx.Module):
     c = self.config
     self._check(batch, embeddings)
     if c.candidate_isolation and c.attention_impl == "isolated":
-      ctx_BND, ctx_mask_BN = self.build_context_tokens(batch, embeddings)
-      cand_BCD, cand_mask_BC = self.build_candidate_tokens(batch, embeddings)
+      ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
+      cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
       out = self.transformer.isolated(ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC,
                                       self.context_positions(ctx_mask_BN),
                                       self.candidate_positions(cand_mask_BC))
       return (self._head(out.embeddings[:, ctx_BND.shape[1]:]),
               Diagnostics(out.max_abs_attn_logit, out.residual_rms))
-    tokens_BTD, mask_BT, offset = self.build_inputs(batch, embeddings)
+    tokens_BTD, mask_BT, offset = self._inputs(batch, embeddings)
     positions = None
     if c.right_anchored_rope:
       positions = right_anchored_rope_positions(mask_BT, c.history_seq_len, 1)
