@@ -232,6 +232,17 @@ class PhoenixModelConfig:
     return 1 + self.history_seq_len
 
   @property
+  def optional_batch_fields(self) -> frozenset[str]:
+    """The optional `RecsysBatch` fields this model reads (and so requires); the others
+    are ignored whatever they hold."""
+    fields = set()
+    if self.post_age_granularity_mins is not None:
+      fields |= {"impression_timestamps", "candidate_post_timestamps"}
+    if self.dwell_time_norm is not None:
+      fields.add("history_dwell_times")
+    return frozenset(fields)
+
+  @property
   def num_post_age_buckets(self) -> int:
     return POST_AGE_MAX_MINUTES // self.post_age_granularity_mins + 2
 
@@ -261,6 +272,11 @@ class PhoenixRetrievalModelConfig:
     _validate_common(c, self)
     _positive_int(c, "num_actions", self.num_actions)
     _bool(c, "enable_linear_proj", self.enable_linear_proj)
+
+  @property
+  def optional_batch_fields(self) -> frozenset[str]:
+    """The optional `RecsysBatch` fields this model reads: none."""
+    return frozenset()
 
   def make(self, *, key):
     from phoenix_flax.retrieval import PhoenixRetrievalModel

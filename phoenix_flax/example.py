@@ -80,12 +80,12 @@ def example_batch(config: Config, batch_size: int, key: PRNGKeyArray, *,
       candidate_post_hashes=hashes(B, C, I),
       candidate_author_hashes=hashes(B, C, Au),
       candidate_product_surface=rng.integers(0, V, (B, C)))
-  if getattr(config, "post_age_granularity_mins", None) is not None:
+  if "impression_timestamps" in config.optional_batch_fields:
     fields["impression_timestamps"] = np.full((B,), IMPRESSION_TIMESTAMP)
     fields["candidate_post_timestamps"] = (
         IMPRESSION_TIMESTAMP - rng.integers(0, MAX_POST_AGE_SECONDS, (B, C)))
   batch = RecsysBatch(**{f: jnp.asarray(x, jnp.int32) for f, x in fields.items()})
-  if getattr(config, "dwell_time_norm", None) is not None:
+  if "history_dwell_times" in config.optional_batch_fields:
     dwell_BS = keep(rng.uniform(0.0, MAX_DWELL_SECONDS, (B, S)))
     batch = batch._replace(history_dwell_times=jnp.asarray(dwell_BS, jnp.float32))
 

@@ -155,10 +155,10 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
               ("candidate_author_hashes", (B, C, Au), "B, C, num_author_hashes", "int"),
               ("candidate_product_surface", (B, C), "B, C", "int")]
     # Timestamps and dwell times are checked (and required) only when the model reads them.
-    if getattr(config, "post_age_granularity_mins", None) is not None:
+    if "impression_timestamps" in config.optional_batch_fields:
       specs += [("impression_timestamps", (B,), "B", "int"),
                 ("candidate_post_timestamps", (B, C), "B, C", "int")]
-  if getattr(config, "dwell_time_norm", None) is not None:
+  if "history_dwell_times" in config.optional_batch_fields:
     specs.append(("history_dwell_times", (B, S), "B, history_seq_len", "any"))
   for name, shape, dims, kind in specs:
     _field("batch", name, getattr(batch, name), shape, dims, kind)
@@ -209,12 +209,8 @@ def _unread_dropped(config, batch):
   hold is ignored, as by the release (and never reaches the compiled program)."""
   if not isinstance(batch, RecsysBatch):
     return batch   # validate_inputs names the type
-  drop = {}
-  if getattr(config, "post_age_granularity_mins", None) is None:
-    drop.update(impression_timestamps=None, candidate_post_timestamps=None)
-  if getattr(config, "dwell_time_norm", None) is None:
-    drop.update(history_dwell_times=None)
-  return batch._replace(**drop)
+  return batch._replace(**{name: None for name in RecsysBatch._field_defaults
+                           if name not in config.optional_batch_fields})
 
 
 def _count(name: str, value, low: int, high: Optional[int] = None, what: str = "") -> int:

@@ -16,7 +16,8 @@ class RecsysBatch(NamedTuple):
   """Hashed ids and features. Hash 0 is padding; actions are 0/1.
 
   The optional later-release fields count only when the model's config reads them:
-  timestamps with `post_age_granularity_mins`, dwell times with `dwell_time_norm`.
+  timestamps with `post_age_granularity_mins`, dwell times with `dwell_time_norm`
+  (`config.optional_batch_fields` names them).
   Otherwise they are ignored (as by the release), whatever they hold: neither the model
   nor the runners check them.
   """

@@ -29,6 +29,18 @@ def test_defaults_are_the_release_forward_pass_except_dtype_and_init():
   assert cfg.candidate_start_offset == 1 + cfg.history_seq_len
 
 
+def test_optional_batch_fields_follow_the_feature_switches():
+  assert ranking_config().optional_batch_fields == frozenset()
+  assert ranking_config(post_age_granularity_mins=60).optional_batch_fields == {
+      "impression_timestamps", "candidate_post_timestamps"}
+  assert ranking_config(dwell_time_norm=pf.NormConfig()).optional_batch_fields == {
+      "history_dwell_times"}
+  assert retrieval_config().optional_batch_fields == frozenset()
+  # Every name is an optional field of RecsysBatch.
+  both = ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig())
+  assert both.optional_batch_fields == set(pf.RecsysBatch._field_defaults)
+
+
 def test_fprop_dtype_accepts_dtype_objects():
   assert ranking_config(fprop_dtype=jnp.bfloat16).fprop_dtype == "bfloat16"
   assert retrieval_config(fprop_dtype=jnp.float32).fprop_dtype == "float32"
