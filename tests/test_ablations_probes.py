@@ -6,6 +6,8 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ablations import (candidate_isolation, gqa_ratio, probes, rope_anchoring,
@@ -35,6 +37,33 @@ def test_slot_sensitivity_is_zero_only_when_slots_share_a_position(rope_contexts
            for arm, ctx in rope_contexts.items()}
   assert found["right_anchored"] == 0.0       # equal logits in every slot, bit for bit
   assert found["sequential"] > 1e-4
+
+
+def test_slot_sensitivity_averages_valid_candidates_only(rope_contexts):
+  """On a padded list: the figure is the mean of per-candidate figures over the mask, and
+  what the padded slots hold does not count (isolation: nothing reaches the valid ones)."""
+  ctx = rope_contexts["sequential"]
+  first = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])[0]
+  batch = first.batch
+  C = first.candidate_mask.shape[1]
+  last_C = jnp.arange(C) == C - 1
+  padded = batch._replace(
+      candidate_post_hashes=jnp.where(last_C[None, :, None], 0, batch.candidate_post_hashes),
+      candidate_author_hashes=jnp.where(last_C[None, :, None], 1 + batch.candidate_author_hashes,
+                                        batch.candidate_author_hashes))
+  valid = first.candidate_mask & ~last_C
+  early = valid & (jnp.arange(C) < (C - 1) // 2)
+  late = valid & ~early
+  sens = lambda b, m: probes.slot_sensitivity(ctx.system, b, m)
+  on_valid = sens(padded, valid)
+  assert on_valid > 1e-4
+  np.testing.assert_allclose(on_valid, sens(batch, valid), rtol=1e-6)
+  n_early, n_late = int(early.sum()), int(late.sum())
+  assert n_early and n_late
+  by_part = (n_early * sens(padded, early) + n_late * sens(padded, late)) / (n_early + n_late)
+  np.testing.assert_allclose(on_valid, by_part, rtol=1e-5)
+  assert sens(padded, early) != sens(padded, late)
+  assert sens(padded, jnp.zeros_like(valid)) == 0.0
 
 
 def test_chunked_scoring_matches_whole_lists_only_with_isolation(tmp_path):

@@ -117,6 +117,21 @@ def test_score_consistency_is_zero_with_isolation_only():
     moved[isolation] = float(total / count)
   assert moved[True] == 0.0
   assert moved[False] > 1e-4
+  # Padded slots (hash 0, here the last) count for nothing: neither their own logit
+  # changes nor what they hold (masked keys) moves the figure.
+  C = sb.candidate_mask.shape[1]
+  last_C = jnp.arange(C) == C - 1
+  mask_BC = sb.candidate_mask & ~last_C
+  padded = lambda shift: sb.batch._replace(
+      candidate_post_hashes=jnp.where(last_C[None, :, None], 0, sb.batch.candidate_post_hashes),
+      candidate_author_hashes=jnp.where(last_C[None, :, None],
+                                        shift + sb.batch.candidate_author_hashes,
+                                        sb.batch.candidate_author_hashes))
+  found = [eqx.filter_jit(forward_with_new_companions)(system, padded(shift), mask_BC)[2:]
+           for shift in (0, 7)]
+  assert int(found[0][1]) == int(mask_BC.sum()) * 19
+  assert float(found[0][0]) > 0
+  assert float(found[0][0]) == float(found[1][0])
   keep = jnp.array([True, False, True, False])
   mixed = mix_companions(sb.batch, keep)
   np.testing.assert_array_equal(mixed.candidate_post_hashes[1, 1],
