@@ -164,6 +164,34 @@ def test_recent_history_moves_probabilities_more_than_old_history():
   assert float(newest) > 3 * float(oldest) > 0
 
 
+def test_history_actions_follow_the_interest_held_before_each_item():
+  """Item s's actions are drawn with the interest after items 0..s-1 (the taste-led
+  interest at s = 0). The observed actions are far likelier under that link than with
+  the item itself counted, one item behind, or with the whole history's interest."""
+  w = world()
+  sb = sample(w, SplitConfig(), BIG, jax.random.PRNGKey(3))
+  ids = jnp.maximum(sb.history_post_ids, 0)
+  S = ids.shape[1]
+  users_BS = jnp.broadcast_to(sb.user_ids[:, None], (BIG, S))
+  ids_BSS = jnp.broadcast_to(ids[:, None, :], (BIG, S, S))
+  s_BS = jnp.broadcast_to(jnp.arange(S), (BIG, S))
+  valid_BS = s_BS < sb.history_len[:, None]
+  actions_BSA = np.asarray(sb.batch.history_actions)
+
+  def log_likelihood(lengths_BS):
+    interest_BSL = user_interest(w, users_BS, ids_BSS, lengths_BS)
+    logits = true_logits(w, interest_BSL, ids, sb.batch.history_product_surface, 0.0,
+                         w.user_bias_U[sb.user_ids][:, None])
+    ll = jnp.where(actions_BSA > 0, jax.nn.log_sigmoid(logits), jax.nn.log_sigmoid(-logits))
+    return float(jnp.sum(jnp.where(valid_BS[..., None], ll, 0.0)))
+
+  before = log_likelihood(s_BS)
+  assert before > log_likelihood(s_BS + 1) + 100          # the item itself counted
+  assert before > log_likelihood(jnp.maximum(s_BS - 1, 0)) + 100   # one item behind
+  assert before > log_likelihood(jnp.broadcast_to(sb.history_len[:, None], (BIG, S))) + 100
+  assert not actions_BSA[~np.asarray(valid_BS)].any()      # padding has no actions
+
+
 @pytest.mark.parametrize("decay, expected", [(0.5, [0.25, 0.5, 1.0, 0.0, 0.0]),
                                              (1.0, [1.0, 1.0, 1.0, 0.0, 0.0])])
 def test_recency_decay_weighs_history_by_age(decay, expected):
