@@ -35,14 +35,19 @@ other logits: `attn_output_multiplier` (the release sets it, e.g. 0.125 for key 
 `attn_logit_cap` (the release always caps at 30.0), `candidate_isolation` (always on in
 the release), `right_anchored_rope` (later release) and `fprop_dtype` (the release
 serves in bfloat16). Import accepts any such settings, so a released checkpoint can
-start a variant. Export refuses a model whose settings the release cannot express (a cap
-other than 30.0, isolation off), since the release would run the exported tree as another
-model. A `norm_layout` other than "sandwich" has other norm parameters and converts in
-neither direction.
+start a variant; a switch that removes a release parameter (leaves its module None)
+makes that entry of the tree an extra one, named in the error. Export refuses a model
+whose settings the release cannot express, since the release would run the exported tree
+as another model: every config field that is not a size, a later-release option or a
+setting that changes nothing the tree computes (`_FREE_FIELDS`) must hold its default,
+the release's behaviour. So a cap other than 30.0, isolation off, or a new switch that
+is on refuses to export, naming the field. A `norm_layout` other than "sandwich" has
+other norm parameters and converts in neither direction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import equinox as eqx
@@ -50,14 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig, TransformerConfig
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 
 RANKING_SCOPE = "phoenix_model"
 RETRIEVAL_SCOPE = "phoenix_retrieval_model"
 CANDIDATE_TOWER_SCOPE = f"{RETRIEVAL_SCOPE}/~build_candidate_representation/candidate_tower"
-RELEASE_LOGIT_CAP = 30.0
 
 Params = dict[str, dict[str, jax.Array]]
 
@@ -88,18 +92,53 @@ def _top_level(scope: str, names: tuple[str, ...]) -> list[_Slot]:
   return [_Slot(lambda m, n=n: getattr(m, n), ((scope, n, None),)) for n in names]
 
 
+# Config fields that export takes whatever their value: sizes (fixed by the tree's shapes
+# or set in the release's own config), settings that change nothing the tree computes
+# (initialisation, forward dtype, which of two equal attention programs runs, layer
+# unrolling, names), and the later release's options, whose parameters (if any) carry
+# names of their own. Every other field, a new switch included, must hold its default
+# (the release's behaviour, as config.py's defaults are) for the model to export.
+_FREE_FIELDS = {
+    TransformerConfig: {"emb_size", "key_size", "num_q_heads", "num_kv_heads", "num_layers",
+                        "widening_factor", "attn_output_multiplier", "name", "param_init",
+                        "scan_unroll"},
+    PhoenixModelConfig: {"model", "emb_size", "num_actions", "history_seq_len",
+                         "candidate_seq_len", "name", "fprop_dtype", "hash_config",
+                         "product_surface_vocab_size", "attention_impl", "right_anchored_rope",
+                         "post_age_granularity_mins", "dwell_time_norm", "dwell_hidden_size",
+                         "num_continuous_actions"},
+    PhoenixRetrievalModelConfig: {"model", "emb_size", "history_seq_len", "candidate_seq_len",
+                                  "name", "fprop_dtype", "hash_config",
+                                  "product_surface_vocab_size", "enable_linear_proj",
+                                  "num_actions"},
+}
+
+
+def _off_release(config, path: str) -> list[str]:
+  """`path.field=value` for each field of `config` (and of its TransformerConfig) that
+  is neither free nor at its default."""
+  free = next(f for cls, f in _FREE_FIELDS.items() if isinstance(config, cls))
+  found = []
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name not in free and field.default is not dataclasses.MISSING \
+        and value != field.default:
+      found.append(f"{path}.{field.name}={value!r} (the release's: {field.default!r})")
+  if not isinstance(config, TransformerConfig):
+    found += _off_release(config.model, f"{path}.model")
+  return found
+
+
 def _check_exportable(config) -> None:
-  """Raises for settings the release cannot run, which have no parameter of their own: it
-  would compute other logits from the exported tree."""
-  cap = config.model.attn_logit_cap
-  if cap != RELEASE_LOGIT_CAP:
-    raise ValueError(f"model.config.model.attn_logit_cap={cap!r}: the release always caps "
-                     f"attention logits at {RELEASE_LOGIT_CAP}, so it would run this tree as "
-                     "another model; only models with the release's cap export")
-  if not getattr(config, "candidate_isolation", True):
-    raise ValueError("model.config.candidate_isolation=False: the release always isolates "
-                     "candidates, so it would run this tree as another model; only models "
-                     "with candidate isolation export")
+  """Raises for settings the release cannot run, which have no parameter of their own
+  (a cap other than 30.0, isolation off, a new switch that is on): the release would
+  compute other logits from the exported tree."""
+  off = _off_release(config, "model.config")
+  if off:
+    raise ValueError(
+        f"{'; '.join(off)}: the release runs only its own settings, so it would run this "
+        "tree as another model; only models with the release's settings export (a field "
+        "that changes nothing the tree computes belongs in haiku_compat._FREE_FIELDS)")
 
 
 def _transformer_slots(model) -> list[_Slot]:
@@ -169,6 +208,18 @@ def _expanded(slot: _Slot, shape: tuple[int, ...]):
       start = stop
 
 
+def _present(model, slots: list[_Slot]) -> list[_Slot]:
+  """The slots whose array `model` has: a switch may leave a module None (a final norm
+  switched off, say). The release's entry for a missing array then counts as extra on
+  import and refuses export; an array in no slot is still caught by `_check_mapped`."""
+  def has(slot: _Slot) -> bool:
+    try:
+      return slot.get(model) is not None
+    except AttributeError:   # a module on the way is None
+      return False
+  return [slot for slot in slots if has(slot)]
+
+
 def _check_mapped(model, slots: list[_Slot], model_name: str) -> None:
   """Raises if an array of `model` (or a shape of an abstract one) is in no slot: a
   parameter the release does not have, which an import could not fill and an export
@@ -186,8 +237,14 @@ def _check_mapped(model, slots: list[_Slot], model_name: str) -> None:
 
 def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   """Splits and unstacks the model's arrays; modules come out layer by layer."""
-  _check_mapped(model, slots, model_name)
   _check_exportable(model.config)
+  present = _present(model, slots)
+  if len(present) < len(slots):
+    lacking = [f"{module}/{param}" for slot in slots if slot not in present
+               for module, param, _ in slot.parts]
+    raise ValueError(f"{model_name} lacks parameters the release has: {lacking} (a module "
+                     "of the model is None); the release could not run the exported tree")
+  _check_mapped(model, slots, model_name)
   entries = []
   for slot in slots:
     array = slot.get(model)
@@ -255,6 +312,7 @@ def _validate(params: Mapping, expected: dict[tuple[str, str], tuple[int, ...]],
 
 def _from_tree(params: Mapping, skeleton, slots: list[_Slot], model_name: str):
   """Fills the shape-only `skeleton` with the tree's arrays (as float32)."""
+  slots = _present(skeleton, slots)
   _check_mapped(skeleton, slots, model_name)
   expected = {(module, param): shape
               for slot in slots

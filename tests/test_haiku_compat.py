@@ -291,6 +291,58 @@ def test_settings_the_release_cannot_run_do_not_export(ranking_params):
   _assert_trees_equal(haiku_compat.ranking_model_to_haiku(anchored), tree)  # a later-release flag
 
 
+@dataclasses.dataclass(frozen=True)
+class _ConfigWithNewSwitch(pf.PhoenixModelConfig):
+  """What a new idea adds: a switch whose default is the release's behaviour."""
+
+  qk_norm: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _TransformerWithNewSwitch(pf.TransformerConfig):
+  rope: bool = True
+
+
+def test_a_new_switch_exports_only_at_its_release_default(ranking_params):
+  """Export needs no list of known switches: any field that is not free must hold its
+  default, so a switch added later refuses export once it is on, naming itself."""
+  _, tree = ranking_params
+  base = _ranking_config()
+  for config, message in [
+      (_ConfigWithNewSwitch(**vars(base), qk_norm=True),
+       r"model.config.qk_norm=True \(the release's: False\)"),
+      (dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model), rope=False)),
+       r"model.config.model.rope=False \(the release's: True\)")]:
+    model = haiku_compat.ranking_model_from_haiku(tree, config)
+    with pytest.raises(ValueError, match=message):
+      haiku_compat.ranking_model_to_haiku(model)
+  at_default = haiku_compat.ranking_model_from_haiku(tree, _ConfigWithNewSwitch(**vars(base)))
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(at_default), tree)
+  # Settings that change nothing the tree computes export as they are.
+  free = _ranking_config(attention_impl="dense", fprop_dtype="bfloat16")
+  free = dataclasses.replace(free, model=dataclasses.replace(free.model, scan_unroll=2,
+                                                             param_init="zeros"))
+  model = haiku_compat.ranking_model_from_haiku(tree, free)
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
+
+
+def test_a_module_a_switch_removes_is_named_not_crashed_on(ranking_params, monkeypatch):
+  """A switch that leaves a release module None (a final norm switched off): import names
+  the release's entry as extra, export refuses naming what the release would lack."""
+  _, tree = ranking_params
+  config = _ranking_config()
+  without_norm = lambda model: eqx.tree_at(lambda m: m.final_norm, model, None)
+  model = without_norm(haiku_compat.ranking_model_from_haiku(tree, config))
+  with pytest.raises(ValueError, match=r"lacks parameters the release has: "
+                                       r"\['phoenix_model/rms_norm/scale'\]"):
+    haiku_compat.ranking_model_to_haiku(model)
+  monkeypatch.setattr(haiku_compat, "PhoenixModel",
+                      lambda cfg, key: without_norm(pf.PhoenixModel(cfg, key=key)))
+  with pytest.raises(haiku_compat.HaikuParamsError,
+                     match=r"extra   params\['phoenix_model/rms_norm'\]\['scale'\]"):
+    haiku_compat.ranking_model_from_haiku(tree, config)
+
+
 def test_entries_that_are_not_finite_float_arrays_are_named(ranking_params):
   _, tree = ranking_params
   broken = {m: dict(e) for m, e in tree.items()}

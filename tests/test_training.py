@@ -15,6 +15,7 @@ import optax
 import pytest
 
 from experiments.configs import ranking as ranking_configs
+from experiments.configs import retrieval as retrieval_configs
 from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
@@ -165,6 +166,20 @@ def test_every_model_key_reaches_its_model_config_field():
       3, "dense", True)
   c.model.qk_norm = True
   with pytest.raises(ConfigError, match=r"config.model=\['qk_norm'\].*phoenix_flax/config.py"):
+    parse_config(c)
+
+
+@pytest.mark.parametrize("task, key, value", [("retrieval", "candidate_isolation", False),
+                                              ("retrieval", "right_anchored_rope", True),
+                                              ("retrieval", "attention_impl", "dense"),
+                                              ("ranking", "enable_linear_proj", False)])
+def test_the_other_tasks_switches_are_refused_unless_at_their_default(task, key, value):
+  """The task's model has no such setting: a variant that sets it would train the same
+  model as the baseline, so it is an error; left at its default it is fine."""
+  c = (retrieval_configs if task == "retrieval" else ranking_configs).get_config("smoke")
+  parse_config(c)
+  c.model[key] = value
+  with pytest.raises(ConfigError, match=rf"config.model.{key}=.*switch of the .* model only"):
     parse_config(c)
 
 

@@ -18,8 +18,9 @@ command line as `--config.<section>.<field>=value`):
                       `<name>/<metric>` (e.g. a history-length or list-size shift).
   model.*             transformer shape and ablation switches: each key goes to the
                       `TransformerConfig` / `PhoenixModelConfig` (or retrieval) field of its
-                      name, and a key that is no such field is an error (the task's model
-                      ignores the other task's switches); `fprop_dtype` None picks bfloat16 on
+                      name, and a key that is no such field is an error, as is one of the
+                      other task's switches set away from its default (the task's model has
+                      no such setting); `fprop_dtype` None picks bfloat16 on
                       GPU/TPU and float32 on CPU; `embedding_init_scale` is the std of the
                       hash tables; `enable_linear_proj` is the retrieval candidate tower;
                       `scan_unroll` is layers per scan iteration (a speed knob, not a
@@ -216,7 +217,16 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
                 num_actions=world.num_actions,
                 product_surface_vocab_size=world.product_surface_vocab_size,
                 fprop_dtype=m["fprop_dtype"] or default_fprop_dtype())
-  cls = PhoenixModelConfig if c.task == "ranking" else PhoenixRetrievalModelConfig
+  cls, other_cls, other_task = ((PhoenixModelConfig, PhoenixRetrievalModelConfig, "retrieval")
+                                if c.task == "ranking" else
+                                (PhoenixRetrievalModelConfig, PhoenixModelConfig, "ranking"))
+  # The other task's switches have no field here: one set away from its default would
+  # change nothing (two variants differing only in it would train the same model).
+  other_defaults = {f.name: f.default for f in dataclasses.fields(other_cls)}
+  for k in sorted(set(m) & (_fields(other_cls) - _fields(cls) - tc_fields)):
+    _check(m[k] == other_defaults[k], f"model.{k}", m[k],
+           f"it is a switch of the {other_task} model only, and the {c.task} model has no "
+           f"such setting, so it would change nothing; leave it at {other_defaults[k]!r}")
   own = _fields(cls) - tc_fields - set(common)
   switches = {k: v for k, v in m.items() if k in own}
   return _build("model", cls, **switches, **common)
