@@ -47,18 +47,18 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    sweep.usage_error(f"unexpected arguments: {argv[1:]}")
   unknown = [n for n in FLAGS.ablations if n not in ABLATIONS]
   if unknown:
-    raise app.UsageError(f"--ablations: unknown {unknown}; choose from {list(ABLATIONS)}")
+    sweep.usage_error(f"--ablations: unknown {unknown}; choose from {list(ABLATIONS)}")
   if FLAGS.variants:
-    raise app.UsageError("--variants selects variants of one ablation; run that "
+    sweep.usage_error("--variants selects variants of one ablation; run that "
                          "ablation's script instead")
   workdir = FLAGS.workdir or os.path.join("/tmp/phoenix_ablations", FLAGS.preset)
   try:
     sweeps = make_sweeps(FLAGS.ablations, workdir)
   except ValueError as e:
-    raise app.UsageError(str(e))
+    sweep.usage_error(str(e))
   path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 

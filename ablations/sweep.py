@@ -62,7 +62,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
 import equinox as eqx
@@ -221,15 +221,18 @@ class Ablation:
 
 def parse_override(text: str) -> tuple[str, Any]:
   """"a.b=value" -> ("a.b", value); Python literals (numbers, None, True, tuples) are
-  evaluated, anything else stays a string."""
+  evaluated, true/false in any case are booleans, anything else stays a string."""
   path, sep, raw = text.partition("=")
   path = path.strip()
   if not sep or not path:
     raise ValueError(f"override {text!r} must look like path.to.field=value")
+  raw = raw.strip()
+  if raw.lower() in ("true", "false"):   # as absl reads --config.<bool>=true
+    return path, raw.lower() == "true"
   try:
-    value = ast.literal_eval(raw.strip())
+    value = ast.literal_eval(raw)
   except (ValueError, SyntaxError):
-    value = raw.strip()
+    value = raw
   return path, value
 
 
@@ -616,16 +619,23 @@ def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep
                command=command_line(), reprobe=FLAGS.reprobe)
 
 
+def usage_error(message: str) -> NoReturn:
+  """Exits with status 2 and the message alone (as `experiments/run.py` does), where
+  absl's `UsageError` would print the script's whole docstring first."""
+  sys.stderr.write(f"error: {message}\nRun with --helpfull to see every flag.\n")
+  sys.exit(2)
+
+
 def main(ablation: Ablation) -> None:
   """Entry point of an ablation script: `sweep.main(ABLATION)` under `__main__`."""
 
   def _main(argv):
     if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      usage_error(f"unexpected arguments: {argv[1:]}")
     try:
       sweep = sweep_from_flags(ablation)
     except ValueError as e:
-      raise app.UsageError(str(e))
+      usage_error(str(e))
     sweep.run()
     print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
           f"Curves: tensorboard --logdir {sweep.workdir}")

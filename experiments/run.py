@@ -92,6 +92,15 @@ def _fail(message: str) -> None:
   sys.exit(EXIT_BAD_INPUT)
 
 
+def _key_error_message(e: BaseException) -> str:
+  """The text of a lookup error, unwrapped: ml_collections raises AttributeError(KeyError(
+  message)), and a KeyError's str() is the repr of its message."""
+  while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0],
+                                                                              BaseException):
+    e = e.args[0]
+  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or override into a message + exit 2."""
   try:
@@ -102,8 +111,9 @@ def parse_flags(argv: list[str]) -> list[str]:
       lines = [lines[0], lines[-1]]
     _fail("\n".join(lines) + "\nRun with --helpfull to see every flag.")
   except (AttributeError, KeyError) as e:
-    _fail(f"a --config.* override names a field the config does not have ({e}); the "
-          "schema is in phoenix_flax/training/schema.py")
+    _fail("a --config.* override names a field the config does not have:\n  "
+          + _key_error_message(e).replace("\n", "\n  ")
+          + "\nThe schema is in phoenix_flax/training/schema.py")
   except (TypeError, ValueError) as e:
     _fail(f"bad --config value: {e}")
 

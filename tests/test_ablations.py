@@ -90,6 +90,9 @@ def test_overrides():
   assert sweep.parse_override("model.attn_logit_cap=None") == ("model.attn_logit_cap", None)
   assert sweep.parse_override("optim.learning_rate=1e-3") == ("optim.learning_rate", 1e-3)
   assert sweep.parse_override("model.norm_layout=pre") == ("model.norm_layout", "pre")
+  for text, value in (("true", True), ("False", False), ("TRUE", True), ("True", True)):
+    assert sweep.parse_override(f"model.right_anchored_rope={text}") == (
+        "model.right_anchored_rope", value)            # as experiments.run reads them
   with pytest.raises(ValueError, match="path.to.field=value"):
     sweep.parse_override("num_layers")
   base = sweep.base_config("smoke")
@@ -388,6 +391,9 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
             os.path.abspath(__file__))))
     assert proc.returncode != 0
     assert message in proc.stderr
+    if args[0] != "--preset=huge":          # ours, not absl's flag parsing: exit 2, the
+      assert proc.returncode == 2           # message alone (no docstring dump)
+      assert proc.stderr.startswith("error: ") and "Hypothesis:" not in proc.stderr
   assert not os.listdir(tmp_path)
 
 

@@ -40,6 +40,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.num_kv_heads=3"], "num_kv_heads"),
       (["--config.train.steps_per_call=7"], "config.train.steps_per_call"),
       (["--config.model.no_such_field=1"], "no_such_field"),
+      (["--config.model.num_layer=2"],          # the suggestion, unescaped, on its own line
+       "\n  'num_layer'\n  Did you mean \"num_layers\" instead of \"num_layer\"?\n"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
       (["--config.mesh.num_devices=64"], "mesh.num_devices"),
       (["--no_such_flag"], "no_such_flag"),
