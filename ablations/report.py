@@ -179,11 +179,22 @@ def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
                  for name, v in variants.items()]
 
 
+def preset_note(preset: str) -> list[str]:
+  """A warning under the title of a smoke-preset report: its runs are too short to learn
+  and its two seeds too few for any difference to be significant."""
+  if preset != "smoke":
+    return []
+  return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
+          "runs train for a few steps (AUC near 0.5) with two seeds; use `--preset=cpu` "
+          "for results.", ""]
+
+
 def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
   """The REPORT.md text of one sweep."""
   better = results.get("better", {})
   headline = results.get("headline", [results["primary_metric"]])
   out = [f"# Ablation `{results['ablation']}` ({results['preset']} preset)", ""]
+  out += preset_note(results["preset"])
   if results.get("hypothesis"):
     out += [results["hypothesis"], ""]
   if results.get("command"):
@@ -350,6 +361,7 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   per ablation its hypothesis, per-condition effects, effect plot and a link to its full
   report. `entries` are (directory relative to `workdir`, results)."""
   out = [f"# Phoenix ablations ({preset} preset)", ""]
+  out += preset_note(preset)
   if command:
     out += ["Command:", "", f"    {command}", ""]
   envs = {environment_line(r["environment"]) for _, r in entries if r.get("environment")}

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
+from phoenix_flax.training.runner import RESULT_FILE
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -72,10 +74,18 @@ def headline_metrics(config) -> tuple[str, ...]:
 
 def print_progress(p: Progress, batch_size: int,
                    eval_keys: tuple[str, ...] = ("eval/auc_mean",)) -> None:
-  """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated)."""
+  """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated).
+  The first chunk of a process also compiles, so it shows its time instead of a rate
+  (after a line saying where a resumed run started)."""
+  if p.compiling and p.start_step:
+    print(f"resumed from the checkpoint at step {p.start_step}", flush=True)
   loss = " ".join(f"{x:.4f}" for x in p.loss)
-  line = (f"step {p.step}/{p.num_steps} ({100 * p.step / p.num_steps:3.0f}%) | "
-          f"{p.steps_per_second:.1f} steps/s | {p.steps_per_second * batch_size:.0f} ex/s "
+  if p.compiling:
+    seconds = (p.step - p.start_step) / p.steps_per_second
+    rate = f"compiled and ran in {seconds:.1f}s"
+  else:
+    rate = f"{p.steps_per_second:.1f} steps/s | {p.steps_per_second * batch_size:.0f} ex/s"
+  line = (f"step {p.step}/{p.num_steps} ({100 * p.step / p.num_steps:3.0f}%) | {rate} "
           f"| loss {loss} | eta {_duration(p.eta_seconds)}")
   if p.num_diverged:
     line += f" | diverged {p.num_diverged}"
@@ -85,6 +95,16 @@ def print_progress(p: Progress, batch_size: int,
   if "eval/bayes_auc_mean" in p.evaluated:
     line += " (bayes " + " ".join(f"{x:.4f}" for x in p.evaluated["eval/bayes_auc_mean"]) + ")"
   print(line, flush=True)
+
+
+def _finished_seeds(config, workdir: str) -> set[int]:
+  """Seeds whose run directory already holds a result (run_experiment skips them); none
+  when the config is too broken to name its directories (run_experiment says why)."""
+  try:
+    dirs = run_dirs(config, workdir)
+  except Exception:   # noqa: BLE001 - validation, with its message, comes next
+    return set()
+  return {k for k, d in dirs.items() if os.path.exists(os.path.join(d, RESULT_FILE))}
 
 
 def _fail(message: str) -> None:
@@ -131,6 +151,7 @@ def main(argv: list[str]) -> None:
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   try:
+    done_before = _finished_seeds(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
   except ConfigError as e:
     _fail(str(e))
@@ -140,8 +161,10 @@ def main(argv: list[str]) -> None:
     summary = " ".join(f"{k}={final[k]:.4f}" for k in headline_metrics(config)
                        if isinstance(final.get(k), float))
     state = f"diverged at step {r['diverged_at_step']}" if r["diverged"] else "finished"
-    print(f"seed {seed}: {state} after {r['steps']} steps in {r['wall_seconds']:.0f}s | "
-          f"{summary} | {dirs[seed]}/result.json", flush=True)
+    skipped = (" (an earlier run; skipped: delete its directory to train it again)"
+               if seed in done_before else "")
+    print(f"seed {seed}: {state} after {r['steps']} steps in {r['wall_seconds']:.0f}s"
+          f"{skipped} | {summary} | {dirs[seed]}/result.json", flush=True)
 
 
 if __name__ == "__main__":

@@ -208,8 +208,11 @@ def test_small_effect_reads_not_significant(tmp_path):
   c = next(r for r in results["comparisons"]
            if r["variant"] == "c" and r["metric"] == "auc_mean")
   assert c["p_value"] > 0.05
-  assert "**c** vs **a**, `auc_mean`: no significant difference" in \
-      (tmp_path / "REPORT.md").read_text()
+  text = (tmp_path / "REPORT.md").read_text()
+  assert "**c** vs **a**, `auc_mean`: no significant difference" in text
+  assert "Smoke preset: a check that the sweep runs end to end, not evidence" in text
+  results["preset"] = "cpu"
+  assert "Smoke preset" not in report.markdown(results)
 
 
 def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog):

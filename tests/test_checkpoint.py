@@ -30,6 +30,7 @@ from experiments.configs import ranking
 from phoenix_flax.training import run_experiment
 kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
 def progress(p):
+  print("progress", p.step, p.start_step, p.compiling, flush=True)
   if p.step == kill_at:
     os.kill(os.getpid(), signal.SIGKILL)
 run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
@@ -67,8 +68,14 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert cli.returncode == 0, cli.stderr[-3000:]
   progress = [line for line in cli.stdout.splitlines() if line.startswith("step ")]
-  assert len(progress) == 4 and "steps/s" in progress[0] and "eta" in progress[0]
-  assert "result.json" in cli.stdout.splitlines()[-1]
+  assert len(progress) == 4 and all("eta" in line for line in progress)
+  assert "compiled and ran in" in progress[0]            # its time includes compiling
+  assert all("steps/s" in line for line in progress[1:])
+  assert "result.json" in cli.stdout.splitlines()[-1] and "skipped" not in cli.stdout
+  rerun = subprocess.run(cli.args, cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+  assert rerun.returncode == 0 and not rerun.stdout.startswith("step ")
+  assert "(an earlier run; skipped" in rerun.stdout
 
   first = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO,
                          env=dict(env, KILL_AT_STEP="30"), capture_output=True, text=True,
@@ -81,6 +88,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   again = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
+  assert [line.split()[1:] for line in again.stdout.splitlines() if line.startswith("progress")
+          ] == [["30", "20", "True"], ["40", "20", "False"]]   # resumed at 20, compiled once
   want = json.load(open(os.path.join(straight, "result.json")))
   got = json.load(open(os.path.join(killed, "result.json")))
   assert got["final"] == want["final"]

@@ -61,6 +61,8 @@ class Progress(NamedTuple):
   loss: tuple[float, ...]       # mean training loss of the chunk, per seed
   num_diverged: int
   evaluated: dict               # "<split>/<metric>" -> per-seed values, on eval steps
+  start_step: int = 0           # the step this process started from (> 0: resumed)
+  compiling: bool = False       # this process's first chunk: its time includes compiling
 
 
 def run_dirs(config: ml_collections.ConfigDict, workdir: str) -> dict[int, str]:
@@ -281,6 +283,7 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
   """Chunks of scanned steps until `num_steps` (or every seed diverged), with evaluation,
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
   g = _Group(trainer, seeds, dirs)
+  start_step = g.step
   t = trainer.spec.config.train
   examples_per_chunk = t.steps_per_call * t.batch_size * len(seeds)
   train_seconds, timed_chunks, chunks = 0.0, 0, 0
@@ -318,7 +321,7 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
         eta = math.nan
       progress(Progress(g.step, t.num_steps, rate, eta,
                         tuple(r["train/loss"] for r in train_rows.values()),
-                        int(diverged.sum()), new_eval))
+                        int(diverged.sum()), new_eval, start_step, chunks == 1))
     if diverged.all():
       break
   if eval_step != g.step:
