@@ -142,7 +142,24 @@ def _cell(summary: Optional[Mapping]) -> str:
   if summary.get("ci95") is None:
     return f"{fmt(summary['mean'])} (n={summary['n']})"
   half = (summary["ci95"][1] - summary["ci95"][0]) / 2
-  return f"{fmt(summary['mean'])} ± {fmt(half, 2)}"
+  return fmt_pm(summary["mean"], half)
+
+
+def fmt_pm(mean: float, half: float) -> str:
+  """"mean ± half": the half-width to 2 significant digits and the mean to the same
+  decimal place, so that no digit shown is finer than the interval resolves. Scientific
+  notation (as `fmt`) for a half-width under 1e-3 or a mean of 1e5 or more; a zero
+  half-width (every seed equal) keeps the mean's 4 significant digits."""
+  if half == 0:
+    return f"{fmt(mean)} ± 0"
+  if not (math.isfinite(mean) and math.isfinite(half)) or half < 1e-3 or abs(mean) >= 1e5:
+    return f"{fmt(mean)} ± {fmt(half, 2)}"
+  decimals = max(0, 1 - math.floor(math.log10(half)))
+  half_text = f"{half:.{decimals}f}"
+  if float(half_text) >= 10 ** (2 - decimals):   # rounding added a digit (0.0996 -> 0.100)
+    decimals = max(0, decimals - 1)
+    half_text = f"{half:.{decimals}f}"
+  return f"{mean:.{decimals}f} ± {half_text}"
 
 
 def metric_table(results: Mapping, metric: str) -> list[str]:

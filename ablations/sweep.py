@@ -54,6 +54,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -366,7 +367,7 @@ class Sweep:
 
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
-    runner = self._runner or run_experiment
+    runner = self._runner or functools.partial(run_experiment, progress=_log_evaluation)
     os.makedirs(self.workdir, exist_ok=True)
     start = time.time()
     for i, variant in enumerate(self.variants):
@@ -597,6 +598,18 @@ def expose_flags() -> None:
   """Lists the sweep flags in the running script's `--help`."""
   for name in SWEEP_FLAGS:
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+
+
+def _log_evaluation(p) -> None:
+  """A line per evaluation while a variant trains (its seeds side by side)."""
+  if not p.evaluated:
+    return
+  values = lambda key: " ".join(f"{x:.4f}" for x in p.evaluated[key])
+  shown = [k for k in ("eval/auc_mean", "eval/bayes_auc_mean", "eval/auc", "eval/loss")
+           if k in p.evaluated]
+  logging.info("  step %d/%d | train loss %s | %s", p.step, p.num_steps,
+               " ".join(f"{x:.4f}" for x in p.loss),
+               " | ".join(f"{k} {values(k)}" for k in shown))
 
 
 def default_workdir(preset: str, name: str) -> str:

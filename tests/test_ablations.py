@@ -202,6 +202,29 @@ def test_verdict_uses_the_holm_adjusted_p():
       "not testable (1 complete pairs)"
 
 
+def test_mean_and_interval_show_the_same_decimals():
+  assert report.fmt_pm(0.5317, 0.2034) == "0.53 ± 0.20"      # no digit finer than the CI
+  assert report.fmt_pm(0.7928, 0.0021) == "0.7928 ± 0.0021"
+  assert report.fmt_pm(0.5, 0.0996) == "0.50 ± 0.10"          # rounding up adds no digit
+  assert report.fmt_pm(14937.0, 4200.0) == "14937 ± 4200"
+  assert report.fmt_pm(0.8, 0.0) == "0.8 ± 0"
+  assert report.fmt_pm(0.7928, 0.00099) == "0.7928 ± 9.9e-04"   # tiny: scientific
+
+
+def test_training_variants_log_each_evaluation(caplog):
+  """A sweep that trains passes run_experiment a progress callback logging a line per
+  evaluation (none for chunks without one)."""
+  from phoenix_flax.training import Progress
+  caplog.set_level("INFO")
+  sweep._log_evaluation(Progress(10, 40, 5.0, 1.0, (0.5, 0.6), 0, {}))
+  sweep._log_evaluation(Progress(20, 40, 5.0, 1.0, (0.4, 0.45), 0,
+                                 {"eval/auc_mean": [0.61, 0.62], "eval/loss": [0.3, 0.31],
+                                  "eval/ndcg@5": [0.9, 0.9]}))
+  lines = [r.getMessage() for r in caplog.records]
+  assert lines == ["  step 20/40 | train loss 0.4000 0.4500 | eval/auc_mean 0.6100 0.6200 | "
+                   "eval/loss 0.3000 0.3100"]
+
+
 def test_small_effect_reads_not_significant(tmp_path):
   results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3,
                         runner=fake_runner()).run()
