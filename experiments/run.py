@@ -144,6 +144,10 @@ def main(argv: list[str]) -> None:
   config = _CONFIG.value
   if config is None:
     _fail("--config is required, e.g. --config=experiments/configs/ranking.py")
+  try:
+    config.to_dict()   # ml_collections defers a config file's load error to first use
+  except OSError as e:
+    _fail(f"--config could not be loaded: {e}")
   if not _WORKDIR.value:
     _fail("--workdir is required")
   batch = config.train.batch_size * config.num_seeds

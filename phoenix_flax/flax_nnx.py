@@ -228,7 +228,9 @@ class EquinoxModule(nnx.Module):
     structure = vars(self).get("structure")
     if name.startswith("_") or structure is None or not hasattr(structure.static, name):
       raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-    if inspect.ismethod(getattr(structure.static, name)):
+    # A function on the class is a method (equinox binds it as its own BoundMethod type,
+    # which inspect.ismethod does not recognise).
+    if inspect.isfunction(inspect.getattr_static(type(structure.static), name, None)):
       return functools.partial(_forwarded(name, getattr(type(structure.static), name)), self)
     return getattr(self.to_equinox(), name)
 

@@ -313,6 +313,32 @@ def test_import_error_names_the_extra_and_core_import_needs_no_flax():
           "(or pip install 'phoenix_flax[flax]')") in proc.stdout
 
 
+class _Scaler(eqx.Module):
+  """A module with no named wrapper: a float weight and an integer table."""
+
+  weight: jax.Array
+  index: jax.Array
+
+  def apply(self, x):
+    return self.weight[self.index] * x
+
+
+@needs_flax
+def test_any_equinox_module_wraps_with_its_integer_arrays_frozen():
+  """`to_nnx` of a module without a named wrapper: float arrays are trainable Params,
+  integer ones plain Variables (an optimizer `wrt=nnx.Param` leaves them alone)."""
+  wrapped = flax_nnx.to_nnx(_Scaler(jnp.arange(1.0, 4.0), jnp.array([2, 0])))
+  assert type(wrapped) is flax_nnx.EquinoxModule
+  assert type(wrapped.params.weight) is nnx.Param
+  assert type(wrapped.params.index) is nnx.Variable
+  assert set(state_paths(nnx.state(wrapped, nnx.Param))) == {"params/weight"}
+  kept = wrapped.apply                 # looked up before the update, called after it
+  wrapped.params.weight[...] = jnp.array([10.0, 20.0, 30.0])
+  np.testing.assert_array_equal(wrapped.apply(2.0), [60.0, 20.0])
+  np.testing.assert_array_equal(kept(2.0), [60.0, 20.0])
+  np.testing.assert_array_equal(flax_nnx.to_equinox(wrapped).index, [2, 0])
+
+
 @needs_flax
 def test_methods_and_fields_follow_the_parameters():
   """A method kept across an update runs on the new parameters; `nnx.jit` takes the

@@ -57,6 +57,18 @@ def test_roc_auc_invalid_and_nan():
   assert bool(valid) and float(auc) == pytest.approx(0.5)
 
 
+def test_roc_auc_with_infinite_scores_stays_a_probability():
+  """Padding sorts the negatives behind +inf: a positive at +inf beats every negative
+  (1.0, not more) and ties one at +inf (1/2), whatever the padding."""
+  mask = np.array([True, True, True, False, False])
+  scores = np.array([np.inf, 0.0, 1.0, 5.0, np.inf], np.float32)
+  auc, valid = auc_jit(scores, np.array([1, 0, 0, 1, 0], np.float32), mask)
+  assert bool(valid) and float(auc) == 1.0
+  scores = np.array([np.inf, np.inf, 1.0, 5.0, np.inf], np.float32)
+  auc, _ = auc_jit(scores, np.array([1, 0, 0, 1, 0], np.float32), mask)
+  assert float(auc) == pytest.approx(0.75)       # (1/2 + 1) / 2
+
+
 def test_ranking_metrics_of_a_non_finite_model():
   """A diverged model's metrics are NaN, never numbers over the finite rest; the Bayes
   figures are the world's whatever the model."""
@@ -74,6 +86,14 @@ def test_ranking_metrics_of_a_non_finite_model():
       assert np.isnan(float(got[key])), key
     for key in ("bayes_auc_mean", "bayes_logloss", "bayes_recall@3", "num_valid_actions"):
       assert float(got[key]) == pytest.approx(float(fine[key])), key
+  # NaN logits of padded candidates are no divergence: every metric is the one over the
+  # valid candidates.
+  mask[:, -2:] = False
+  fine = metrics.ranking_metrics(logits, labels, probs, mask, k=3)
+  got = metrics.ranking_metrics(np.where(mask[..., None], logits, np.nan), labels, probs, mask,
+                                k=3)
+  for key, value in fine.items():
+    assert np.isfinite(float(got[key])) and float(got[key]) == pytest.approx(float(value)), key
 
 
 def test_per_action_auc_matches_reference():
@@ -106,12 +126,19 @@ def test_log_loss_and_calibration_match_reference():
   ece = sum(abs(pv[bins == k].sum() - yv[bins == k].sum()) for k in range(10)) / len(pv)
   np.testing.assert_allclose(metrics.calibration_error(np.nan_to_num(p).astype(np.float32),
                                                        labels, mask), ece, rtol=1e-5)
+  # A probability of exactly 1 (a saturated sigmoid) belongs to the top bin, [0.9, 1].
+  probs = np.array([[[1.0], [0.95], [0.0]]], np.float32)
+  ece = metrics.calibration_error(probs, np.array([[[1.0], [0.0], [0.0]]]), np.ones((1, 3), bool))
+  assert float(ece) == pytest.approx(abs(1.95 - 1.0) / 3)
 
 
-def test_ndcg_and_recall_match_reference():
-  rng = np.random.default_rng(6)
-  B, C, k = 5, 7, 3
-  scores = rng.normal(size=(B, C)).astype(np.float32)
+@pytest.mark.parametrize("seed,C,levels", [(6, 7, None), (9, 40, 3)], ids=["distinct", "ties"])
+def test_ndcg_and_recall_match_reference(seed, C, levels):
+  """Against loops over the lists; tied scores rank the lower slot first."""
+  rng = np.random.default_rng(seed)
+  B, k = 5, 3
+  scores = (rng.normal(size=(B, C)) if levels is None
+            else rng.integers(0, levels, (B, C))).astype(np.float32)
   gains = rng.random((B, C)).astype(np.float32) * (rng.random((B, C)) < 0.5)
   relevant = rng.random((B, C)) < 0.3
   mask = rng.random((B, C)) < 0.8
@@ -131,6 +158,10 @@ def test_ndcg_and_recall_match_reference():
   np.testing.assert_allclose(metrics.recall_at_k(scores, relevant, mask, k), np.mean(recalls),
                              rtol=1e-5)
   assert float(metrics.ndcg_at_k(gains, gains, mask, k)) == pytest.approx(1.0)
+  # k beyond the list size is the whole list.
+  for fn, target in ((metrics.ndcg_at_k, gains), (metrics.recall_at_k, relevant)):
+    np.testing.assert_allclose(fn(scores, target, mask, C + 3), fn(scores, target, mask, C),
+                               rtol=1e-6)
 
 
 def test_corpus_hits_match_reference():
@@ -167,3 +198,32 @@ def test_ranking_metrics_bayes_and_keys():
   assert float(worse["auc_gap"]) > 0.1
   assert {"calibration_error", "recall@5", "bayes_recall@5", "auc/dwell_time",
           "bayes_auc/report_score", "num_valid_actions"} <= set(out)
+
+
+def test_ranking_metrics_average_valid_actions_and_rank_favorites():
+  """`auc_mean` averages the actions with positives and negatives only; recall@k is
+  the one of the favorite action (index 0); the Bayes log-loss stays finite where the
+  true probability is exactly 0 or 1."""
+  rng = np.random.default_rng(11)
+  B, C, A, k = 6, 8, 4, 3
+  logits = rng.normal(size=(B, C, A)).astype(np.float32)
+  probs = rng.uniform(0.05, 0.95, (B, C, A)).astype(np.float32)
+  labels = (rng.random((B, C, A)) < probs).astype(np.float32)
+  labels[..., 2] = 0                      # no positive: action 2 is not valid
+  mask = rng.random((B, C)) < 0.8
+  out = metrics.ranking_metrics(logits, labels, probs, mask, k=k)
+  assert float(out["num_valid_actions"]) == 3
+  assert float(out["auc/action_2"]) == 0.5
+  for prefix in ("auc", "bayes_auc"):
+    valid = [float(out[f"{prefix}/action_{a}"]) for a in (0, 1, 3)]
+    assert float(out[f"{prefix}_mean"]) == pytest.approx(np.mean(valid), abs=1e-6)
+  favorite = labels[..., 0] > 0.5
+  assert float(out[f"recall@{k}"]) == pytest.approx(
+      float(metrics.recall_at_k(logits[..., 0], favorite, mask, k)))
+  assert float(out[f"bayes_recall@{k}"]) == pytest.approx(
+      float(metrics.recall_at_k(probs[..., 0], favorite, mask, k)))
+  assert float(out[f"recall@{k}"]) != pytest.approx(
+      float(metrics.recall_at_k(logits[..., 0], labels[..., 1] > 0.5, mask, k)))
+  certain = np.where(rng.random((B, C, A)) < 0.5, labels, 1.0 - labels)   # some wrong
+  out = metrics.ranking_metrics(logits, labels, certain.astype(np.float32), mask, k=k)
+  assert np.isfinite(float(out["bayes_logloss"]))

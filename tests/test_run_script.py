@@ -40,6 +40,7 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.num_kv_heads=3"], "num_kv_heads"),
       (["--config.train.steps_per_call=7"], "config.train.steps_per_call"),
       (["--config.model.no_such_field=1"], "no_such_field"),
+      (["--config=experiments/configs/nope.py"], "--config could not be loaded"),
       (["--config.model.num_layer=2"],          # the suggestion, unescaped, on its own line
        "\n  'num_layer'\n  Did you mean \"num_layers\" instead of \"num_layer\"?\n"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
@@ -55,11 +56,16 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.num_seeds=2", "--config.output.keep_checkpoints=1"],
        "output.keep_checkpoints=1 is invalid"),
       (["--config.mesh.distributed=True"], "Set config.mesh.coordinator_address"),
+      (["positional"], "unexpected arguments ['positional']"),
   ]
-  procs = [subprocess.Popen(_command("--config=experiments/configs/ranking.py:smoke",
-                                     f"--workdir={workdir}", *extra),
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for extra, _ in cases]
+  cases = [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}", *extra],
+            needle) for extra, needle in cases]
+  cases += [([f"--workdir={workdir}"], "--config is required"),
+            # the config file's own error, without the traceback around it
+            (["--config=experiments/configs/ranking.py:nopreset", f"--workdir={workdir}"],
+             "unknown preset 'nopreset'")]
+  procs = [subprocess.Popen(_command(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for args, _ in cases]
   for proc, (extra, needle) in zip(procs, cases):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2, (extra, stderr[-2000:])
@@ -76,3 +82,23 @@ def test_helpfull_explains_every_flag():
   for flag, words in (("--config:", "--config.model.num_layers"),
                       ("--workdir:", "resumes"), ("quiet:", "progress line")):
     assert flag in proc.stdout and words in proc.stdout, flag
+
+
+def test_progress_durations_and_the_summary_metrics():
+  """ETA as h:mm:ss ("?" while unknown, never negative); the summary lists the recall
+  at each K of a retrieval config next to its Bayes value. (A subprocess: importing
+  experiments.run defines its absl flags.)"""
+  code = ("from experiments.configs import ranking, retrieval\n"
+          "from experiments.run import _duration, headline_metrics\n"
+          "print([_duration(s) for s in (3725.9, 59.0, 36000.0, -3.0, float('nan'))])\n"
+          "print(list(headline_metrics(retrieval.get_config('smoke'))))\n"
+          "print(list(headline_metrics(ranking.get_config('smoke'))))\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  durations, retrieval_keys, ranking_keys = proc.stdout.splitlines()[-3:]
+  assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
+  headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
+  assert retrieval_keys == str(headline + ["recall@5", "bayes_recall@5", "recall@20",
+                                           "bayes_recall@20"])
+  assert ranking_keys == str(headline)

@@ -64,8 +64,9 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   """Expected calibration error: predictions of all actions pooled into `num_bins` equal
   bins of [0, 1]; the count-weighted mean |mean prob - label rate| over the bins."""
   w_N = jnp.broadcast_to(mask_BC[..., None], probs_BCA.shape).reshape(-1).astype(jnp.float32)
-  p_N = jnp.asarray(probs_BCA, jnp.float32).reshape(-1)
-  y_N = jnp.asarray(labels_BCA, jnp.float32).reshape(-1)
+  # Padded entries are zeroed, not only weighted by 0: 0 * NaN would still be NaN.
+  p_N = jnp.where(w_N > 0, jnp.asarray(probs_BCA, jnp.float32).reshape(-1), 0.0)
+  y_N = jnp.where(w_N > 0, jnp.asarray(labels_BCA, jnp.float32).reshape(-1), 0.0)
   bin_N = jnp.clip(jnp.floor(p_N * num_bins).astype(jnp.int32), 0, num_bins - 1)
   count_K = jax.ops.segment_sum(w_N, bin_N, num_bins)
   prob_K = jax.ops.segment_sum(w_N * p_N, bin_N, num_bins)
