@@ -10,14 +10,18 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
 from phoenix_flax.training import runner
 from phoenix_flax.training.runner import load_run
 from phoenix_flax.training.schema import parse_config
+from phoenix_flax.training.sharding import DATA_AXIS, Placement, make_placement
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -151,6 +155,9 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   np.testing.assert_array_equal(loaded["a"], tree["a"] + 20)
   with pytest.raises(FileNotFoundError, match="step 10"):
     checkpoint.load(str(tmp_path), 10, tree)
+  with pytest.raises(ValueError, match="keep=0"):
+    checkpoint.save(str(tmp_path), 40, tree, keep=0)
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
 
 
 def test_a_restart_at_an_earlier_step_replaces_the_later_checkpoints(tmp_path):
@@ -187,6 +194,25 @@ def test_atomic_file_replaces_only_on_success_and_syncs_the_folder(tmp_path, mon
   with pytest.raises(ValueError, match="mode='a'"):
     with writers.atomic_file(str(path), "a"):
       pass
+  # An interrupt (Ctrl-C is no Exception) also leaves the old file and no temporary.
+  with pytest.raises(KeyboardInterrupt):
+    with writers.atomic_file(str(path), "wb") as f:
+      f.write(b"half")
+      raise KeyboardInterrupt
+  assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.json"]
+
+
+def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_path):
+  """NaN and +-inf become null (strict JSON has neither); a metrics.jsonl whose last line
+  a kill cut short reads as the rows before it."""
+  assert writers.jsonable({"a": [np.float32(np.inf), -np.inf, np.nan, 1.5], "b": 2}) == {
+      "a": [None, None, None, 1.5], "b": 2}
+  path = tmp_path / "result.json"
+  writers.write_json(str(path), {"final": {"logloss": float("inf"), "auc": 0.75}})
+  assert writers.read_json(str(path)) == {"final": {"logloss": None, "auc": 0.75}}
+  (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 20}\n{"step": 3')
+  assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 20}]
+  assert writers.read_metrics(str(tmp_path / "none")) == []
 
 
 def test_write_json_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
@@ -224,6 +250,23 @@ def test_placement_needs_batches_and_sharded_tables_that_divide_the_devices():
   bad.world.post_buckets = 1001   # unsharded tables may have any size
   runner._validate_placement(parse_config(bad), types.SimpleNamespace(
       num_devices=8, shard_hash_tables=False))
+
+
+def test_make_placement_uses_the_visible_devices():
+  n = jax.device_count()
+  assert make_placement(1, True).mesh is None       # one device: no mesh, nothing to shard
+  assert make_placement(-1, False).num_devices == n
+  assert make_placement(n, False).num_devices == n
+  with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} devices"):
+    make_placement(n + 1, False)
+
+
+def test_constrain_batch_shards_arrays_and_leaves_scalars():
+  placement = Placement(Mesh(np.asarray(jax.devices()[:1]), (DATA_AXIS,)))
+  tree = {"ids": jnp.arange(8).reshape(4, 2), "temperature": jnp.float32(0.5)}
+  out = jax.jit(placement.constrain_batch)(tree)
+  np.testing.assert_array_equal(out["ids"], tree["ids"])
+  assert float(out["temperature"]) == 0.5
 
 
 def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ from conftest import ranking_config, retrieval_config, transformer_config
 
 
 @pytest.mark.parametrize("emb_size, widening, expected",
-                         [(128, 4.0, 344), (256, 2, 344), (64, 2, 88), (32, 2.0, 48)])
+                         [(128, 4.0, 344), (256, 2, 344), (64, 2, 88), (32, 2.0, 48),
+                          (48, 2.0, 64), (12, 1.0, 8)])   # already multiples of 8
 def test_ffn_size(emb_size, widening, expected):
   assert pf.ffn_size(emb_size, widening) == expected
   cfg = transformer_config(emb_size=emb_size, widening_factor=widening)
@@ -92,6 +93,9 @@ BAD_CONFIGS = [
     ("widening_factor", lambda: transformer_config(widening_factor=float("inf"))),
     ("norm_scale", lambda: pf.NormConfig(norm_scale=float("inf"))),
     ("post_age_granularity_mins", lambda: ranking_config(post_age_granularity_mins=4801)),
+    ("widening_factor", lambda: transformer_config(widening_factor=0.01)),   # ffn_size 0
+    ("dwell_hidden_size", lambda: ranking_config(dwell_hidden_size=0)),
+    ("num_layers", lambda: transformer_config(num_layers=True)),
 ]
 
 
@@ -105,3 +109,9 @@ def test_bad_config_raises_naming_the_field(field, build):
 def test_rezero_message_says_what_to_change():
   with pytest.raises(ValueError, match="norm_layout='sandwich'"):
     transformer_config(param_init="rezero", norm_layout="pre")
+
+
+def test_values_on_the_edge_of_their_range_are_accepted():
+  assert ranking_config(post_age_granularity_mins=4800).num_post_age_buckets == 3
+  assert ranking_config(num_continuous_actions=0, dwell_hidden_size=1).dwell_hidden_size == 1
+  assert transformer_config(widening_factor=0.0625).ffn_size == 8   # int(2.0) * 2 // 3 = 1

@@ -190,7 +190,12 @@ def test_export_of_fresh_models_has_the_spec_tree():
 def test_ranking_round_trip_is_identity(ranking_params):
   _, tree = ranking_params
   model = haiku_compat.ranking_model_from_haiku(tree, _ranking_config())
-  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
+  exported = haiku_compat.ranking_model_to_haiku(model)
+  _assert_trees_equal(exported, tree)
+  # Modules come out layer by layer: the top-level ones, then all of layer 0, then layer 1.
+  layers = [int(m.split("/")[1].rsplit("_", 1)[1]) if m.startswith("transformer/") else -1
+            for m in exported]
+  assert layers == sorted(layers) and layers.count(0) == len(SPEC_LAYER)
   qkv = model.transformer.layers.attention.qkv.weight
   assert qkv.shape == (2, 64, 256) and qkv.dtype == jnp.float32
   np.testing.assert_array_equal(

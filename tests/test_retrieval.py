@@ -8,7 +8,7 @@ import pytest
 
 import phoenix_flax as pf
 from conftest import EMB, call, make_batch, retrieval_config
-from phoenix_flax.retrieval import MASKED_SCORE, retrieve_top_k
+from phoenix_flax.retrieval import MASKED_SCORE, l2_normalize, retrieve_top_k
 
 B, C, HASHES, CORPUS, TOP_K = 4, 8, 4, 100, 10
 
@@ -20,6 +20,15 @@ def tower_input(seed=0):
 
 def unit_norms(x):
   return jnp.sqrt(jnp.sum(jnp.square(x), axis=-1))
+
+
+def test_l2_normalize_of_short_and_zero_vectors():
+  """Any vector with |x|^2 above 1e-12 comes out unit length; the zero vector stays zero
+  (no NaN); the norm returned is |x| itself, floored at 1e-6."""
+  x = jnp.asarray([[3e-4, 4e-4], [3.0, 4.0], [0.0, 0.0]], jnp.float32)
+  unit, norm = call(l2_normalize, x)
+  np.testing.assert_allclose(unit, [[0.6, 0.8], [0.6, 0.8], [0.0, 0.0]], rtol=1e-6)
+  np.testing.assert_allclose(norm[:, 0], [5e-4, 5.0, 1e-6], rtol=1e-6)
 
 
 def test_candidate_tower_mlp_shape_norm_and_formula():
@@ -113,6 +122,13 @@ def test_candidate_representation_unit_norm_and_mask(enable_linear_proj):
   assert reps.shape == (2, 3, EMB)
   np.testing.assert_allclose(unit_norms(reps), 1.0, atol=1e-5)
   np.testing.assert_array_equal(mask, [[True, False, True], [True, True, True]])
+  # Padding is a 0 in the first post hash, as in the release; other hash columns may be 0.
+  post = np.asarray(batch.candidate_post_hashes).copy()
+  post[0, 0, 1:] = 0
+  post[1, 2, 0] = 0
+  _, mask = call(lambda m, b, e: m.build_candidate_representation(b, e), model,
+                 batch._replace(candidate_post_hashes=jnp.asarray(post)), emb)
+  np.testing.assert_array_equal(mask, [[True, False, True], [True, True, False]])
 
 
 def test_corpus_mask_excludes_items():
@@ -140,6 +156,11 @@ def test_retrieve_top_k_checks_arguments():
     retrieve_top_k(user, corpus()[:, :16], 3)
   with pytest.raises(ValueError, match="top_k"):
     retrieve_top_k(user, corpus(), CORPUS + 1)
+  with pytest.raises(ValueError, match="top_k=0"):
+    retrieve_top_k(user, corpus(), 0)
+  whole = retrieve_top_k(user, corpus(), CORPUS)     # the whole corpus, best first
+  np.testing.assert_array_equal(np.sort(whole.top_k_indices[0]), np.arange(CORPUS))
+  assert np.all(np.diff(np.asarray(whole.top_k_scores), axis=1) <= 0)
   with pytest.raises(AssertionError, match="corpus_mask"):
     retrieve_top_k(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
 

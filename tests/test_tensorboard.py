@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from phoenix_flax.training.schema import RUNTIME_SECTIONS, flatten
-from phoenix_flax.training.writers import RunWriter
+from phoenix_flax.training.writers import RunWriter, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_WAIT_S = 90
@@ -67,6 +67,38 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
       content["_hparams_/session_start_info"]).session_start_info
   assert start.hparams["model.num_layers"].number_value == 1
   assert start.hparams["model.norm_layout"].string_value == "sandwich"
+
+
+def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
+  """A resume keeps the rows up to its step and makes TensorBoard drop the events logged
+  after it (they are logged again); a fresh start removes the old events and rows. Tags
+  keep "/" and replace "@"; a NaN is null in metrics.jsonl."""
+  run_dir = str(tmp_path)
+  hparams = {"model.num_layers": 2}
+  writer = RunWriter(run_dir, hparams, None)
+  for step in (10, 20, 30):
+    writer.log(step, {"train/loss": float(step), "eval/recall@5": 0.5}, step / 10)
+  writer.close(finished=False)
+  time.sleep(1.1)   # event file names carry the second they were opened in
+  writer = RunWriter(run_dir, hparams, resume_step=20)
+  assert [r["step"] for r in read_metrics(run_dir)] == [10, 20]
+  writer.log(30, {"train/loss": 33.0, "eval/recall@5": float("nan")}, 3.5)
+  writer.close(finished=True)
+  acc = _accumulator(run_dir)
+  assert set(acc.Tags()["scalars"]) == {"train/loss", "eval/recall_5"}
+  assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(10, 10.0), (20, 20.0),
+                                                                    (30, 33.0)]
+  lines = open(os.path.join(run_dir, "metrics.jsonl")).read().splitlines()
+  assert "NaN" not in lines[-1]
+  assert [json.loads(line) for line in lines] == [
+      {"step": 10, "wall_seconds": 1.0, "train/loss": 10.0, "eval/recall@5": 0.5},
+      {"step": 20, "wall_seconds": 2.0, "train/loss": 20.0, "eval/recall@5": 0.5},
+      {"step": 30, "wall_seconds": 3.5, "train/loss": 33.0, "eval/recall@5": None}]
+  time.sleep(1.1)
+  RunWriter(run_dir, hparams, None).close(finished=False)
+  assert read_metrics(run_dir) == []
+  assert len([f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents.")]) == 1
+  assert "train/loss" not in _accumulator(run_dir).Tags()["scalars"]
 
 
 def _free_port() -> int:

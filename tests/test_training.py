@@ -23,6 +23,7 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
 from phoenix_flax.training.runner import _resume_step, _train_scalars, load_run
+from phoenix_flax.training.schema import base_config, split_config, with_defaults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,6 +57,8 @@ def test_ranking_loss_is_weighted_masked_bce():
   bce = np.logaddexp(0, logits) - labels * logits
   expected = (bce * w * mask[..., None]).sum() / (mask.sum() * w.sum())
   np.testing.assert_allclose(ranking_loss(logits, labels, mask, w), expected, rtol=1e-5)
+  # The weights are relative: scaling them all leaves the loss as it is.
+  np.testing.assert_allclose(ranking_loss(logits, labels, mask, 3 * w), expected, rtol=1e-5)
   np.testing.assert_allclose(ranking_loss(logits, labels, mask),
                              bce[mask].mean(), rtol=1e-5)
 
@@ -78,6 +81,9 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   labels[0, 2, 1] = labels[0, 1, 1] = 1
   idx, has = first_positive(labels, np.ones((2, 3), bool), action=1)
   assert idx.tolist()[0] == 1 and has.tolist() == [True, False]
+  labels[1, 0, 1] = 1                                   # engaged, but a padded slot
+  idx, has = first_positive(labels, np.array([[True, False, True], [False, True, True]]), 1)
+  assert idx.tolist()[0] == 2 and has.tolist() == [True, False]
 
 
 def test_weight_decay_skips_hash_tables_and_norms():
@@ -153,6 +159,82 @@ def test_bad_config_values_name_the_field():
     c[section][field] = value
     with pytest.raises(ConfigError, match=match):
       parse_config(c)
+
+
+def _overridden(task, overrides):
+  c = (ranking_configs if task == "ranking" else retrieval_configs).get_config("smoke")
+  for path, value in overrides.items():
+    *sections, field = path.split(".")
+    node = c
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  return c
+
+
+# (task, overrides, the message): each value is just outside what its field allows.
+OUT_OF_RANGE = [
+    ("ranking", {"optim.b1": 1.0}, r"optim.b1=1.0 is invalid: must be in \[0, 1\)"),
+    ("ranking", {"optim.end_lr_fraction": 1.5}, "optim.end_lr_fraction=1.5 is invalid"),
+    ("ranking", {"optim.warmup_steps": -1}, "optim.warmup_steps=-1 is invalid"),
+    ("ranking", {"optim.grad_clip_norm": 0.0}, "optim.grad_clip_norm=0.0 is invalid"),
+    ("ranking", {"model.embedding_init_scale": 0.0}, "model.embedding_init_scale=0.0 is invalid"),
+    ("ranking", {"train.eval_batch_size": 1}, "train.eval_batch_size=1 is invalid: must be >= 2"),
+    ("ranking", {"train.eval_every": 15}, "train.eval_every=15 is invalid"),
+    ("ranking", {"train.checkpoint_every": 5}, "train.checkpoint_every=5 is invalid"),
+    ("ranking", {"train.action_weights": (0.0,) * 19}, "train.action_weights"),
+    ("retrieval", {"train.batch_size": 1}, "train.batch_size=1 is invalid: retrieval needs"),
+    ("ranking", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
+    ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid"),
+    ("ranking", {"mesh.num_devices": -2}, "mesh.num_devices=-2 is invalid"),
+    ("ranking", {"mesh.distributed": True, "mesh.coordinator_address": "localhost"},
+     "mesh.coordinator_address='localhost' is invalid: use 'host:port'"),
+    ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
+     "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
+    ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
+]
+
+# Values on the edge of what their fields allow (a world of 400 posts, 19 actions).
+AT_THE_EDGE = {
+    "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0,
+    "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
+    "train.action_weights": (1.0,) + (0.0,) * 18, "retrieval.positive_action": 18,
+    "retrieval.recall_k": (1, 400), "mesh.num_devices": -1, "mesh.distributed": True,
+    "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
+    "mesh.process_id": 1, "output.seed_subdirs": True,
+}
+
+
+@pytest.mark.parametrize("task, overrides, message", OUT_OF_RANGE,
+                         ids=[",".join(o) for _, o, _ in OUT_OF_RANGE])
+def test_values_just_out_of_range_are_refused_by_name(task, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    parse_config(_overridden(task, overrides))
+
+
+def test_values_at_the_edge_of_their_range_are_accepted():
+  spec = parse_config(_overridden("ranking", AT_THE_EDGE))
+  assert spec.action_weights == (1.0,) + (0.0,) * 18
+  retrieval = parse_config(_overridden("retrieval", {"train.batch_size": 2}))
+  assert retrieval.config.train.batch_size == 2
+  with pytest.raises(ConfigError, match=r"SplitConfig has no field\(s\) \['max_histroy'\]"):
+    split_config(max_histroy=4)
+
+
+def test_a_stored_config_is_completed_with_the_defaults_it_predates():
+  """A run's config.json written before a field existed gets the field's default, in
+  nested sections and in each extra evaluation split too."""
+  stored = ranking_configs.get_config("smoke").to_dict()
+  del stored["model"]["attention_impl"]
+  del stored["optim"]
+  stored["extra_eval_splits"] = {"long": {"max_history": 4}}
+  config = with_defaults(stored)
+  assert config.model.attention_impl == "isolated"
+  assert config.model.num_layers == 1                    # kept, not reset to the default
+  assert config.optim.to_dict() == base_config("ranking").optim.to_dict()
+  assert config.extra_eval_splits.long.to_dict() == {**split_config().to_dict(),
+                                                     "max_history": 4}
+  assert parse_config(config).eval_splits["long"].max_history == 4
 
 
 def test_every_model_key_reaches_its_model_config_field():
