@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.runner import RESULT_FILE
+from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -97,14 +96,13 @@ def print_progress(p: Progress, batch_size: int,
   print(line, flush=True)
 
 
-def _finished_seeds(config, workdir: str) -> set[int]:
-  """Seeds whose run directory already holds a result (run_experiment skips them); none
-  when the config is too broken to name its directories (run_experiment says why)."""
+def _finished_before(config, workdir: str) -> list[int]:
+  """`finished_seeds`, or none when the config is too broken to name its directories
+  (run_experiment then says why)."""
   try:
-    dirs = run_dirs(config, workdir)
-  except Exception:   # noqa: BLE001 - validation, with its message, comes next
-    return set()
-  return {k for k, d in dirs.items() if os.path.exists(os.path.join(d, RESULT_FILE))}
+    return finished_seeds(config, workdir)
+  except Exception:   # validation, with its message, comes next
+    return []
 
 
 def _fail(message: str) -> None:
@@ -155,7 +153,7 @@ def main(argv: list[str]) -> None:
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   try:
-    done_before = _finished_seeds(config, _WORKDIR.value)
+    done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
   except ConfigError as e:
     _fail(str(e))

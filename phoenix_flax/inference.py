@@ -204,13 +204,16 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   return B, C
 
 
-def _unread_dropped(config, batch):
-  """The batch without the optional fields the model does not read, so that whatever they
-  hold is ignored, as by the release (and never reaches the compiled program)."""
-  if not isinstance(batch, RecsysBatch):
-    return batch   # validate_inputs names the type
-  return batch._replace(**{name: None for name in RecsysBatch._field_defaults
-                           if name not in config.optional_batch_fields})
+def _accepted(config, batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
+              with_candidates: bool = True) -> tuple[RecsysBatch, int, int]:
+  """What a runner passes on: the batch without the optional fields the model does not
+  read (whatever they hold is ignored, as by the release, and never reaches the compiled
+  program), validated; with its (B, C)."""
+  if isinstance(batch, RecsysBatch):   # otherwise validate_inputs names the type
+    batch = batch._replace(**{name: None for name in RecsysBatch._field_defaults
+                              if name not in config.optional_batch_fields})
+  B, C = validate_inputs(config, batch, embeddings, with_candidates=with_candidates)
+  return batch, B, C
 
 
 def _count(name: str, value, low: int, high: Optional[int] = None, what: str = "") -> int:
@@ -280,14 +283,12 @@ class RankingRunner:
 
   def rank(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RankingOutput:
     """Probabilities `[B, C, A]` and candidates by favorite_score, padding last."""
-    batch = _unread_dropped(self.config, batch)
-    validate_inputs(self.config, batch, embeddings)
+    batch, _, _ = _accepted(self.config, batch, embeddings)
     return self._rank(self.model, batch, embeddings)
 
   def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
     """Per-layer keys/values of each user's context (candidate fields are ignored)."""
-    batch = _unread_dropped(self.config, batch)
-    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
   def _check_cache(self, cache: ContextCache, B: int) -> None:
@@ -318,8 +319,7 @@ class RankingRunner:
     chunk (its start index is traced), so any candidate count reuses it.
     """
     chunk_size = self._check_chunking(chunk_size)
-    batch = _unread_dropped(self.config, batch)
-    B, _ = validate_inputs(self.config, batch, embeddings)
+    batch, B, _ = _accepted(self.config, batch, embeddings)
     self._check_cache(cache, B)
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
 
@@ -332,8 +332,7 @@ class RankingRunner:
     1e-2 in bfloat16), and exactly the same way whatever the chunking.
     """
     chunk_size = self._check_chunking(chunk_size)
-    batch = _unread_dropped(self.config, batch)
-    validate_inputs(self.config, batch, embeddings)
+    batch, _, _ = _accepted(self.config, batch, embeddings)
     cache = self._encode(self.model, *_without_candidates(batch, embeddings))
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
 
@@ -412,8 +411,7 @@ class RetrievalRunner:
 
   def encode_user(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> Array:
     """Unit-norm user representations `[B, D]`."""
-    batch = _unread_dropped(self.config, batch)
-    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
   def encode_corpus(self, post_embeddings: ArrayLike, author_embeddings: ArrayLike) -> Array:
@@ -474,7 +472,6 @@ class RetrievalRunner:
       if top_k > kept:
         raise ValueError(f"top_k={top_k} exceeds the {kept} corpus items corpus_mask keeps")
       corpus_mask = jnp.asarray(mask, bool)
-    batch = _unread_dropped(self.config, batch)
-    validate_inputs(self.config, batch, embeddings, with_candidates=False)
+    batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._retrieve(self.model, *_without_candidates(batch, embeddings),
                           self.corpus_embeddings, self.corpus_post_ids, top_k, corpus_mask)

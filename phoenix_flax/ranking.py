@@ -129,8 +129,7 @@ class PhoenixModel(eqx.Module):
     c = self.config
     B, C = check_batch(batch, c.hash_config, c.history_seq_len, c.num_actions,
                        with_candidates=with_candidates,
-                       post_age="candidate_post_timestamps" in c.optional_batch_fields,
-                       dwell="history_dwell_times" in c.optional_batch_fields)
+                       optional_fields=c.optional_batch_fields)
     check_embeddings(embeddings, c.hash_config, B, c.history_seq_len, C, c.emb_size,
                      with_candidates)
     return B, C
@@ -139,7 +138,7 @@ class PhoenixModel(eqx.Module):
                         batch_size: Optional[int] = None) -> None:
     c = self.config
     B, C = check_candidate_fields(batch, c.hash_config, batch_size,
-                                  post_age="candidate_post_timestamps" in c.optional_batch_fields)
+                                  optional_fields=c.optional_batch_fields)
     check_candidate_embeddings(embeddings, c.hash_config, B, C, c.emb_size)
 
   def build_context_tokens(self, batch: RecsysBatch, embeddings: RecsysEmbeddings

@@ -73,12 +73,12 @@ def _require(batch: RecsysBatch) -> None:
 
 
 def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: int,
-                with_candidates: bool = True, *, post_age: bool = False,
-                dwell: bool = False) -> tuple[int, int]:
+                with_candidates: bool = True, *,
+                optional_fields: frozenset[str] = frozenset()) -> tuple[int, int]:
   """Checks ranks, shapes and dtypes of a batch; returns (B, C) (C = 0 without candidates).
 
-  The optional fields are checked, and required, only when the model reads them: the
-  timestamps with `post_age`, the dwell times with `dwell`; otherwise they are ignored.
+  The optional fields are checked, and required, only when the model reads them
+  (`optional_fields`, its config's `optional_batch_fields`); otherwise they are ignored.
   """
   _require(batch)
   chex.assert_rank(batch.user_hashes, 2, custom_message="field user_hashes must be [B, U]")
@@ -93,15 +93,16 @@ def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: 
                      f"config.num_actions={num_actions}")
   _check(batch.history_actions, (B, S, num_actions), "history_actions", "any")
   _check(batch.history_product_surface, (B, S), "history_product_surface", "int")
-  if dwell:
+  if "history_dwell_times" in optional_fields:
     _check(batch.history_dwell_times, (B, S), "history_dwell_times", "any", "dwell_time_norm")
   if not with_candidates:
     return B, 0
-  return check_candidate_fields(batch, hash_config, B, post_age=post_age)
+  return check_candidate_fields(batch, hash_config, B, optional_fields=optional_fields)
 
 
 def check_candidate_fields(batch: RecsysBatch, hash_config, batch_size: Optional[int] = None,
-                           *, post_age: bool = False) -> tuple[int, int]:
+                           *, optional_fields: frozenset[str] = frozenset()
+                           ) -> tuple[int, int]:
   """Checks the candidate fields of a batch (of `batch_size` users when given); returns
   (B, C)."""
   _require(batch)
@@ -113,7 +114,7 @@ def check_candidate_fields(batch: RecsysBatch, hash_config, batch_size: Optional
   _check(batch.candidate_post_hashes, (B, C, I), "candidate_post_hashes", "int")
   _check(batch.candidate_author_hashes, (B, C, Au), "candidate_author_hashes", "int")
   _check(batch.candidate_product_surface, (B, C), "candidate_product_surface", "int")
-  if post_age:
+  if "candidate_post_timestamps" in optional_fields:
     _check(batch.impression_timestamps, (B,), "impression_timestamps", "int",
            "post_age_granularity_mins")
     _check(batch.candidate_post_timestamps, (B, C), "candidate_post_timestamps", "int",

@@ -73,6 +73,12 @@ def run_dirs(config: ml_collections.ConfigDict, workdir: str) -> dict[int, str]:
   return {k: os.path.join(workdir, f"seed_{k}") if sub else workdir for k in seeds}
 
 
+def finished_seeds(config: ml_collections.ConfigDict, workdir: str) -> list[int]:
+  """Seeds whose run directory holds a `result.json` (`run_experiment` skips them)."""
+  return [k for k, d in run_dirs(config, workdir).items()
+          if os.path.exists(os.path.join(d, RESULT_FILE))]
+
+
 def _check_existing_config(run_dir: str, expected: dict) -> None:
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
@@ -184,12 +190,9 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   spec = parse_config(config)
   check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
-  results, pending = {}, []
-  for k, d in dirs.items():
-    if os.path.exists(os.path.join(d, RESULT_FILE)):
-      results[k] = read_json(os.path.join(d, RESULT_FILE))
-    else:
-      pending.append(k)
+  done = finished_seeds(config, workdir)
+  results = {k: read_json(os.path.join(dirs[k], RESULT_FILE)) for k in done}
+  pending = [k for k in dirs if k not in done]
   if not pending:
     return results
   results.update(_train(_trainer(spec), pending, {k: dirs[k] for k in pending}, progress))
