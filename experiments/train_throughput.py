@@ -7,16 +7,22 @@
 * Scanned loop (what `run_experiment` runs): `Trainer.train_chunk`, `steps_per_call`
   steps per host call under `lax.scan`, batches sampled on device inside the step,
   buffers donated, nothing returned to the host until the chunk ends.
-* Plain loop (the baseline): the same model, optimizer and update, one jitted call per
-  step, fed a batch that lives on the host as numpy arrays. The host batch is made by
-  sampling the same synthetic world with a separately jitted `sample_batch` and copying
-  it to numpy (`np.asarray`), which stands for a host data pipeline at its cheapest: a
-  numpy re-implementation of the generator would only be slower. Each step's loss is
-  read back to the host, as a plain loop does to log it. Both jitted functions get the
-  same compile options as `Trainer`'s (`phoenix_flax.xla_options`).
+* Plain loop (the baseline the issue names): the same model, optimizer and update, one
+  jitted call per step, fed a batch sampled on the host with numpy
+  (`experiments/host_sampler.py`: the same generative process over the same world, in
+  vectorised numpy). Each step's loss is read back to the host, as a plain loop does to
+  log it.
+* Plain loop fed device-sampled batches: the same, but each batch is drawn by a
+  separately jitted `sample_batch` and copied to numpy (`np.asarray`), a host data
+  pipeline at its cheapest on CPU. It shows how much of the speed-up the numpy sampler
+  alone accounts for.
 
-Both are timed after compilation, alternating rounds so that load from other processes
-hits both alike; the ratio is the speed-up of the scanned loop. With `num_seeds > 1` the
+All jitted functions get the same compile options as `Trainer`'s
+(`phoenix_flax.xla_options`).
+
+The loops are timed after compilation, in alternating rounds so that load from other
+processes hits them alike; `speedup` is the scanned loop's examples/s over the numpy plain
+loop's, `speedup_vs_device_sampled` over the other plain loop's. With `num_seeds > 1` the
 scanned loop trains every seed at once (vmapped, as `run_experiment` does) while the plain
 loop trains one seed, i.e. seeds one after another: examples/s count every seed.
 """
@@ -33,6 +39,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
+from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
 from phoenix_flax.training import Trainer, parse_config, writers
@@ -44,7 +51,7 @@ def _block(tree) -> None:
 
 
 class _Loops:
-  """The two loops of one config, compiled once, so rounds can alternate."""
+  """The three loops of one config, compiled once, so rounds can alternate."""
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.spec = parse_config(config)
@@ -59,8 +66,11 @@ class _Loops:
         world, spec.train_split, spec.config.train.batch_size, key))
     self._update = xla_options.filter_jit(trainer.update, donate="all")
     self.key = jax.random.PRNGKey(spec.config.seed + 1)
+    self.host_sampler = HostSampler(trainer.world, spec.train_split,
+                                    spec.config.train.batch_size, spec.config.seed + 1)
     self.scanned(1)
     self.plain(1)
+    self.plain(1, device_sampled=True)
 
   def scanned(self, chunks: int) -> float:
     """Seconds for `chunks` scanned host calls."""
@@ -70,13 +80,17 @@ class _Loops:
     _block((self.state, stats))
     return time.perf_counter() - t0
 
-  def plain(self, steps: int) -> float:
-    """Seconds for `steps` plain-loop steps (host batch in, loss out, every step)."""
+  def _device_sampled(self):
+    self.key, key = jax.random.split(self.key)
+    return jax.tree.map(np.asarray, self._sample(self.trainer.world, key))
+
+  def plain(self, steps: int, device_sampled: bool = False) -> float:
+    """Seconds for `steps` plain-loop steps (host batch in, loss out, every step); the
+    batch comes from the numpy sampler, or from the device copied to numpy."""
+    sample = self._device_sampled if device_sampled else self.host_sampler
     t0 = time.perf_counter()
     for _ in range(steps):
-      self.key, key = jax.random.split(self.key)
-      host = jax.tree.map(np.asarray, self._sample(self.trainer.world, key))
-      self.plain_state, stats = self._update(self.plain_state, host)
+      self.plain_state, stats = self._update(self.plain_state, sample())
       float(stats["loss"])
     _block(self.plain_state)
     return time.perf_counter() - t0
@@ -84,22 +98,27 @@ class _Loops:
 
 def measure(config: ml_collections.ConfigDict, rounds: int = 3,
             chunks_per_round: int = 2) -> dict:
-  """Examples/s of both loops (median over alternating rounds) and their ratio."""
+  """Examples/s of the loops (median over alternating rounds) and their ratios."""
   loops = _Loops(config)
-  scanned, plain = [], []
+  scanned, plain, device_sampled = [], [], []
   steps = loops.steps * chunks_per_round
   for _ in range(rounds):
     scanned.append(steps * loops.batch_size * loops.num_seeds
                    / loops.scanned(chunks_per_round))
     plain.append(steps * loops.batch_size / loops.plain(steps))
+    device_sampled.append(steps * loops.batch_size / loops.plain(steps, device_sampled=True))
   out = {"scanned_examples_per_second": statistics.median(scanned),
          "plain_examples_per_second": statistics.median(plain),
+         "plain_device_sampled_examples_per_second": statistics.median(device_sampled),
+         "plain_sampler": "numpy (experiments/host_sampler.py)",
          "batch_size": loops.batch_size, "num_seeds": loops.num_seeds,
          "steps_per_call": loops.steps,
          "steps_per_round": steps, "rounds": rounds,
          "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
          "compiler_options": xla_options.compiler_options()}
   out["speedup"] = out["scanned_examples_per_second"] / out["plain_examples_per_second"]
+  out["speedup_vs_device_sampled"] = (out["scanned_examples_per_second"]
+                                      / out["plain_device_sampled_examples_per_second"])
   return out
 
 
@@ -114,7 +133,7 @@ def _define_flags() -> dict:
       "rounds": flags.DEFINE_integer("rounds", 3,
                                      "Alternating timing rounds (median reported)."),
       "chunks": flags.DEFINE_integer("chunks_per_round", 2,
-                                     "Scanned host calls per round; the plain loop runs as "
+                                     "Scanned host calls per round; each plain loop runs as "
                                      "many steps."),
       "out": flags.DEFINE_string("out", None, "Optional JSON file for the measurement."),
   }

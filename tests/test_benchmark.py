@@ -12,9 +12,11 @@ import time
 
 import equinox as eqx
 import jax
+import numpy as np
 import pytest
 
 import phoenix_flax as pf
+from phoenix_flax import synthetic
 from experiments import benchmark, timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,11 +128,72 @@ def test_cli_writes_json_and_table(tmp_path):
   assert set(report["configs"]) == {"demo"}
   assert report["command"].startswith("python -m experiments.benchmark")
   assert "| demo |" in proc.stdout
-  # The training loops: scanned vs the plain host-numpy loop, per seed count.
+  # The training loops: scanned vs the two plain loops, per seed count.
   assert [(r["preset"], r["num_seeds"]) for r in report["training"]] == [("smoke", 1),
                                                                          ("smoke", 2)]
   for r in report["training"]:
     assert r["scanned_examples_per_second"] > 0 and r["plain_examples_per_second"] > 0
+    assert r["plain_device_sampled_examples_per_second"] > 0
     assert r["speedup"] == pytest.approx(
         r["scanned_examples_per_second"] / r["plain_examples_per_second"])
+    assert r["speedup_vs_device_sampled"] == pytest.approx(
+        r["scanned_examples_per_second"] / r["plain_device_sampled_examples_per_second"])
   assert "| smoke | 2 |" in proc.stdout
+
+
+HOST_WORLD = synthetic.WorldConfig(
+    num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8, history_len=12,
+    num_candidates=6, user_buckets=40, post_buckets=128, author_buckets=16, post_age=True)
+
+
+@pytest.mark.parametrize("split", [
+    synthetic.SplitConfig(),
+    synthetic.SplitConfig(history_dist="log_uniform", list_correlation=0.5,
+                             candidate_order="relevance", min_candidates=2, num_candidates=9),
+    synthetic.SplitConfig(min_history=0, max_history=7, relevant_fraction=0.8,
+                             list_correlation=1.0, candidate_order="grouped")])
+def test_host_sampler_draws_the_device_samplers_batches(split):
+  """The plain loop's numpy sampler, given the device sampler's uniforms, gives its batch:
+  every id, hash, label and mask equal, floats to rounding, and timestamps within the one
+  second that rounding an age can move."""
+  from experiments import host_sampler
+  from phoenix_flax.synthetic.sampling import uniform_shapes
+  from phoenix_flax.synthetic.world import random_blocks
+  world = synthetic.make_world(HOST_WORLD, jax.random.key(0))
+  B, (_, C) = 128, split.resolve(HOST_WORLD)
+  key = jax.random.key(1)
+  device = jax.jit(synthetic.sample_batch, static_argnums=(1, 2))(world, split, B, key)
+  uniforms = random_blocks(key, jax.random.uniform,
+                           uniform_shapes(B, HOST_WORLD.history_len, C, HOST_WORLD.num_actions))
+  host = host_sampler.sample_from_uniforms(host_sampler.host_world(world), split, B,
+                                           {k: np.asarray(v) for k, v in uniforms.items()})
+  paths = jax.tree_util.tree_leaves_with_path(device)
+  assert len(paths) == len(jax.tree.leaves(host)) == 21
+  for (path, d), h in zip(paths, jax.tree.leaves(host)):
+    name, d = jax.tree_util.keystr(path), np.asarray(d)
+    assert isinstance(h, np.ndarray) and (h.dtype, h.shape) == (d.dtype, d.shape), name
+    if name.endswith("candidate_post_timestamps"):
+      assert np.abs(h - d).max() <= 1 and np.mean(h != d) < 0.01, name
+    elif d.dtype.kind == "f":
+      np.testing.assert_allclose(h, d, rtol=1e-5, atol=1e-5, err_msg=name)
+    else:
+      np.testing.assert_array_equal(h, d, err_msg=name)
+  assert 0 < host.labels.mean() < 1 and host.candidate_mask.any()
+
+
+def test_host_sampler_draws_fresh_uniforms_from_its_seed():
+  from experiments import host_sampler
+  from phoenix_flax.synthetic.sampling import uniform_shapes
+  world = synthetic.make_world(HOST_WORLD, jax.random.key(0))
+  split = synthetic.SplitConfig(num_candidates=5)
+  u = host_sampler.HostSampler(world, split, 4, seed=7).uniforms()
+  assert {k: v.shape for k, v in u.items()} == uniform_shapes(4, 12, 5, 19)
+  assert all(v.dtype == np.float32 and (0 <= v).all() and (v < 1).all() for v in u.values())
+  sampler = host_sampler.HostSampler(world, split, 4, seed=7)
+  first, second = sampler(), sampler()
+  assert first.batch.candidate_post_hashes.shape == (4, 5, 2)
+  assert not np.array_equal(first.user_ids, second.user_ids)
+  again = host_sampler.HostSampler(world, split, 4, seed=7)()
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
+  with pytest.raises(ValueError, match="batch_size"):
+    host_sampler.HostSampler(world, split, 0, seed=7)

@@ -476,6 +476,9 @@ def test_throughput_measures_both_loops(tmp_path, main):
   assert result["scanned_examples_per_second"] > 0 and result["plain_examples_per_second"] > 0
   assert result["speedup"] == pytest.approx(
       result["scanned_examples_per_second"] / result["plain_examples_per_second"])
+  assert result["speedup_vs_device_sampled"] == pytest.approx(
+      result["scanned_examples_per_second"]
+      / result["plain_device_sampled_examples_per_second"])
   assert result["steps_per_round"] == 10 and result["batch_size"] == 8
 
 

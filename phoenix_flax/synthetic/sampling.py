@@ -78,6 +78,18 @@ def _ages_s(world: World, u: Array) -> Array:
   return jnp.clip(jnp.round(age), 60, MAX_AGE_S).astype(jnp.int32)
 
 
+def uniform_shapes(B: int, S: int, C: int, A: int) -> dict:
+  """The named blocks of uniforms one batch of B lists of width C draws, in draw order
+  (`random_blocks`): B users, S history slots, A actions."""
+  return {
+      "user": (B,), "hist_len": (B,), "session": (B,), "impression": (B,), "count": (B,),
+      "switch": (B, S), "explore": (B, S), "explore_topic": (B, S), "taste_topic": (B, S),
+      "hist_post": (B, S), "hist_surface": (B, S), "hist_age": (B, S), "dwell": (B, S),
+      "hist_action": (B, S, A), "rel_topic": (B, C), "use_session": (B, C),
+      "relevant": (B, C), "rel_post": (B, C), "rand_post": (B, C), "surface": (B, C),
+      "age": (B, C), "order": (B, C), "label": (B, C, A)}
+
+
 def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKeyArray
                  ) -> SyntheticBatch:
   """Draws one batch; jit it with `split` and `batch_size` static. Deterministic in key."""
@@ -91,13 +103,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   V, A = c.product_surface_vocab_size, c.num_actions
   # As in `make_world`: a new random quantity takes a key of its own, so that the batches
   # of existing configs stay as they are.
-  u = random_blocks(key, jax.random.uniform, {
-      "user": (B,), "hist_len": (B,), "session": (B,), "impression": (B,), "count": (B,),
-      "switch": (B, S), "explore": (B, S), "explore_topic": (B, S), "taste_topic": (B, S),
-      "hist_post": (B, S), "hist_surface": (B, S), "hist_age": (B, S), "dwell": (B, S),
-      "hist_action": (B, S, A), "rel_topic": (B, C), "use_session": (B, C),
-      "relevant": (B, C), "rel_post": (B, C), "rand_post": (B, C), "surface": (B, C),
-      "age": (B, C), "order": (B, C), "label": (B, C, A)})
+  u = random_blocks(key, jax.random.uniform, uniform_shapes(B, S, C, A))
 
   user_ids_B = _randint(u["user"], 0, c.num_users)
   topic_logits_BT = world.user_topic_logits_UT[user_ids_B]
