@@ -17,10 +17,10 @@ import jax.numpy as jnp
 
 from experiments import timing
 from phoenix_flax import xla_options
-from phoenix_flax.inference import CANDIDATE_BATCH_FIELDS
 from phoenix_flax.synthetic import SplitConfig, SyntheticBatch, World, sample_batch
 from phoenix_flax.training import metrics as metrics_lib
-from phoenix_flax.types import RecsysBatch
+from phoenix_flax.training.loop import eval_keys
+from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, RecsysBatch
 
 SHIFT_METRICS = ("auc_mean", "calibration_error", "logloss", "bayes_auc_mean")
 
@@ -87,10 +87,9 @@ def chunked_logits(system, batch: RecsysBatch, chunk_size: int) -> jax.Array:
 
 def eval_batches(spec, world: World, split: SplitConfig) -> list[SyntheticBatch]:
   """The runner's evaluation batches of a split: `train.eval_batches` batches of
-  `train.eval_batch_size` lists, keys folded from `eval_seed`."""
-  base = jax.random.PRNGKey(spec.config.eval_seed)
-  return [sample(world, split, spec.config.train.eval_batch_size, jax.random.fold_in(base, i))
-          for i in range(spec.config.train.eval_batches)]
+  `train.eval_batch_size` lists, from the runner's own keys (`loop.eval_keys`)."""
+  return [sample(world, split, spec.config.train.eval_batch_size, key)
+          for key in eval_keys(spec.config)]
 
 
 @jax.jit
@@ -99,7 +98,7 @@ def _metrics(logits_NCA, labels_NCA, probs_NCA, mask_NC) -> dict:
   return {m: found[m] for m in SHIFT_METRICS}
 
 
-def ranking_metrics(logits_list, batches: Sequence[SyntheticBatch]) -> dict[str, float]:
+def pooled_shift_metrics(logits_list, batches: Sequence[SyntheticBatch]) -> dict[str, float]:
   """`SHIFT_METRICS` of logits over several batches, pooled."""
   cat = lambda xs: jnp.concatenate(list(xs), axis=0)
   found = _metrics(cat(logits_list), cat(b.labels for b in batches),
@@ -113,7 +112,7 @@ def chunked_scoring(system, batches: Sequence[SyntheticBatch], chunk_size: int
   `max_logit_change`, the largest |logit| difference to scoring whole lists."""
   whole = [logits(system, b.batch) for b in batches]
   chunked = [chunked_logits(system, b.batch, chunk_size) for b in batches]
-  out = ranking_metrics(chunked, batches)
+  out = pooled_shift_metrics(chunked, batches)
   out["max_logit_change"] = max(max_abs_logit_diff(w, c, b.candidate_mask)
                                 for w, c, b in zip(whole, chunked, batches))
   return out

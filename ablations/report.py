@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Sequence
 import matplotlib
 from matplotlib.figure import Figure
 
+from phoenix_flax.training.runner import seed_dir
 from phoenix_flax.training.writers import atomic_file, read_metrics
 
 ALPHA = 0.05
@@ -258,8 +259,8 @@ HOW_TO_READ = (
     "effect can read *no significant difference* with few seeds. A CI of zero width "
     "(± 0) means every seed gave the same difference, as a deterministic quantity "
     "(a parameter count) does; its p is then 0 unless the difference is 0. A diverged "
-    "run (non-finite loss) counts in `diverged` and has no other final metric: it is "
-    "left out of the means and of the pairs it belongs to (the pair count says how "
+    "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
+    "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
     "many remained).")
 
 
@@ -293,7 +294,7 @@ def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) 
       if v["cell"] != cell:
         continue
       for i, seed in enumerate(v["seeds"]):
-        steps, values = curve(read_metrics(os.path.join(workdir, name, f"seed_{seed}")), key)
+        steps, values = curve(read_metrics(seed_dir(os.path.join(workdir, name), seed)), key)
         if steps:
           ax.plot(steps, values, color=colours[v["arm"]], lw=1.1, alpha=0.8,
                   marker="o" if len(steps) < 3 else None, label=v["arm"] if i == 0 else None)

@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from ablations import report, sweep
+from phoenix_flax.training.runner import seed_dir
 
 DEPTHS = {"smoke": (2,), "cpu": (2, 6), "full": (2, 4, 8)}
 LEARNING_RATES = {"smoke": (3e-2,), "cpu": (1e-2, 3e-2), "full": (1e-3, 3e-3, 1e-2)}
@@ -65,7 +66,8 @@ def plot_rms(results, workdir):
         continue
       per_seed = []
       for seed in v["seeds"]:
-        result = sweep.read_json(os.path.join(workdir, name, f"seed_{seed}", "result.json"))
+        result = sweep.read_json(os.path.join(seed_dir(os.path.join(workdir, name), seed),
+                                              "result.json"))
         if result and not result["diverged"]:
           per_seed.append(layer_rms(result["final"]))
       if per_seed:

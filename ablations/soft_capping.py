@@ -18,9 +18,9 @@ are short (400 steps) to fit its budget.
 Variants: `cap30` (attn_logit_cap=30, baseline), `off` (None), `cap10`, `cap50`, each at
 every learning rate x dtype.
 
-Metrics: `diverged` (runs with a non-finite loss), `max_attn_logit` (largest |attention
-logit| before the cap at the final evaluation), final `auc_mean` and `logloss` of the
-runs that did not diverge.
+Metrics: `diverged` (runs with a non-finite loss or gradient norm), `max_attn_logit`
+(largest |attention logit| before the cap at the final evaluation), final `auc_mean` and
+`logloss` of the runs that did not diverge.
 """
 
 from ablations import sweep

@@ -16,7 +16,7 @@ the probe's code: after changing a probe, `--reprobe` measures every finished ru
 Config of a variant, in order: `experiments/configs/<experiment>.py:get_config(preset)`
 (the ablation's `experiment`, "ranking" or "retrieval"), the sweep preset (`PRESETS`),
 the ablation's `preset_overrides` and `task(config, preset)`, the user's `--override`s,
-the condition level, the arm, then `num_seeds` (with `output.seed_subdirs=True`).
+`num_seeds` (with `output.seed_subdirs=True`), then the condition level and the arm.
 
 results.json:
 
@@ -66,7 +66,6 @@ import time
 from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -75,8 +74,10 @@ import numpy as np
 
 from ablations import report, stats
 from experiments.configs import ranking, retrieval
-from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, parse_config,
-                                   run_dirs, run_experiment)
+from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
+                                   parse_config, run_dirs, run_experiment)
+from phoenix_flax.training.runner import seed_dir
+from phoenix_flax.training.writers import jsonable
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
@@ -261,13 +262,15 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
   return config
 
 
-def base_config(preset: str, experiment: str = "ranking") -> ml_collections.ConfigDict:
+def preset_config(preset: str, experiment: str = "ranking") -> ml_collections.ConfigDict:
   """The experiment's config at `preset`, with the sweep preset applied."""
   return apply_overrides(EXPERIMENTS[experiment].get_config(preset), PRESETS[preset])
 
 
 def write_json(path: str, obj: Any) -> None:
-  report.write_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
+  """Writes `obj` as JSON (atomically); NaN and inf become null, as in `writers.write_json`
+  (a probe that measures NaN is recorded, not a crash after training)."""
+  report.write_atomic(path, json.dumps(jsonable(obj), indent=1, allow_nan=False) + "\n")
 
 
 def read_json(path: str) -> Optional[dict]:
@@ -277,7 +280,7 @@ def read_json(path: str) -> Optional[dict]:
     return json.load(f)
 
 
-def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[float]]:
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[float]]:
   """Numbers (and None) kept, lists -> "name/i", dicts -> "name/key"; the rest dropped."""
   out = {}
   for k, v in metrics.items():
@@ -287,9 +290,9 @@ def flatten(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[
     elif v is None or isinstance(v, (int, float)):
       out[key] = None if v is None else float(v)
     elif isinstance(v, (list, tuple)):
-      out.update(flatten({str(i): x for i, x in enumerate(v)}, f"{key}/"))
+      out.update(flatten_metrics({str(i): x for i, x in enumerate(v)}, f"{key}/"))
     elif isinstance(v, Mapping):
-      out.update(flatten(v, f"{key}/"))
+      out.update(flatten_metrics(v, f"{key}/"))
   return out
 
 
@@ -300,9 +303,6 @@ def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
   the run's synthetic world."""
   spec = parse_config(config)
   trainer = Trainer(spec)
-  stacked = eqx.filter_eval_shape(trainer.init, [spec.config.seed])
-  like = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked),
-          "wall_seconds": np.zeros((), np.float64)}
   dirs = run_dirs(config, variant_dir)
   systems = []
   for seed in dirs if seeds is None else seeds:
@@ -310,7 +310,7 @@ def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
     if spec.config.train.num_steps not in checkpoint.available_steps(run_dir):
       raise FileNotFoundError(f"{run_dir} has no final checkpoint (step "
                               f"{spec.config.train.num_steps}); the run has not finished")
-    state = checkpoint.load(run_dir, spec.config.train.num_steps, like)["state"]
+    state, _ = load_checkpoint(trainer, run_dir, spec.config.train.num_steps)
     systems.append(trainer.system(jax.tree.map(jnp.asarray, state.params)))
   return trainer, systems
 
@@ -337,7 +337,7 @@ class Sweep:
     self.variants = select(ablation.variants(preset), variants, ablation.baseline)
     self._runner = runner
     self._reprobe = reprobe
-    cfg = apply_overrides(base_config(preset, ablation.experiment),
+    cfg = apply_overrides(preset_config(preset, ablation.experiment),
                           ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
       ablation.task(cfg, preset)
@@ -363,7 +363,7 @@ class Sweep:
     return os.path.join(self.workdir, variant.name)
 
   def run_dir(self, variant: Variant, seed: int) -> str:
-    return os.path.join(self.variant_dir(variant), f"seed_{seed}")
+    return seed_dir(self.variant_dir(variant), seed)
 
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
@@ -410,7 +410,8 @@ class Sweep:
     for seed, system in zip(todo, systems):
       ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset, trainer.spec,
                        trainer.world, system)
-      write_json(os.path.join(ctx.run_dir, PROBES_FILE), flatten(self.ablation.probe(ctx)))
+      write_json(os.path.join(ctx.run_dir, PROBES_FILE),
+                 flatten_metrics(self.ablation.probe(ctx)))
 
   def _joint_probe(self) -> None:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
@@ -430,7 +431,7 @@ class Sweep:
         raise ValueError(f"{self.ablation.name}: joint_probe returned {len(found)} results "
                          f"for {len(contexts)} runs; it must return one per run, in order")
       for ctx, metrics in zip(contexts, found):
-        write_json(os.path.join(ctx.run_dir, JOINT_PROBES_FILE), flatten(metrics))
+        write_json(os.path.join(ctx.run_dir, JOINT_PROBES_FILE), flatten_metrics(metrics))
       jax.clear_caches()
 
   def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set]:
@@ -446,11 +447,11 @@ class Sweep:
                                 "finished; run the sweep (not only the report) again")
       diverged = bool(result.get("diverged"))
       diverged_at.append(result.get("diverged_at_step") if diverged else None)
-      found = flatten(result.get("final", {}))
+      found = flatten_metrics(result.get("final", {}))
       for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
-        found.update(flatten(read_json(os.path.join(run_dir, probes_file)) or {}))
+        found.update(flatten_metrics(read_json(os.path.join(run_dir, probes_file)) or {}))
       if self.ablation.derived is not None:
-        found.update(flatten(self.ablation.derived(found)))
+        found.update(flatten_metrics(self.ablation.derived(found)))
       if not diverged:
         available.update(k for k, v in found.items() if v is not None)
       for m in values:

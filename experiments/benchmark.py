@@ -368,7 +368,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   return report
 
 
-def write_json(report: dict, path: str) -> None:
+def save_report(report: dict, path: str) -> None:
   """Writes `report` to `path` atomically (`writers.atomic_file`), creating its folder."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with writers.atomic_file(path) as f:
@@ -444,7 +444,7 @@ def main(argv: Sequence[str]) -> None:
                          [(p, int(n)) for p in FLAGS.train_presets for n in FLAGS.train_seeds],
                          FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
   report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
-  write_json(report, FLAGS.out)
+  save_report(report, FLAGS.out)
   print(format_table(report))
   print(f"wrote {FLAGS.out}")
 

@@ -138,8 +138,9 @@ def sample_from_uniforms(world: World, split: SplitConfig, batch_size: int,
                                np.broadcast_to(prior_weights_SS, (B, S, S)),
                                world.post_vecs_PL[hist_post_BS][:, None, :, :])
   hist_surface_BS = _randint(u["hist_surface"], 0, V)
+  hist_age_h_BS = _ages_s(world, u["hist_age"]).astype(F32) / F32(3600.0)
   hist_logits_BSA = _true_logits(world, interest_BSL, hist_post_BS, hist_surface_BS,
-                                 _ages_s(world, u["hist_age"]).astype(F32) / F32(3600.0), bias_B[:, None])
+                                 hist_age_h_BS, bias_B[:, None])
   hist_actions_BSA = (u["hist_action"] < _sigmoid(hist_logits_BSA)) & hist_valid_BS[..., None]
   dwell_BS = np.where(hist_actions_BSA[..., -1],
                       F32(10.0) + F32(30.0) * _exponential(u["dwell"]),

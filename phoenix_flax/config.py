@@ -48,14 +48,14 @@ def _bool(cls: str, field: str, value: Any) -> None:
     _fail(cls, field, value, "must be True or False")
 
 
-def canonical_dtype(value: Any, cls: str = "config", field: str = "fprop_dtype") -> str:
+def canonical_dtype(value: Any, cls: str = "config") -> str:
   """Maps a dtype given as a string or numpy/jax dtype to "float32" or "bfloat16"."""
   try:
     name = jnp.dtype(value).name
   except TypeError:
     name = str(value)
   if name not in FPROP_DTYPES:
-    _fail(cls, field, value, f"use one of {FPROP_DTYPES}")
+    _fail(cls, "fprop_dtype", value, f"use one of {FPROP_DTYPES}")
   return name
 
 
@@ -246,10 +246,6 @@ class PhoenixModelConfig:
   def num_post_age_buckets(self) -> int:
     return POST_AGE_MAX_MINUTES // self.post_age_granularity_mins + 2
 
-  def make(self, *, key):
-    from phoenix_flax.ranking import PhoenixModel
-    return PhoenixModel(self, key=key)
-
 
 @dataclasses.dataclass(frozen=True)
 class PhoenixRetrievalModelConfig:
@@ -277,7 +273,3 @@ class PhoenixRetrievalModelConfig:
   def optional_batch_fields(self) -> frozenset[str]:
     """The optional `RecsysBatch` fields this model reads: none."""
     return frozenset()
-
-  def make(self, *, key):
-    from phoenix_flax.retrieval import PhoenixRetrievalModel
-    return PhoenixRetrievalModel(self, key=key)

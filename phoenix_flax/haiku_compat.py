@@ -10,7 +10,8 @@ the Jan release's Haiku code:
     transformer/decoder_layer_{i}/rms_norm, rms_norm_1, rms_norm_2, rms_norm_3   scale
     transformer/decoder_layer_{i}/multi_head_attention/{query,key,value,linear}  w
     transformer/decoder_layer_{i}/{linear,linear_v,linear_1}                     w
-    phoenix_retrieval_model      the ranking model's first four entries, no proj_mat_2
+    phoenix_retrieval_model      product_surface_embedding_table, action_projection,
+                                 proj_mat_1, proj_mat_3
     phoenix_retrieval_model/~build_candidate_representation/candidate_tower
                                  candidate_tower_projection_1, candidate_tower_projection_2
 

@@ -22,7 +22,8 @@ from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 from phoenix_flax.transformer import ContextCache
-from phoenix_flax.types import RecsysBatch, RecsysEmbeddings
+from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS, RecsysBatch,
+                                RecsysEmbeddings)
 
 ACTIONS = (
     "favorite_score", "reply_score", "repost_score", "photo_expand_score", "click_score",
@@ -36,9 +37,6 @@ PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
 
 _NNX_HINT = "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
 
-CANDIDATE_BATCH_FIELDS = ("candidate_post_hashes", "candidate_author_hashes",
-                          "candidate_product_surface", "candidate_post_timestamps")
-CANDIDATE_EMBEDDING_FIELDS = ("candidate_post_embeddings", "candidate_author_embeddings")
 
 
 def action_index(name: str) -> int:
@@ -240,12 +238,18 @@ def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callab
   return xla_options.filter_jit(traced)
 
 
+def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
+  """Slots `[B, C]` by the primary action's probability, best first, padded slots (post
+  hash 0) last; ties keep slot order. `rank` and `rank_chunked` both order with this."""
+  valid_BC = candidate_post_hashes[:, :, 0] != 0
+  key_BC = jnp.where(valid_BC, probs_BCA[..., PRIMARY_ACTION], -1.0)
+  return jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
+
+
 def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings):
   out = model(batch, embeddings)
   probs_BCA = jax.nn.sigmoid(out.logits.astype(jnp.float32))
-  valid_BC = batch.candidate_post_hashes[:, :, 0] != 0
-  key_BC = jnp.where(valid_BC, probs_BCA[..., PRIMARY_ACTION], -1.0)
-  ranked_BC = jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
+  ranked_BC = _ranking_order(probs_BCA, batch.candidate_post_hashes)
   return RankingOutput(probs_BCA, ranked_BC, out.continuous)
 
 
@@ -359,10 +363,9 @@ class RankingRunner:
     continuous = None
     if outputs[0][1] is not None:
       continuous = jnp.asarray(np.concatenate([np.asarray(c) for _, c in outputs], axis=1)[:, :C])
-    valid_BC = cand_batch["candidate_post_hashes"][:, :C, 0] != 0
-    key_BC = np.where(valid_BC, probs_BCA[..., PRIMARY_ACTION], -1.0)
-    ranked_BC = np.argsort(-key_BC, axis=-1, kind="stable").astype(np.int32)
-    return RankingOutput(jnp.asarray(probs_BCA), jnp.asarray(ranked_BC), continuous)
+    probs_BCA = jnp.asarray(probs_BCA)
+    ranked_BC = _ranking_order(probs_BCA, jnp.asarray(cand_batch["candidate_post_hashes"][:, :C]))
+    return RankingOutput(probs_BCA, ranked_BC, continuous)
 
 
 class RetrievalResult(NamedTuple):

@@ -87,6 +87,13 @@ def soft_cap(logits: Array, cap: Optional[float]) -> Array:
   return cap * jnp.tanh(logits / cap)
 
 
+def masked_logits(raw: Array, keep: Array, cap: Optional[float]) -> tuple[Array, Array]:
+  """Soft-capped logits where `keep` (`MASK_VALUE` elsewhere) and the max |raw logit| over
+  the kept entries (the diagnostic). Both attention paths mask through this."""
+  max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
+  return jnp.where(keep, soft_cap(raw, cap), MASK_VALUE), max_logit
+
+
 class MultiHeadAttention(eqx.Module):
   """GQA self-attention: fused q|k|v projection, RoPE on q and k, output projection."""
 
@@ -125,9 +132,8 @@ class MultiHeadAttention(eqx.Module):
     # In the forward dtype, then float32, as the release does (bfloat16 rounds q.k once).
     raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
-    keep = mask_B1TS[:, :, None].astype(bool)
-    max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
-    logits = jnp.where(keep, soft_cap(raw, self.config.attn_logit_cap), MASK_VALUE)
+    logits, max_logit = masked_logits(raw, mask_B1TS[:, :, None].astype(bool),
+                                      self.config.attn_logit_cap)
     weights = jax.nn.softmax(logits, axis=-1).astype(q_BTKGd.dtype)
     return self.output(jnp.einsum("bkgts,bskd->btkgd", weights, v_BSKd)), max_logit
 

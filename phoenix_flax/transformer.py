@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax.config import TransformerConfig
-from phoenix_flax.layers import (MASK_VALUE, DenseBlock, MultiHeadAttention, RMSNorm,
-                                 soft_cap)
+from phoenix_flax.layers import DenseBlock, MultiHeadAttention, RMSNorm, masked_logits
 from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 
 
@@ -44,15 +43,18 @@ AttendFn = Callable[[MultiHeadAttention, Array], tuple[Array, Array]]
 
 
 def _check_tokens(config: TransformerConfig, what: str, x_BTD: Array, mask_BT: Array,
-                  positions_BT: Optional[Array] = None, batch_size: Optional[int] = None
-                  ) -> None:
-  """Token embeddings `[B, T, emb_size]` with a `[B, T]` padding mask (and positions)."""
+                  positions_BT: Optional[Array] = None, batch_size: Optional[int] = None,
+                  batch_of: str = "the cache") -> None:
+  """Token embeddings `[B, T, emb_size]` of a float dtype with a `[B, T]` padding mask (and
+  positions); `batch_size`, when given, is the B of `batch_of`."""
   if getattr(x_BTD, "ndim", None) != 3 or x_BTD.shape[-1] != config.emb_size:
     raise ValueError(f"{what} must be [B, T, emb_size={config.emb_size}], got shape "
                      f"{getattr(x_BTD, 'shape', type(x_BTD).__name__)}")
+  if not jnp.issubdtype(x_BTD.dtype, jnp.floating):
+    raise ValueError(f"{what} must be float embeddings, got dtype {x_BTD.dtype}")
   B, T = x_BTD.shape[:2]
   if batch_size is not None and B != batch_size:
-    raise ValueError(f"{what} holds {B} users, the cache {batch_size}")
+    raise ValueError(f"{what} holds {B} users, {batch_of} {batch_size}")
   for name, x in (("padding_mask", mask_BT), ("positions", positions_BT)):
     if x is not None and tuple(getattr(x, "shape", ())) != (B, T):
       raise ValueError(f"{what}: {name} has shape {tuple(getattr(x, 'shape', ()))}, "
@@ -127,12 +129,6 @@ def _swap_time_heads(x: Array) -> Array:
   return jnp.swapaxes(x, 1, 2)
 
 
-def _logit_stats(raw: Array, keep: Array, cap: Optional[float]) -> tuple[Array, Array]:
-  """Masked, soft-capped logits and the max |raw logit| over the kept entries."""
-  max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
-  return jnp.where(keep, soft_cap(raw, cap), MASK_VALUE), max_logit
-
-
 def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Array,
                         ctx_v_BNKd: Array, ctx_mask_BN: Array,
                         candidates: Optional[tuple[Array, Array, Array]] = None
@@ -159,14 +155,14 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   keep = ctx_mask_BN[:, None, None, None, :]
   if candidates is None:
     keep = keep & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
-  logits, max_logit = _logit_stats(raw.reshape(B, KV, T, G, N) * mult, keep, cap)
+  logits, max_logit = masked_logits(raw.reshape(B, KV, T, G, N) * mult, keep, cap)
   top = jnp.max(logits, axis=-1)
   if candidates is not None:
     # The own-key term stays in token order ([B,T,KV,G]): only its small result moves
     # to heads-first, not a second copy of the queries.
     k_BTKd, v_BTKd, mask_BT = candidates
     raw_self = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
-    logits_self, max_self = _logit_stats(raw_self, mask_BT[:, :, None, None], cap)
+    logits_self, max_self = masked_logits(raw_self, mask_BT[:, :, None, None], cap)
     logits_self = _swap_time_heads(logits_self)
     top = jnp.maximum(top, logits_self)
     max_logit = jnp.maximum(max_logit, max_self)
@@ -204,20 +200,29 @@ class Transformer(eqx.Module):
   def _unroll(self) -> int:
     return min(self.config.scan_unroll, self.config.num_layers)
 
-  def _scan(self, h: Array, keep: Array, attend: AttendFn, extra_per_layer=None):
-    """Runs every layer; `attend(attention, x, extra)` gets this layer's slice of extra.
-    `keep` `[B, T]` marks the tokens the residual RMS counts."""
+  def _scan(self, h: Array, keep: Array, attend, extra_per_layer=None):
+    """Runs every layer. `attend(attention, x, extra)` gets this layer's slice of
+    `extra_per_layer` and returns (output, max |logit|, kept), where `kept` is any pytree
+    (None for nothing) that comes back stacked over layers. `keep` `[B, T]` marks the
+    tokens the residual RMS counts. Returns (h, max logits, RMS, kept), each per layer."""
     params, static = eqx.partition(self.layers, eqx.is_array)
 
     def body(carry, xs):
       layer_params, extra = xs
       layer = eqx.combine(layer_params, static)
-      out, max_logit = layer(carry, lambda a, x: attend(a, x, extra))
-      return out, (max_logit, _rms(out, keep))
+      kept = []
 
-    h, (max_logits, rms) = jax.lax.scan(body, h, (params, extra_per_layer),
-                                        unroll=self._unroll)
-    return h, max_logits, rms
+      def layer_attend(attention, x):
+        out, max_logit, this = attend(attention, x, extra)
+        kept.append(this)
+        return out, max_logit
+
+      out, max_logit = layer(carry, layer_attend)
+      return out, (max_logit, _rms(out, keep), kept[0])
+
+    h, (max_logits, rms, kept) = jax.lax.scan(body, h, (params, extra_per_layer),
+                                              unroll=self._unroll)
+    return h, max_logits, rms, kept
 
   def __call__(self, embeddings: Array, padding_mask: Array,
                candidate_start_offset: Optional[int] = None,
@@ -234,8 +239,8 @@ class Transformer(eqx.Module):
       structure = make_recsys_attn_mask(T, candidate_start_offset, embeddings.dtype)
     mask_B1TT = padding_mask[:, None, None, :].astype(embeddings.dtype) * structure
     pos = _default_positions(B, T) if positions is None else positions
-    h, max_logits, rms = self._scan(
-        embeddings, padding_mask, lambda attn, x, _: attn(x, mask_B1TT, pos))
+    h, max_logits, rms, _ = self._scan(
+        embeddings, padding_mask, lambda attn, x, _: (*attn(x, mask_B1TT, pos), None))
     return TransformerOutput(h, max_logits, rms)
 
   def encode_context(self, embeddings_BND: Array, padding_mask_BN: Array,
@@ -246,23 +251,13 @@ class Transformer(eqx.Module):
     B, N, _ = embeddings_BND.shape
     padding_mask_BN = padding_mask_BN.astype(bool)
     pos = _default_positions(B, N) if positions_BN is None else positions_BN
-    params, static = eqx.partition(self.layers, eqx.is_array)
 
-    def body(h, layer_params):
-      layer = eqx.combine(layer_params, static)
-      kv = []
+    def attend(attention, x, _):
+      q, k, v = attention.project(x, pos)
+      attn, max_logit = _isolated_attention(self.config, q, k, v, padding_mask_BN)
+      return attention.output(attn), max_logit, (k, v)
 
-      def attend(attention, x):
-        q, k, v = attention.project(x, pos)
-        kv.append((k, v))
-        attn, max_logit = _isolated_attention(self.config, q, k, v, padding_mask_BN)
-        return attention.output(attn), max_logit
-
-      out, max_logit = layer(h, attend)
-      return out, (max_logit, _rms(out, padding_mask_BN), kv[0])
-
-    h, (max_logits, rms, (keys, values)) = jax.lax.scan(body, embeddings_BND, params,
-                                                        unroll=self._unroll)
+    h, max_logits, rms, (keys, values) = self._scan(embeddings_BND, padding_mask_BN, attend)
     cache = ContextCache(keys, values, padding_mask_BN)
     return TransformerOutput(h, max_logits, rms), cache
 
@@ -281,10 +276,10 @@ class Transformer(eqx.Module):
       q, k, v = attention.project(x, pos)
       attn, max_logit = _isolated_attention(self.config, q, kv[0], kv[1], cache.padding_mask,
                                             (k, v, cand_mask))
-      return attention.output(attn), max_logit
+      return attention.output(attn), max_logit, None
 
-    h, max_logits, rms = self._scan(embeddings_BCD, cand_mask, attend,
-                                    (cache.keys, cache.values))
+    h, max_logits, rms, _ = self._scan(embeddings_BCD, cand_mask, attend,
+                                       (cache.keys, cache.values))
     return TransformerOutput(h, max_logits, rms)
 
   def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
@@ -297,7 +292,7 @@ class Transformer(eqx.Module):
     """
     _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
     _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
-                  candidate_positions_BC, context_BND.shape[0])
+                  candidate_positions_BC, context_BND.shape[0], "the context")
     B, N, _ = context_BND.shape
     C = candidates_BCD.shape[1]
     ctx_pos = _default_positions(B, N) if context_positions_BN is None else context_positions_BN
@@ -313,8 +308,8 @@ class Transformer(eqx.Module):
       attn_cand, max_cand = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
                                                 (k[:, N:], v[:, N:], cand_mask))
       attn = jnp.concatenate([attn_ctx, attn_cand], axis=1)
-      return attention.output(attn), jnp.maximum(max_ctx, max_cand)
+      return attention.output(attn), jnp.maximum(max_ctx, max_cand), None
 
-    h, max_logits, rms = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
-                                    jnp.concatenate([ctx_mask, cand_mask], axis=1), attend)
+    h, max_logits, rms, _ = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
+                                       jnp.concatenate([ctx_mask, cand_mask], axis=1), attend)
     return TransformerOutput(h, max_logits, rms)

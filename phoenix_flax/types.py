@@ -45,6 +45,13 @@ class RecsysEmbeddings(NamedTuple):
   candidate_author_embeddings: Array  # [B, C, Au, D]
 
 
+# The per-candidate fields (axis 1 is the candidate axis), by their `candidate_` prefix:
+# what chunked scoring slices, score consistency mixes and context-only programs drop.
+CANDIDATE_BATCH_FIELDS = tuple(f for f in RecsysBatch._fields if f.startswith("candidate_"))
+CANDIDATE_EMBEDDING_FIELDS = tuple(f for f in RecsysEmbeddings._fields
+                                   if f.startswith("candidate_"))
+
+
 class RecsysModelOutput(NamedTuple):
   logits: Array                     # [B, C, A]
   continuous: Optional[Array] = None  # [B, C, K] in (0, 1), when the head is enabled

@@ -95,7 +95,7 @@ def test_overrides():
         "model.right_anchored_rope", value)            # as experiments.run reads them
   with pytest.raises(ValueError, match="path.to.field=value"):
     sweep.parse_override("num_layers")
-  base = sweep.base_config("smoke")
+  base = sweep.preset_config("smoke")
   cfg = sweep.apply_overrides(base, {"model.num_layers": 3, "model.attn_logit_cap": None})
   assert cfg.model.num_layers == 3 and cfg.model.attn_logit_cap is None
   assert base.model.num_layers == 1 and base.model.attn_logit_cap == 30.0
@@ -333,9 +333,9 @@ def test_scripts_state_their_design_and_build_valid_configs(module):
 
 
 def test_presets_grow_and_fit_the_budget():
-  smoke, cpu = sweep.base_config("smoke"), sweep.base_config("cpu")
+  smoke, cpu = sweep.preset_config("smoke"), sweep.preset_config("cpu")
   assert smoke.train.num_steps <= 20 and smoke.world.history_len <= 8
-  assert cpu.train.num_steps < sweep.base_config("full").train.num_steps
+  assert cpu.train.num_steps < sweep.preset_config("full").train.num_steps
   # At the cpu preset an ablation trains at most 16 runs (sandwich_norm's 16 took about
   # 10 minutes on 2 cores).
   runs = {m.ABLATION.name: len(sweep.Sweep(m.ABLATION, "cpu", "/x").variants) for m in SCRIPTS}
@@ -436,3 +436,10 @@ def test_usage_text_has_no_percent_sign(path):
   random" printed as "90'<path>'andom". Scripts write "percent" instead."""
   doc = ast.get_docstring(ast.parse(open(path).read()), clean=False)
   assert doc and "%" not in doc
+
+
+def test_sweep_json_records_nan_as_null(tmp_path):
+  """A probe that measures NaN is recorded as missing, not a crash after training."""
+  path = str(tmp_path / "probes.json")
+  sweep.write_json(path, sweep.flatten_metrics({"probe": {"value": float("nan")}, "n": 2}))
+  assert json.load(open(path)) == {"probe/value": None, "n": 2.0}

@@ -163,3 +163,20 @@ def test_scoring_throughput_times_the_systems_together(tmp_path, monkeypatch):
   # Each timed call is its own system's forward (compiled with the package's options).
   for arm, ctx in contexts.items():
     assert jax.numpy.allclose(seen["logits"][arm], probes.logits(ctx.system, batch), atol=1e-6)
+
+
+def test_probe_eval_batches_are_the_runners(rope_contexts):
+  """Probes measure the lists the run's own evaluation scored: same keys, same sampling
+  (the same ids, hashes and labels; floats to rounding, as the programs compile apart)."""
+  from phoenix_flax.training import Trainer
+  ctx = rope_contexts["sequential"]
+  trainer, split = Trainer(ctx.spec), ctx.spec.eval_splits["eval"]
+  mine = probes.eval_batches(ctx.spec, ctx.world, split)
+  runners = [trainer._sample_eval(ctx.world, split, key) for key in trainer._eval_keys()]
+  assert len(mine) == len(runners) == ctx.spec.config.train.eval_batches
+  for a, b in zip(mine, runners):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      if np.asarray(x).dtype.kind == "f":
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+      else:
+        np.testing.assert_array_equal(x, y)

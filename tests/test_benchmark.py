@@ -85,7 +85,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert report["process_max_rss_bytes"] > 0
 
   path = tmp_path / "out" / "bench.json"
-  benchmark.write_json(report, str(path))
+  benchmark.save_report(report, str(path))
   assert json.loads(path.read_text()) == json.loads(json.dumps(report))
   assert os.listdir(path.parent) == ["bench.json"]
   table = benchmark.format_table(report)

@@ -287,3 +287,28 @@ def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):
   monkeypatch.undo()
   checkpoint.save(str(tmp_path), 30, {"a": np.zeros(3, np.float32)}, keep=1)
   assert sorted(os.listdir(tmp_path / "checkpoint")) == [".notes.tmp", "step_000000030.eqx"]
+
+
+def test_a_second_run_keeps_its_own_output_settings(tmp_path):
+  """Runs whose configs differ only in `output` (or seeds) share one cached Trainer, yet
+  each keeps and records its own settings."""
+  def config(keep):
+    c = ranking_configs.get_config("smoke")
+    c.train.update(dict(num_steps=20, steps_per_call=10, eval_every=0, checkpoint_every=10,
+                        eval_batches=1))
+    c.train.score_consistency = False
+    c.output.keep_checkpoints = keep
+    return c
+  first, second = str(tmp_path / "keep2"), str(tmp_path / "keep1")
+  run_experiment(config(2), first)
+  run_experiment(config(1), second)
+  assert len(runner._TRAINERS) == 1
+  assert checkpoint.available_steps(first) == [10, 20]
+  assert checkpoint.available_steps(second) == [20]
+  recorded = json.load(open(os.path.join(second, runner.CONFIG_FILE)))
+  assert recorded["output"]["keep_checkpoints"] == 1
+  # The final checkpoint loads (from shapes alone) to the run's final parameters.
+  loaded = load_run(second)
+  assert loaded.step == 20
+  state, wall = runner.load_checkpoint(loaded.trainer, second, 20)
+  assert int(state.step) == 20 and wall > 0

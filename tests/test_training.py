@@ -48,6 +48,21 @@ def test_hash_tables_padding_is_zero_and_gets_no_gradient():
     HashEmbeddingTables(5, 1, 3, 4, key=jax.random.PRNGKey(0))
 
 
+def test_retrieval_system_user_tower_needs_no_candidates():
+  """The user tower reads no candidate field, so a context-only batch (as
+  `RetrievalRunner.encode_user` sends) gives the same user vectors."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  system = make_system(spec, jax.random.PRNGKey(0))
+  world = make_world(spec.world, jax.random.PRNGKey(1))
+  batch = sample_batch(world, spec.train_split, 3, jax.random.PRNGKey(2)).batch
+  no_candidates = batch._replace(candidate_post_hashes=None, candidate_author_hashes=None,
+                                 candidate_product_surface=None,
+                                 candidate_post_timestamps=None)
+  np.testing.assert_array_equal(system.user_representation(no_candidates),
+                                system.user_representation(batch))
+  assert system.tables(no_candidates).candidate_post_embeddings is None
+
+
 def test_ranking_loss_is_weighted_masked_bce():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 3, 4)).astype(np.float32)

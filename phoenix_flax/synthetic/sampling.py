@@ -79,8 +79,8 @@ def _ages_s(world: World, u: Array) -> Array:
 
 
 def uniform_shapes(B: int, S: int, C: int, A: int) -> dict:
-  """The named blocks of uniforms one batch of B lists of width C draws, in draw order
-  (`random_blocks`): B users, S history slots, A actions."""
+  """The named blocks of uniforms one batch draws, in draw order (`random_blocks`): B
+  users (lists), S history slots, C candidate slots, A actions."""
   return {
       "user": (B,), "hist_len": (B,), "session": (B,), "impression": (B,), "count": (B,),
       "switch": (B, S), "explore": (B, S), "explore_topic": (B, S), "taste_topic": (B, S),

@@ -28,11 +28,9 @@ from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ra
 from phoenix_flax.training.schema import ExperimentSpec
 from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
 from phoenix_flax.training.system import RankingSystem, RetrievalSystem
-from phoenix_flax.types import RecsysBatch, RecsysModelOutput
+from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, RecsysBatch, RecsysModelOutput
 
 System = Union[RankingSystem, RetrievalSystem]
-CANDIDATE_FIELDS = ("candidate_post_hashes", "candidate_author_hashes",
-                    "candidate_product_surface", "candidate_post_timestamps")
 
 
 class TrainState(eqx.Module):
@@ -43,7 +41,8 @@ class TrainState(eqx.Module):
   step: Array            # int32, updates applied so far
   data_key: Array        # uint32[2], this seed's training-batch key
   diverged: Array        # bool
-  diverged_step: Array   # int32, 1-based step of the first non-finite loss, -1 if none
+  diverged_step: Array   # int32, 1-based step of the first non-finite loss or gradient
+                         # norm, -1 if none
 
 
 def make_system(spec: ExperimentSpec, key) -> System:
@@ -88,9 +87,10 @@ def _where_tree(pred: Array, new: PyTree, old: PyTree) -> PyTree:
 
 def mix_companions(batch: RecsysBatch, keep_C: Array) -> RecsysBatch:
   """Candidate slots with `keep_C` keep their candidate; the others take the candidate of
-  the same slot in the next user's list (the batch rolled by one)."""
+  the same slot in the previous user's list (the batch rolled by one: user 0 takes the last
+  user's)."""
   fields = {}
-  for name in CANDIDATE_FIELDS:
+  for name in CANDIDATE_BATCH_FIELDS:
     own = getattr(batch, name)
     if own is None:
       continue
@@ -168,7 +168,7 @@ def _over_seeds(fn, shared_first: bool = True):
 
   Several seeds are vmapped; a single seed runs `fn` itself on the squeezed arrays,
   because a vmapped axis of size 1 still changes XLA's layouts and fusions, which made
-  the cpu-preset training step slower on CPU (README, "Training on the synthetic world").
+  the cpu-preset training step slower on CPU (docs/performance.md, "Training throughput").
   """
   vmapped = eqx.filter_vmap(fn, in_axes=(None, 0) if shared_first else 0)
 
@@ -179,6 +179,14 @@ def _over_seeds(fn, shared_first: bool = True):
     return jax.tree.map(lambda x: x[None], fn(*args[:-1], squeezed))
 
   return mapped
+
+
+def eval_keys(config) -> Array:
+  """The keys `[train.eval_batches, 2]` of every evaluation's batches (folded from
+  `eval_seed`): each split samples batch i from key i, so every run of a config, and every
+  probe of it, sees the same evaluation lists."""
+  base = jax.random.PRNGKey(config.eval_seed)
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(config.train.eval_batches))
 
 
 class Trainer:
@@ -285,9 +293,7 @@ class Trainer:
   # -- evaluation ----------------------------------------------------------------------
 
   def _eval_keys(self) -> Array:
-    c = self.spec.config
-    base = jax.random.PRNGKey(c.eval_seed)
-    return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(c.train.eval_batches))
+    return eval_keys(self.spec.config)
 
   def _sample_eval(self, world: World, split: SplitConfig, key: Array):
     sb = sample_batch(world, split, self.spec.config.train.eval_batch_size, key)

@@ -17,7 +17,8 @@ splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is th
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `wall_seconds` is the run's
 whole time (over resumes); `examples_per_second` counts the training examples of every
-vmapped seed per second of training chunks, the compiling first chunk excluded.
+vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
+is the only chunk).
 
 A run with `result.json` is skipped; one with checkpoints resumes from the newest step
 that every seed of the call has, and ends with the same numbers as an uninterrupted run.
@@ -31,6 +32,7 @@ import os
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -65,12 +67,17 @@ class Progress(NamedTuple):
   compiling: bool = False       # this process's first chunk: its time includes compiling
 
 
+def seed_dir(workdir: str, seed: int) -> str:
+  """The run directory of `seed` in a workdir of several seeds (`output.seed_subdirs`)."""
+  return os.path.join(workdir, f"seed_{seed}")
+
+
 def run_dirs(config: ml_collections.ConfigDict, workdir: str) -> dict[int, str]:
   """Seed -> its run directory under `workdir`."""
   seeds = range(config.seed, config.seed + config.num_seeds)
   sub = config.output.seed_subdirs
   sub = config.num_seeds > 1 if sub is None else sub
-  return {k: os.path.join(workdir, f"seed_{k}") if sub else workdir for k in seeds}
+  return {k: seed_dir(workdir, k) if sub else workdir for k in seeds}
 
 
 def finished_seeds(config: ml_collections.ConfigDict, workdir: str) -> list[int]:
@@ -195,17 +202,19 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   pending = [k for k in dirs if k not in done]
   if not pending:
     return results
-  results.update(_train(_trainer(spec), pending, {k: dirs[k] for k in pending}, progress))
+  results.update(_train(_trainer(spec), spec.config, pending, {k: dirs[k] for k in pending},
+                        progress))
   return dict(sorted(results.items()))
 
 
 class _Group:
-  """The seeds trained together in one call: their state, directories and writers."""
+  """The seeds trained together in one call: their state, directories and writers.
+  `config` is the caller's: the (cached) trainer's may differ in seeds and `output`."""
 
-  def __init__(self, trainer: Trainer, seeds: list[int], dirs: dict[int, str]):
+  def __init__(self, trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int],
+               dirs: dict[int, str]):
     self.t_start = time.perf_counter()
-    self.trainer, self.seeds, self.dirs = trainer, seeds, dirs
-    self.config = trainer.spec.config
+    self.trainer, self.config, self.seeds, self.dirs = trainer, config, seeds, dirs
     self.main = jax.process_index() == 0
     self.step = _resume_step(list(dirs.values()))
     if self.step:
@@ -223,12 +232,9 @@ class _Group:
                                     self.step or None)
 
   def _restore(self) -> tuple[TrainState, list[float]]:
-    fresh = to_host(self.trainer.init(self.seeds[:1]))
-    like = {"state": unstack(fresh, 0), "wall_seconds": np.zeros((), np.float64)}
-    loaded = [checkpoint.load(self.dirs[k], self.step, like) for k in self.seeds]
-    state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[c["state"] for c in loaded])
-    return (self.trainer.placement.place_state(state),
-            [float(c["wall_seconds"]) for c in loaded])
+    loaded = [load_checkpoint(self.trainer, self.dirs[k], self.step) for k in self.seeds]
+    state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[s for s, _ in loaded])
+    return self.trainer.placement.place_state(state), [wall for _, wall in loaded]
 
   def wall(self, i: int) -> float:
     return self.prior_wall[i] + time.perf_counter() - self.t_start
@@ -237,9 +243,7 @@ class _Group:
     host = to_host(self.state)
     if self.main:
       for i, k in enumerate(self.seeds):
-        checkpoint.save(self.dirs[k], self.step,
-                        {"state": unstack(host, i),
-                         "wall_seconds": np.asarray(self.wall(i), np.float64)},
+        checkpoint.save(self.dirs[k], self.step, _payload(unstack(host, i), self.wall(i)),
                         keep=self.config.output.keep_checkpoints)
 
   def log(self, rows: dict[int, dict]) -> None:
@@ -281,11 +285,12 @@ class _Group:
     return results
 
 
-def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
-           progress: Optional[Callable[[Progress], None]]) -> dict[int, dict]:
+def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int],
+           dirs: dict[int, str], progress: Optional[Callable[[Progress], None]]
+           ) -> dict[int, dict]:
   """Chunks of scanned steps until `num_steps` (or every seed diverged), with evaluation,
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
-  g = _Group(trainer, seeds, dirs)
+  g = _Group(trainer, config, seeds, dirs)
   start_step = g.step
   t = trainer.spec.config.train
   examples_per_chunk = t.steps_per_call * t.batch_size * len(seeds)
@@ -337,6 +342,23 @@ def _train(trainer: Trainer, seeds: list[int], dirs: dict[int, str],
   return g.finish(evaluated, train_rows, throughput)
 
 
+def _payload(state: Any, wall_seconds: Any) -> dict:
+  """What a run's checkpoint holds: one seed's train state and its wall time so far."""
+  return {"state": state, "wall_seconds": np.asarray(wall_seconds, np.float64)}
+
+
+def load_checkpoint(trainer: Trainer, run_dir: str, step: int) -> tuple[TrainState, float]:
+  """One seed's train state (host arrays) and wall seconds from the checkpoint of `step`.
+
+  The structure to read into comes from the trainer's shapes alone (`eqx.filter_eval_shape`
+  of `init`): nothing is initialised or compiled.
+  """
+  stacked = eqx.filter_eval_shape(trainer.init, [trainer.spec.config.seed])
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+  found = checkpoint.load(run_dir, step, _payload(like, 0.0))
+  return found["state"], float(found["wall_seconds"])
+
+
 class LoadedRun(NamedTuple):
   """A trained run restored from its directory."""
 
@@ -356,8 +378,5 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
     raise FileNotFoundError(f"{run_dir} has no checkpoint")
   step = steps[-1] if step is None else step
   trainer = Trainer(parse_config(cfg))
-  like = {"state": unstack(to_host(trainer.init([cfg.seed])), 0),
-          "wall_seconds": np.zeros((), np.float64)}
-  state = checkpoint.load(run_dir, step, like)["state"]
-  params = jax.tree.map(jnp.asarray, state.params)
-  return LoadedRun(trainer.system(params), trainer, step)
+  state, _ = load_checkpoint(trainer, run_dir, step)
+  return LoadedRun(trainer.system(jax.tree.map(jnp.asarray, state.params)), trainer, step)

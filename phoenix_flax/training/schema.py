@@ -282,7 +282,7 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
     _check(_is_int(t[f]) and t[f] >= 0 and t[f] % t.steps_per_call == 0, f"train.{f}", t[f],
            f"must be 0 (off) or a multiple of train.steps_per_call={t.steps_per_call}")
   _check(t.eval_batch_size >= 2, "train.eval_batch_size", t.eval_batch_size,
-         "must be >= 2 (score consistency borrows companions from the next user)")
+         "must be >= 2 (score consistency borrows companions from another user)")
   _check(c.task == "ranking" or t.batch_size >= 2, "train.batch_size", t.batch_size,
          "retrieval needs >= 2 users per batch (in-batch negatives)")
   _check(isinstance(t.score_consistency, bool), "train.score_consistency",

@@ -67,13 +67,13 @@ class Placement:
       return P(None, DATA_AXIS) if seed_axis else P(DATA_AXIS)
     return P()
 
-  def place_state(self, tree: Any, seed_axis: bool = True) -> Any:
+  def place_state(self, tree: Any) -> Any:
     """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded."""
     if self.mesh is None:
       return tree
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.device_put(x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis))),
-        tree)
+    place = lambda p, x: jax.device_put(
+        x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=True)))
+    return jax.tree_util.tree_map_with_path(place, tree)
 
   def replicate(self, tree: Any) -> Any:
     if self.mesh is None:

@@ -51,11 +51,14 @@ class HashEmbeddingTables(eqx.Module):
             lookup_hash_embeddings(self.author_table, author_hashes))
 
   def __call__(self, batch: RecsysBatch) -> RecsysEmbeddings:
-    """Looks up every hash of a batch (the release's `RecsysEmbeddings`)."""
+    """Looks up every hash of a batch (the release's `RecsysEmbeddings`); a batch without
+    candidates (their hash fields None, as a user tower reads it) gets None for theirs."""
     hist_post, hist_author = self.post_embeddings(batch.history_post_hashes,
                                                   batch.history_author_hashes)
-    cand_post, cand_author = self.post_embeddings(batch.candidate_post_hashes,
-                                                  batch.candidate_author_hashes)
+    cand_post = cand_author = None
+    if batch.candidate_post_hashes is not None or batch.candidate_author_hashes is not None:
+      cand_post, cand_author = self.post_embeddings(batch.candidate_post_hashes,
+                                                    batch.candidate_author_hashes)
     return RecsysEmbeddings(
         user_embeddings=lookup_hash_embeddings(self.user_table, batch.user_hashes),
         history_post_embeddings=hist_post,
