@@ -7,8 +7,8 @@ set to empty) in the programs it compiles: init, training chunks and evaluation
 (`training.Trainer`), the serving runners (`RankingRunner`, `RetrievalRunner`), and the
 timed programs of `experiments/` and of the ablations' throughput probe. With other load
 on the host the training loop ran 17-37% faster without them; on a quiet host the effect
-is nil for training and mixed for forward passes (README, "Training on the synthetic
-world", has the runs and commands).
+is nil for training and mixed for forward passes (docs/performance.md, "Training
+throughput", has the runs and commands).
 
 The option is per program, not process-wide: other code in the same process compiles
 with XLA's defaults. It is probed once per backend; a jaxlib that does not know the
