@@ -38,7 +38,6 @@ PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
 _NNX_HINT = "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
 
 
-
 def action_index(name: str) -> int:
   """Position of an action name in `ACTIONS`."""
   if name not in ACTIONS:

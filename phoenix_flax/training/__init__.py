@@ -14,7 +14,7 @@ __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
     "Progress", "RankingSystem", "RetrievalSystem", "TrainState", "Trainer", "base_config",
     "check_run_dirs", "first_positive", "in_batch_softmax_loss", "load_checkpoint",
-    "load_run", "make_optimizer",
-    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss",
-    "run_dirs", "run_experiment", "split_config", "world_config",
+    "load_run", "make_optimizer", "make_placement", "make_schedule", "make_system",
+    "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",
+    "world_config",
 ]
