@@ -572,7 +572,7 @@ def hypothesis(doc: str) -> str:
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "smoke: a tiny world and model, for tests (a sweep still takes a "
-                  "few minutes on 2 CPU cores, mostly compilation); cpu: 3-9 minutes "
+                  "few minutes on 2 CPU cores, mostly compilation); cpu: 2-10 minutes "
                   "an ablation on 2 CPU cores; full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
