@@ -146,21 +146,23 @@ HOST_WORLD = synthetic.WorldConfig(
     num_candidates=6, user_buckets=40, post_buckets=128, author_buckets=16, post_age=True)
 
 
+@pytest.mark.parametrize("post_age", [False, True])
 @pytest.mark.parametrize("split", [
     synthetic.SplitConfig(),
     synthetic.SplitConfig(history_dist="log_uniform", list_correlation=0.5,
                              candidate_order="relevance", min_candidates=2, num_candidates=9),
     synthetic.SplitConfig(min_history=0, max_history=7, relevant_fraction=0.8,
                              list_correlation=1.0, candidate_order="grouped")])
-def test_host_sampler_draws_the_device_samplers_batches(split):
+def test_host_sampler_draws_the_device_samplers_batches(split, post_age):
   """The plain loop's numpy sampler, given the device sampler's uniforms, gives its batch:
   every id, hash, label and mask equal, floats to rounding, and timestamps within the one
   second that rounding an age can move."""
   from experiments import host_sampler
   from phoenix_flax.synthetic.sampling import uniform_shapes
   from phoenix_flax.synthetic.world import random_blocks
-  world = synthetic.make_world(HOST_WORLD, jax.random.key(0))
-  B, (_, C) = 128, split.resolve(HOST_WORLD)
+  world_cfg = dataclasses.replace(HOST_WORLD, post_age=post_age)
+  world = synthetic.make_world(world_cfg, jax.random.key(0))
+  B, (_, C) = 128, split.resolve(world_cfg)
   key = jax.random.key(1)
   device = jax.jit(synthetic.sample_batch, static_argnums=(1, 2))(world, split, B, key)
   uniforms = random_blocks(key, jax.random.uniform,

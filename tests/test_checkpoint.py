@@ -10,6 +10,7 @@ import subprocess
 import sys
 import types
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
 from phoenix_flax.training import runner
+from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
 from phoenix_flax.training.schema import parse_config
 from phoenix_flax.training.sharding import DATA_AXIS, Placement, make_placement
@@ -301,8 +303,10 @@ def test_a_second_run_keeps_its_own_output_settings(tmp_path):
     return c
   first, second = str(tmp_path / "keep2"), str(tmp_path / "keep1")
   run_experiment(config(2), first)
+  (trainer,) = runner._TRAINERS.values()
   run_experiment(config(1), second)
-  assert len(runner._TRAINERS) == 1
+  (again,) = runner._TRAINERS.values()
+  assert again is trainer                 # reused, compiled functions and all
   assert checkpoint.available_steps(first) == [10, 20]
   assert checkpoint.available_steps(second) == [20]
   recorded = json.load(open(os.path.join(second, runner.CONFIG_FILE)))
@@ -312,3 +316,11 @@ def test_a_second_run_keeps_its_own_output_settings(tmp_path):
   assert loaded.step == 20
   state, wall = runner.load_checkpoint(loaded.trainer, second, 20)
   assert int(state.step) == 20 and wall > 0
+  got = jax.tree.leaves(eqx.filter(loaded.system, eqx.is_array))
+  want = jax.tree.leaves(state.params)
+  assert len(got) == len(want) > 0
+  for g, w in zip(got, want):             # load_run's system holds the checkpoint's params
+    np.testing.assert_array_equal(g, w)
+  fresh = jax.tree.leaves(eqx.filter(loaded.trainer.system(
+      unstack(loaded.trainer.init([0]), 0).params), eqx.is_array))
+  assert not all(np.array_equal(g, f) for g, f in zip(got, fresh))   # trained, not initial

@@ -58,12 +58,18 @@ def test_rms_norm_formula():
 
 
 def test_rms_norm_computes_in_float32_and_keeps_dtype():
-  x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 8)), jnp.bfloat16)
-  out = call(rms_norm, x, jnp.ones(8))
+  """A bfloat16 input is normalised in float32 and rounded once: equal to the float32
+  result rounded to bfloat16 (a bfloat16 computation differs in about a quarter of the
+  entries; a rare float32 rounding flip is allowed)."""
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((16, 256)) * 3, jnp.bfloat16)
+  scale = jnp.asarray(rng.standard_normal(256) + 1, jnp.float32)
+  out = call(rms_norm, x, scale)
   assert out.dtype == jnp.bfloat16
   x32 = np.asarray(x, np.float32)
-  expected = x32 / np.sqrt(np.mean(x32 ** 2, -1, keepdims=True) + 1e-5)
-  np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=1e-2)
+  expected = np.asarray(scale) * x32 / np.sqrt(np.mean(x32 ** 2, -1, keepdims=True) + 1e-5)
+  rounded = np.asarray(jnp.asarray(expected, jnp.bfloat16), np.float32)
+  assert np.sum(np.asarray(out, np.float32) != rounded) <= 4
 
 
 def test_rms_norm_default_scale_is_one():

@@ -2,6 +2,7 @@
 checks what isolation guarantees, and executes every notebook on that sweep with nbclient
 (kernel: the Python running the tests). The committed notebooks carry no outputs."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -16,16 +17,30 @@ NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ("compare_variants", "inside_phoenix", "new_idea", "flax_nnx")
 
 
-@pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("candidate_isolation"))
+def _run_sweep(workdir: str) -> None:
   cmd = [sys.executable, "-m", "ablations.candidate_isolation", "--preset=smoke",
          f"--workdir={workdir}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "REPORT.md" in proc.stdout
-  return workdir
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory, request):
+  """The smoke sweep, trained once per test session: under pytest-xdist the workers share
+  one folder of the session, and the first to take the lock trains it."""
+  if not hasattr(request.config, "workerinput"):   # not an xdist worker
+    workdir = str(tmp_path_factory.mktemp("candidate_isolation"))
+    _run_sweep(workdir)
+    return workdir
+  shared = tmp_path_factory.getbasetemp().parent
+  workdir = shared / "candidate_isolation"
+  with open(shared / "candidate_isolation.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not (workdir / "REPORT.md").exists():
+      _run_sweep(str(workdir))
+  return str(workdir)
 
 
 def test_notebooks_are_committed_without_outputs():

@@ -52,14 +52,15 @@ def test_retrieval_system_user_tower_needs_no_candidates():
   """The user tower reads no candidate field, so a context-only batch (as
   `RetrievalRunner.encode_user` sends) gives the same user vectors."""
   spec = parse_config(retrieval_configs.get_config("smoke"))
-  system = make_system(spec, jax.random.PRNGKey(0))
+  system = eqx.filter_jit(lambda key: make_system(spec, key))(jax.random.PRNGKey(0))
   world = make_world(spec.world, jax.random.PRNGKey(1))
-  batch = sample_batch(world, spec.train_split, 3, jax.random.PRNGKey(2)).batch
+  batch = jax.jit(sample_batch, static_argnums=(1, 2))(world, spec.train_split, 3,
+                                                       jax.random.PRNGKey(2)).batch
   no_candidates = batch._replace(candidate_post_hashes=None, candidate_author_hashes=None,
                                  candidate_product_surface=None,
                                  candidate_post_timestamps=None)
-  np.testing.assert_array_equal(system.user_representation(no_candidates),
-                                system.user_representation(batch))
+  users = eqx.filter_jit(lambda s, b: s.user_representation(b))
+  np.testing.assert_array_equal(users(system, no_candidates), users(system, batch))
   assert system.tables(no_candidates).candidate_post_embeddings is None
 
 
@@ -396,7 +397,7 @@ def test_divergence_guard_freezes_a_seed_for_good():
   trainer = Trainer(parse_config(smoke_config()))
   update = eqx.filter_jit(trainer.update)
   state = unstack(trainer.init([0]), 0)
-  sb = trainer.sample_train_batch(trainer.world, state)
+  sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
   state, _ = update(state, sb)   # warmup starts at learning rate 0: step 1 changes nothing
   same = lambda a, b: jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), a, b)
 
@@ -495,6 +496,32 @@ def test_throughput_measures_both_loops(tmp_path, main):
       result["scanned_examples_per_second"]
       / result["plain_device_sampled_examples_per_second"])
   assert result["steps_per_round"] == 10 and result["batch_size"] == 8
+
+
+def test_plain_loops_draw_from_their_own_samplers_and_train(monkeypatch):
+  """The throughput baseline the issue names takes its batches from the numpy sampler; the
+  second plain loop from the device; both train the same single-seed state."""
+  from experiments import train_throughput
+  loops = train_throughput._Loops(ranking_configs.get_config("smoke"))
+  calls = {"host": 0, "device": 0}
+  real_host, real_device = loops.host_sampler, loops._device_sampled
+
+  def counted(name, fn):
+    def call():
+      calls[name] += 1
+      return fn()
+    return call
+
+  monkeypatch.setattr(loops, "host_sampler", counted("host", real_host))
+  monkeypatch.setattr(loops, "_device_sampled", counted("device", real_device))
+  step = int(loops.plain_state.step)
+  table = np.asarray(loops.plain_state.params.tables.post_table)
+  loops.plain(3)
+  assert calls == {"host": 3, "device": 0}
+  loops.plain(2, device_sampled=True)
+  assert calls == {"host": 3, "device": 2}
+  assert int(loops.plain_state.step) == step + 5
+  assert not np.array_equal(np.asarray(loops.plain_state.params.tables.post_table), table)
 
 
 @pytest.mark.parametrize("backend,expected", [("cpu", "float32"), ("gpu", "bfloat16"),
