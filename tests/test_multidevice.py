@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +104,28 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _run_processes(commands: list[list[str]], env: dict, timeout_s: float = 600) -> str:
+  """Runs the commands at once; "" when all succeed, else the failures' stderr. When one
+  fails (or time runs out), the others are stopped rather than left waiting for it."""
+  logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]   # no pipe to fill up
+  procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
+                            text=True) for cmd, log in zip(commands, logs)]
+  deadline = time.monotonic() + timeout_s
+  while any(p.poll() is None for p in procs):
+    if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+    time.sleep(0.5)
+  errors = []
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    if p.returncode != 0:
+      errors.append(log.read())
+    log.close()
+  return "\n".join(errors)
+
+
 def _train_rows(run_dir) -> list[dict]:
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   return [r for r in rows if "train/loss" in r]
@@ -120,26 +144,29 @@ def test_two_processes_match_one_device(tmp_path):
   assert single.returncode == 0, single.stderr[-4000:]
 
   env = dict(base, XLA_FLAGS=base["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2")
-  port = _free_port()
-  procs = [subprocess.Popen(
-      run + [f"--workdir={tmp_path / 'multi'}", "--config.mesh.num_devices=-1",
-             "--config.mesh.shard_hash_tables=True", "--config.mesh.distributed=True",
-             f"--config.mesh.coordinator_address=127.0.0.1:{port}",
-             "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
-  outs = [p.communicate(timeout=600) for p in procs]
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-4000:]
+  # The coordinator's port is free when chosen but could be taken before process 0 binds
+  # it: then one process fails and the other would wait out JAX's join timeout, so a
+  # failure stops both, and the run is tried once more on another port.
+  for attempt in range(2):
+    multi, port = tmp_path / f"multi_{attempt}", _free_port()
+    errors = _run_processes([
+        run + [f"--workdir={multi}", "--config.mesh.num_devices=-1",
+               "--config.mesh.shard_hash_tables=True", "--config.mesh.distributed=True",
+               f"--config.mesh.coordinator_address=127.0.0.1:{port}",
+               "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}"]
+        for i in range(2)], env)
+    if not errors:
+      break
+  assert not errors, errors[-4000:]
 
-  one, two = _train_rows(tmp_path / "single"), _train_rows(tmp_path / "multi")
+  one, two = _train_rows(tmp_path / "single"), _train_rows(multi)
   assert [r["step"] for r in two] == [r["step"] for r in one] == [10, 20, 30, 40]
   np.testing.assert_allclose([r["train/loss"] for r in two], [r["train/loss"] for r in one],
                              rtol=2e-5)
   final = lambda d: json.load(open(d / "result.json"))["final"]
-  assert final(tmp_path / "multi")["auc_mean"] == pytest.approx(
+  assert final(multi)["auc_mean"] == pytest.approx(
       final(tmp_path / "single")["auc_mean"], abs=2e-3)
   # Only process 0 writes: one event file, one metrics row per host call.
-  events = [f for f in os.listdir(tmp_path / "multi") if f.startswith("events.out")]
+  events = [f for f in os.listdir(multi) if f.startswith("events.out")]
   assert len(events) == 1
-  assert len(_train_rows(tmp_path / "multi")) == 4
+  assert len(_train_rows(multi)) == 4
