@@ -150,9 +150,9 @@ HOST_WORLD = synthetic.WorldConfig(
 @pytest.mark.parametrize("split", [
     synthetic.SplitConfig(),
     synthetic.SplitConfig(history_dist="log_uniform", list_correlation=0.5,
-                             candidate_order="relevance", min_candidates=2, num_candidates=9),
+                          candidate_order="relevance", min_candidates=2, num_candidates=9),
     synthetic.SplitConfig(min_history=0, max_history=7, relevant_fraction=0.8,
-                             list_correlation=1.0, candidate_order="grouped")])
+                          list_correlation=1.0, candidate_order="grouped")])
 def test_host_sampler_draws_the_device_samplers_batches(split, post_age):
   """The plain loop's numpy sampler, given the device sampler's uniforms, gives its batch:
   every id, hash, label and mask equal, floats to rounding, and timestamps within the one
