@@ -361,7 +361,7 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   assert sorted(os.listdir(tmp_path / "both")) == ["seed_0", "seed_1"]
   together = {k: _result(tmp_path / "both" / f"seed_{k}") for k in (0, 1)}
   assert _finals(together[0])["logloss"] != _finals(together[1])["logloss"]
-  for seed in (0, 1):
+  for seed in (1,):   # the second vmapped seed: catches a seed or key offset between them
     cli("ranking.py:smoke", tmp_path / f"alone_{seed}", f"--config.seed={seed}", quick)
     got, want = _finals(_result(tmp_path / f"alone_{seed}")), _finals(together[seed])
     for key in ("logloss", "loss", "auc_mean", "bayes_auc_mean", "train/loss"):
