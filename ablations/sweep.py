@@ -76,7 +76,7 @@ from ablations import report, stats
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
-from phoenix_flax.training.runner import seed_dir
+from phoenix_flax.training.runner import checkpoint_like, seed_dir
 from phoenix_flax.training.writers import jsonable
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
@@ -304,13 +304,14 @@ def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
   spec = parse_config(config)
   trainer = Trainer(spec)
   dirs = run_dirs(config, variant_dir)
+  like = checkpoint_like(trainer)
   systems = []
   for seed in dirs if seeds is None else seeds:
     run_dir = dirs[seed]
     if spec.config.train.num_steps not in checkpoint.available_steps(run_dir):
       raise FileNotFoundError(f"{run_dir} has no final checkpoint (step "
                               f"{spec.config.train.num_steps}); the run has not finished")
-    state, _ = load_checkpoint(trainer, run_dir, spec.config.train.num_steps)
+    state, _ = load_checkpoint(trainer, run_dir, spec.config.train.num_steps, like)
     systems.append(trainer.system(jax.tree.map(jnp.asarray, state.params)))
   return trainer, systems
 

@@ -22,6 +22,7 @@ import numpy as np
 from phoenix_flax.synthetic import SplitConfig, SyntheticBatch, World
 from phoenix_flax.synthetic.sampling import (IMPRESSION_EPOCH_S, IMPRESSION_SPAN_S, MAX_AGE_S,
                                              uniform_shapes)
+from phoenix_flax.synthetic.world import random_blocks
 from phoenix_flax.types import RecsysBatch
 
 F32 = np.float32
@@ -230,16 +231,12 @@ class HostSampler:
     c = self.world.cfg
     _, C = split.resolve(c)
     self.shapes = uniform_shapes(batch_size, c.history_len, C, c.num_actions)
-    self.sizes = [int(np.prod(s)) for s in self.shapes.values()]
     self.rng = np.random.default_rng(seed)
 
   def uniforms(self) -> dict[str, np.ndarray]:
-    flat = self.rng.random(sum(self.sizes), dtype=F32)
-    out, start = {}, 0
-    for (name, shape), n in zip(self.shapes.items(), self.sizes):
-      out[name] = flat[start:start + n].reshape(shape)
-      start += n
-    return out
+    """One batch's uniforms, in the device sampler's named blocks."""
+    return random_blocks(self.rng, lambda rng, shape: rng.random(shape, dtype=F32),
+                         self.shapes)
 
   def __call__(self) -> SyntheticBatch:
     return sample_from_uniforms(self.world, self.split, self.batch_size, self.uniforms())

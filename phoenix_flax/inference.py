@@ -245,6 +245,9 @@ def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
   return jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
 
 
+_jitted_ranking_order = jax.jit(_ranking_order)
+
+
 def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings):
   out = model(batch, embeddings)
   probs_BCA = jax.nn.sigmoid(out.logits.astype(jnp.float32))
@@ -363,7 +366,7 @@ class RankingRunner:
     if outputs[0][1] is not None:
       continuous = jnp.asarray(np.concatenate([np.asarray(c) for _, c in outputs], axis=1)[:, :C])
     probs_BCA = jnp.asarray(probs_BCA)
-    ranked_BC = _ranking_order(probs_BCA, jnp.asarray(cand_batch["candidate_post_hashes"][:, :C]))
+    ranked_BC = _jitted_ranking_order(probs_BCA, cand_batch["candidate_post_hashes"][:, :C])
     return RankingOutput(probs_BCA, ranked_BC, continuous)
 
 

@@ -232,7 +232,8 @@ class _Group:
                                     self.step or None)
 
   def _restore(self) -> tuple[TrainState, list[float]]:
-    loaded = [load_checkpoint(self.trainer, self.dirs[k], self.step) for k in self.seeds]
+    like = checkpoint_like(self.trainer)
+    loaded = [load_checkpoint(self.trainer, self.dirs[k], self.step, like) for k in self.seeds]
     state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[s for s, _ in loaded])
     return self.trainer.placement.place_state(state), [wall for _, wall in loaded]
 
@@ -347,15 +348,19 @@ def _payload(state: Any, wall_seconds: Any) -> dict:
   return {"state": state, "wall_seconds": np.asarray(wall_seconds, np.float64)}
 
 
-def load_checkpoint(trainer: Trainer, run_dir: str, step: int) -> tuple[TrainState, float]:
-  """One seed's train state (host arrays) and wall seconds from the checkpoint of `step`.
-
-  The structure to read into comes from the trainer's shapes alone (`eqx.filter_eval_shape`
-  of `init`): nothing is initialised or compiled.
-  """
+def checkpoint_like(trainer: Trainer) -> dict:
+  """The structure of one seed's checkpoint, from the trainer's shapes alone
+  (`eqx.filter_eval_shape` of `init`): nothing is initialised or compiled."""
   stacked = eqx.filter_eval_shape(trainer.init, [trainer.spec.config.seed])
-  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-  found = checkpoint.load(run_dir, step, _payload(like, 0.0))
+  return _payload(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked),
+                  0.0)
+
+
+def load_checkpoint(trainer: Trainer, run_dir: str, step: int,
+                    like: Optional[dict] = None) -> tuple[TrainState, float]:
+  """One seed's train state (host arrays) and wall seconds from the checkpoint of `step`;
+  pass `like` (`checkpoint_like(trainer)`) when loading several seeds of one trainer."""
+  found = checkpoint.load(run_dir, step, checkpoint_like(trainer) if like is None else like)
   return found["state"], float(found["wall_seconds"])
 
 
