@@ -224,6 +224,16 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
       float(metrics.recall_at_k(probs[..., 0], favorite, mask, k)))
   assert float(out[f"recall@{k}"]) != pytest.approx(
       float(metrics.recall_at_k(logits[..., 0], labels[..., 1] > 0.5, mask, k)))
+  # Several K at once give each K's metrics; a K at the list size ranks the whole list.
+  several = metrics.ranking_metrics(logits, labels, probs, mask, k=(1, k, C))
+  for key in (f"ndcg@{k}", f"recall@{k}", f"bayes_recall@{k}"):
+    assert float(several[key]) == float(out[key])
+  assert float(several["recall@1"]) == pytest.approx(
+      float(metrics.recall_at_k(logits[..., 0], favorite, mask, 1)))
+  assert float(several[f"recall@{C}"]) == 1.0 and float(several["recall@1"]) < 1.0
+  for bad in (0, (), (2, True), 2.0):
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+      metrics.ranking_metrics(logits, labels, probs, mask, k=bad)
   certain = np.where(rng.random((B, C, A)) < 0.5, labels, 1.0 - labels)   # some wrong
   out = metrics.ranking_metrics(logits, labels, certain.astype(np.float32), mask, k=k)
   assert np.isfinite(float(out["bayes_logloss"]))

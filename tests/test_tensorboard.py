@@ -47,7 +47,7 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
   expected = {"train/loss", "train/grad_norm", "train/learning_rate", "train/max_attn_logit",
               "train/residual_rms/layer_0", "eval/auc_mean", "eval/bayes_auc_mean",
               "eval/logloss", "eval/calibration_error", "eval/score_consistency",
-              "eval/max_attn_logit", "eval/recall_5", "eval/auc/favorite_score",
+              "eval/max_attn_logit", "eval/recall_2", "eval/auc/favorite_score",
               "perf/examples_per_second"}
   assert expected <= tags, expected - tags
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]

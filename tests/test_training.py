@@ -202,6 +202,10 @@ OUT_OF_RANGE = [
     ("retrieval", {"train.batch_size": 1}, "train.batch_size=1 is invalid: retrieval needs"),
     ("ranking", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
     ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid"),
+    ("ranking", {"ranking.top_k": (0, 3)}, r"ranking.top_k=\(0, 3\) is invalid"),
+    ("ranking", {"ranking.top_k": (3, 3)}, r"ranking.top_k=\(3, 3\) is invalid: give one or "
+     "more distinct"),
+    ("ranking", {"ranking.top_k": ()}, r"ranking.top_k=\(\) is invalid"),
     ("ranking", {"mesh.num_devices": -2}, "mesh.num_devices=-2 is invalid"),
     ("ranking", {"mesh.distributed": True, "mesh.coordinator_address": "localhost"},
      "mesh.coordinator_address='localhost' is invalid: use 'host:port'"),
@@ -215,7 +219,7 @@ AT_THE_EDGE = {
     "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0,
     "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
     "train.action_weights": (1.0,) + (0.0,) * 18, "retrieval.positive_action": 18,
-    "retrieval.recall_k": (1, 400), "mesh.num_devices": -1, "mesh.distributed": True,
+    "retrieval.recall_k": (1, 400), "ranking.top_k": (1, 400), "mesh.num_devices": -1, "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
     "mesh.process_id": 1, "output.seed_subdirs": True,
 }
@@ -357,12 +361,13 @@ def test_training_chunk_donates_its_state_and_never_calls_the_host():
 @pytest.mark.slow
 def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   quick = "--config.train.score_consistency=False"
-  cli("ranking.py:smoke", tmp_path / "both", "--config.num_seeds=2", quick)
+  ks = "--config.ranking.top_k=(1,3)"
+  cli("ranking.py:smoke", tmp_path / "both", "--config.num_seeds=2", quick, ks)
   assert sorted(os.listdir(tmp_path / "both")) == ["seed_0", "seed_1"]
   together = {k: _result(tmp_path / "both" / f"seed_{k}") for k in (0, 1)}
   assert _finals(together[0])["logloss"] != _finals(together[1])["logloss"]
   for seed in (1,):   # the second vmapped seed: catches a seed or key offset between them
-    cli("ranking.py:smoke", tmp_path / f"alone_{seed}", f"--config.seed={seed}", quick)
+    cli("ranking.py:smoke", tmp_path / f"alone_{seed}", f"--config.seed={seed}", quick, ks)
     got, want = _finals(_result(tmp_path / f"alone_{seed}")), _finals(together[seed])
     for key in ("logloss", "loss", "auc_mean", "bayes_auc_mean", "train/loss"):
       np.testing.assert_allclose(got[key], want[key], atol=1e-4, err_msg=key)
@@ -374,6 +379,8 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
                          "examples_per_second"}
   assert result["steps"] == 40 and result["diverged"] is False
   assert result["num_seeds_vmapped"] == 2 and result["final"]["bayes_auc_mean"] > 0.5
+  at_k = {k for k in result["final"] if "@" in k}
+  assert at_k == {f"{m}@{k}" for m in ("ndcg", "recall", "bayes_recall") for k in (1, 3)}
   # Throughput counts the examples of both seeds: batch 8 x 2 per step, over the timed
   # chunks (every chunk after the first, which compiles).
   rows = [json.loads(line) for line in open(tmp_path / "both" / "seed_1" / "metrics.jsonl")]

@@ -318,7 +318,8 @@ class Trainer:
     flat = lambda x: x.reshape((-1,) + x.shape[2:])
     logits, labels = flat(r["logits"]), flat(r["labels"])
     probs, mask = flat(r["probs"]), flat(r["mask"])
-    out = dict(metrics.ranking_metrics(logits, labels, probs, mask))
+    out = dict(metrics.ranking_metrics(logits, labels, probs, mask,
+                                       k=tuple(self.spec.config.ranking.top_k)))
     w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
     out["loss"] = ranking_loss(logits, labels, mask, w)
     out.update(_diagnostics(r["max_logit"], r["rms"]))

@@ -5,7 +5,8 @@ Shapes: B lists, C candidates per list, A actions; `mask [B, C]` marks valid can
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import numbers
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -120,15 +121,16 @@ def _mean_valid(values_A: Array, valid_A: Array) -> Array:
 
 
 def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask_BC: Array,
-                    k: int = 5, action_names: Optional[Sequence[str]] = None
-                    ) -> dict[str, Array]:
+                    k: Union[int, Sequence[int]] = 5,
+                    action_names: Optional[Sequence[str]] = None) -> dict[str, Array]:
   """The model's metrics next to the Bayes-optimal ones (the generator's true `probs`).
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
   negatives in the batch), `auc_gap` (Bayes minus model), `logloss` / `bayes_logloss`,
   `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
-  candidates (favorite label 1), `num_valid_actions`, and `auc/<action>` and
+  candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
+  size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
   `bayes_auc/<action>` per action (0.5 where the action is not valid). Which actions
   are valid depends on the labels only, so the Bayes figures never depend on the model.
   A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
@@ -139,6 +141,13 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
                            tuple(f"action_{i}" for i in range(A)))
   if len(names) != A:
     raise ValueError(f"action_names has {len(names)} names for {A} actions")
+  ks = (k,) if isinstance(k, numbers.Integral) else ()
+  if isinstance(k, (tuple, list)):
+    ks = tuple(k)
+  if not ks or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
+                       and x >= 1 for x in ks):
+    raise ValueError(f"k must be an integer >= 1 or a non-empty sequence of them, got {k!r}")
+  ks = tuple(dict.fromkeys(int(x) for x in ks))
   logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
   probs_BCA = jnp.asarray(probs_BCA, jnp.float32)
   auc_A, valid_A = per_action_auc(logits_BCA, labels_BCA, mask_BC)
@@ -157,11 +166,12 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
       "bayes_logloss": log_loss(bayes_logits_BCA, labels_BCA, mask_BC),
       "calibration_error": model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
                                                    mask_BC)),
-      f"ndcg@{k}": model(ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k)),
-      f"recall@{k}": model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k)),
-      f"bayes_recall@{k}": recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k),
-      "num_valid_actions": jnp.sum(valid_A).astype(jnp.float32),
   }
+  for k in ks:
+    out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k))
+    out[f"recall@{k}"] = model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k))
+    out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k)
+  out["num_valid_actions"] = jnp.sum(valid_A).astype(jnp.float32)
   for i, name in enumerate(names):
     out[f"auc/{name}"] = auc_A[i]
     out[f"bayes_auc/{name}"] = bayes_A[i]

@@ -37,6 +37,9 @@ command line as `--config.<section>.<field>=value`):
                       `action_weights` (None or one weight >= 0 per action, for the loss),
                       `score_consistency` (re-score the primary eval split's lists with
                       new companions).
+  ranking.*           `top_k`: the K of ndcg@K, recall@K and bayes_recall@K of the favorite
+                      ranking of each evaluation list (one or more; a K at or above a
+                      list's size ranks the whole list, where recall is 1.0).
   retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
                       positive is its first candidate with this label), `recall_k` (K of
                       recall@K against the corpus of every post).
@@ -134,6 +137,7 @@ def base_config(task: str = "ranking") -> ml_collections.ConfigDict:
       num_steps=1000, batch_size=64, steps_per_call=50, eval_every=250,
       checkpoint_every=250, eval_batch_size=256, eval_batches=4,
       action_weights=nullable(None), score_consistency=True))
+  c.ranking = ml_collections.ConfigDict(dict(top_k=(5,)))
   c.retrieval = ml_collections.ConfigDict(dict(
       temperature=0.05, positive_action=0, recall_k=(10, 100)))
   c.mesh = ml_collections.ConfigDict(dict(
@@ -295,6 +299,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
            f"give {world.num_actions} weights >= 0 (one per action) with a positive sum, "
            "or None")
     weights = tuple(float(w) for w in weights)
+
+  ks = tuple(c.ranking.top_k) if isinstance(c.ranking.top_k, (tuple, list)) else ()
+  _check(len(ks) >= 1 and all(_is_int(k) and k >= 1 for k in ks) and len(set(ks)) == len(ks),
+         "ranking.top_k", c.ranking.top_k, "give one or more distinct integers >= 1")
 
   r = c.retrieval
   _check(_is_num(r.temperature) and r.temperature > 0, "retrieval.temperature",
