@@ -155,12 +155,11 @@ def fmt_pm(mean: float, half: float) -> str:
     return f"{fmt(mean)} ± 0"
   if not (math.isfinite(mean) and math.isfinite(half)) or half < 1e-3 or abs(mean) >= 1e5:
     return f"{fmt(mean)} ± {fmt(half, 2)}"
-  decimals = max(0, 1 - math.floor(math.log10(half)))
-  half_text = f"{half:.{decimals}f}"
-  if float(half_text) >= 10 ** (2 - decimals):   # rounding added a digit (0.0996 -> 0.100)
-    decimals = max(0, decimals - 1)
-    half_text = f"{half:.{decimals}f}"
-  return f"{mean:.{decimals}f} ± {half_text}"
+  decimals = 1 - math.floor(math.log10(half))   # negative: rounds to tens, hundreds, ...
+  if abs(round(half, decimals)) >= 10 ** (2 - decimals):   # rounding added a digit (0.0996)
+    decimals -= 1
+  text = lambda x: f"{round(x, decimals):.{max(decimals, 0)}f}"
+  return f"{text(mean)} ± {text(half)}"
 
 
 def metric_table(results: Mapping, metric: str) -> list[str]:
@@ -195,6 +194,33 @@ def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
           "| --- |" + " --- |" * len(metrics)]
   return rows + [f"| {name} | " + " | ".join(_cell(v["metrics"].get(m)) for m in metrics) + " |"
                  for name, v in variants.items()]
+
+
+def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
+  """Paired differences of `metrics` to the baseline, as the verdict pairs them (pooled
+  over conditions when the sweep has any, per variant otherwise): "Δ [95% CI] (Holm p)",
+  a star when significant. Empty when none could be computed."""
+  metrics = [m for m in metrics if m != "diverged"]   # its counts are in the tables above
+  source = results.get("pooled_comparisons") or results.get("comparisons", [])
+  comps = {(c["variant"], c["metric"]): c for c in source if c["metric"] in metrics}
+  names = list(dict.fromkeys(variant for variant, _ in comps))
+  if not names:
+    return []
+
+  def cell(name: str, metric: str) -> str:
+    c = comps.get((name, metric))
+    if c is None or c.get("delta") is None:
+      return "n/a"
+    star = " *" if significant(c) else ""
+    return f"{fmt(c['delta'], 3)} {fmt_ci(c['ci95'])} (Holm p {fmt_p(c.get('p_holm'))}){star}"
+
+  if len(metrics) > len(names):   # metrics down the rows, as in `other_metrics_table`
+    rows = ["| Δ vs baseline | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    return rows + [f"| `{m}` | " + " | ".join(cell(n, m) for n in names) + " |"
+                   for m in metrics]
+  rows = ["| vs baseline | " + " | ".join(f"Δ `{m}`" for m in metrics) + " |",
+          "| --- |" + " --- |" * len(metrics)]
+  return rows + [f"| {n} | " + " | ".join(cell(n, m) for m in metrics) + " |" for n in names]
 
 
 def preset_note(preset: str) -> list[str]:
@@ -238,6 +264,12 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
   if others:
     out += ["## Other metrics (mean ± 95% CI over the runs that did not diverge)", ""]
     out += other_metrics_table(results, others) + [""]
+    differences = other_differences_table(results, others)
+    if differences:
+      scope = ("pooled over the conditions, as in the verdict"
+               if results.get("pooled_comparisons") else "paired by seed")
+      out += [f"Their differences to the baseline ({scope}; * = significant after the Holm "
+              "correction):", ""] + differences + [""]
   if plots:
     out += ["## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots] + [""]
   out += ["## How to read this", "", HOW_TO_READ, ""]

@@ -74,7 +74,7 @@ def plot_rms(results, workdir):
         ax.plot(np.mean(per_seed, axis=0), marker="o", label=v["arm"])
     ax.set_title(cell, fontsize=9)
     ax.set_xlabel("layer", fontsize=8)
-    ax.set_ylabel("residual RMS", fontsize=8)
+    ax.set_ylabel("residual RMS (mean over seeds)", fontsize=8)
     ax.legend(fontsize=7)
   report.save_figure(fig, os.path.join(workdir, "residual_rms.png"))
   return "residual_rms.png"

@@ -175,6 +175,11 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert "significantly higher (better)" in text
   assert "| c_hi | 4 | 1 |" in text
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
+  # Metrics outside the headline get their pooled differences too (logloss moves with AUC).
+  differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
+  b_row = next(line for line in differences.splitlines() if line.startswith("| b |"))
+  assert b_row.startswith("| b | -0.003 [") and b_row.split(" | ")[1].endswith(" *")
+  assert "| vs baseline | Δ `logloss` | Δ `residual_rms/1` |" in differences
   for png in ("curves.png", "effects.png"):
     assert (tmp_path / png).stat().st_size > 1000
     assert f"({png})" in text
@@ -206,7 +211,10 @@ def test_mean_and_interval_show_the_same_decimals():
   assert report.fmt_pm(0.5317, 0.2034) == "0.53 ± 0.20"      # no digit finer than the CI
   assert report.fmt_pm(0.7928, 0.0021) == "0.7928 ± 0.0021"
   assert report.fmt_pm(0.5, 0.0996) == "0.50 ± 0.10"          # rounding up adds no digit
-  assert report.fmt_pm(14937.0, 4200.0) == "14937 ± 4200"
+  assert report.fmt_pm(14937.0, 4200.0) == "14900 ± 4200"
+  assert report.fmt_pm(43015.0, 9409.0) == "43000 ± 9400"    # 2 significant digits, >= 100
+  assert report.fmt_pm(43015.0, 9960.0) == "43000 ± 10000"   # rounding up adds no digit
+  assert report.fmt_pm(12.34, 5.67) == "12.3 ± 5.7"
   assert report.fmt_pm(0.8, 0.0) == "0.8 ± 0"
   assert report.fmt_pm(0.7928, 0.00099) == "0.7928 ± 9.9e-04"   # tiny: scientific
 
