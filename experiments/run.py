@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.runner import finished_seeds
+from phoenix_flax.training.runner import RunInUseError, finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -155,7 +155,7 @@ def main(argv: list[str]) -> None:
   try:
     done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
-  except ConfigError as e:
+  except (ConfigError, RunInUseError, NotADirectoryError) as e:
     _fail(str(e))
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():

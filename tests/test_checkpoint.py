@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from tensorboard.backend.event_processing import event_accumulator
+
 from experiments.configs import ranking as ranking_configs
-from phoenix_flax.training import ConfigError, checkpoint, run_experiment, writers
+from phoenix_flax.training import (ConfigError, RunInUseError, checkpoint, run_experiment,
+                                   writers)
 from phoenix_flax.training import runner
 from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
@@ -105,6 +108,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   walls = [r["wall_seconds"] for r in _rows(killed)]
   assert walls == sorted(walls) and got["wall_seconds"] >= walls[-1]
   assert checkpoint.available_steps(killed)[-1] == 40
+  # TensorBoard holds every step once: the killed process flushed its events up to the
+  # checkpoint it resumed from (they were still buffered otherwise: it ran for seconds).
+  events = event_accumulator.EventAccumulator(killed, size_guidance={"scalars": 0})
+  events.Reload()
+  assert [e.step for e in events.Scalars("train/loss")] == [10, 20, 30, 40]
+  assert [e.step for e in events.Scalars("eval/auc_mean")] == [20, 40]
 
   # Finished: the same call is skipped (nothing rewritten); another config is refused.
   before = {f: os.path.getmtime(os.path.join(killed, f)) for f in os.listdir(killed)}
@@ -324,3 +333,42 @@ def test_a_second_run_keeps_its_own_output_settings(tmp_path):
   fresh = jax.tree.leaves(eqx.filter(loaded.trainer.system(
       unstack(loaded.trainer.init([0]), 0).params), eqx.is_array))
   assert not all(np.array_equal(g, f) for g, f in zip(got, fresh))   # trained, not initial
+
+
+def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path, monkeypatch):
+  """One process at a time trains a run directory; a failed start releases the lock; the
+  partial files of a killed writer are removed; result.json comes after the TensorBoard
+  events are closed (a run that has it is skipped, so nothing after it is ever repaired);
+  a workdir under a file is refused by name before any work."""
+  config = ranking_configs.get_config("smoke")
+  config.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
+  run_dir = str(tmp_path / "run")
+  held = runner._lock(run_dir)
+  with pytest.raises(RunInUseError, match="is being trained by another process"):
+    run_experiment(config, run_dir)
+  os.close(held)
+
+  def fail(dirs):
+    raise OSError("disk gone")
+  with monkeypatch.context() as m:
+    m.setattr(runner, "_resume_step", fail)
+    with pytest.raises(OSError, match="disk gone"):
+      run_experiment(config, run_dir)
+
+  partial = os.path.join(run_dir, ".config.json.tmp.12345")
+  with open(partial, "w") as f:
+    f.write("{")
+  order = []
+  write_json, close = runner.write_json, writers.RunWriter.close
+  monkeypatch.setattr(runner, "write_json",
+                      lambda path, payload: (order.append(os.path.basename(path)),
+                                             write_json(path, payload)))
+  monkeypatch.setattr(writers.RunWriter, "close",
+                      lambda self, finished: (order.append(f"close {finished}"),
+                                              close(self, finished)))
+  result = run_experiment(config, run_dir)[0]
+  assert result["steps"] == 10 and not os.path.exists(partial)
+  assert order == ["config.json", "close True", "result.json"]
+  assert os.path.exists(os.path.join(run_dir, runner.LOCK_FILE))
+  with pytest.raises(NotADirectoryError, match="result.json is a file, not a directory"):
+    run_experiment(config, os.path.join(run_dir, "result.json", "sub"))

@@ -455,6 +455,17 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert rows and rows[-1]["step"] <= 40
   # Training stops once every seed has diverged; `steps` counts the steps run.
   assert result["steps"] == max(r["step"] for r in rows) < 40
+  # Killed after its final checkpoint (result.json missing): the diverged state it restores
+  # trains no further, and the run ends as it did.
+  os.remove(tmp_path / "result.json")
+  cli("ranking.py:smoke", tmp_path, "--config.optim.learning_rate=1e12",
+      "--config.optim.grad_clip_norm=None", "--config.optim.weight_decay=0.0",
+      "--config.optim.warmup_steps=0", "--config.train.eval_every=0",
+      "--config.train.checkpoint_every=0")
+  again = _result(tmp_path)
+  assert (again["steps"], again["diverged_at_step"]) == (result["steps"],
+                                                         result["diverged_at_step"])
+  assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == rows
 
 
 def test_every_training_statistic_is_logged():

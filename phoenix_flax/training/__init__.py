@@ -3,8 +3,9 @@
 from phoenix_flax.training.loop import (Trainer, TrainState, make_optimizer, make_schedule,
                                         make_system)
 from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ranking_loss
-from phoenix_flax.training.runner import (LoadedRun, Progress, check_run_dirs,
-                                          load_checkpoint, load_run, run_dirs, run_experiment)
+from phoenix_flax.training.runner import (LoadedRun, Progress, RunInUseError,
+                                          check_run_dirs, load_checkpoint, load_run, run_dirs,
+                                          run_experiment)
 from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
                                           parse_config, split_config, world_config)
 from phoenix_flax.training.sharding import Placement, make_placement
@@ -12,8 +13,8 @@ from phoenix_flax.training.system import HashEmbeddingTables, RankingSystem, Ret
 
 __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
-    "Progress", "RankingSystem", "RetrievalSystem", "TrainState", "Trainer", "base_config",
-    "check_run_dirs", "first_positive", "in_batch_softmax_loss", "load_checkpoint",
+    "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "TrainState", "Trainer",
+    "base_config", "check_run_dirs", "first_positive", "in_batch_softmax_loss", "load_checkpoint",
     "load_run", "make_optimizer", "make_placement", "make_schedule", "make_system",
     "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",
     "world_config",

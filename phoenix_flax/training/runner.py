@@ -22,6 +22,11 @@ is the only chunk).
 
 A run with `result.json` is skipped; one with checkpoints resumes from the newest step
 that every seed of the call has, and ends with the same numbers as an uninterrupted run.
+While a process trains a run directory it holds a lock on its `.lock` file (POSIX
+`flock`, released when the process ends, however it ends); a second process refuses that
+directory with `RunInUseError`. The TensorBoard events are flushed before every checkpoint
+and closed before `result.json` is written, so what a resumed or skipped run keeps of them
+is complete.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import json
 import math
 import os
 import time
+
+try:
+  import fcntl
+except ImportError:   # no POSIX file locks (Windows): runs are not locked
+  fcntl = None
 from typing import Any, Callable, NamedTuple, Optional
 
 import equinox as eqx
@@ -46,11 +56,44 @@ from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, Experim
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
-                                           write_json)
+                                           remove_temporaries, write_json)
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
 FPROP_KEY = "model.fprop_dtype"
+LOCK_FILE = ".lock"
+
+
+class RunInUseError(RuntimeError):
+  """Another process is training this run directory (it holds the directory's lock)."""
+
+
+def _lock(run_dir: str) -> Optional[int]:
+  """Creates `run_dir` and takes its lock; the file descriptor to release, or None where
+  the platform has no `flock`."""
+  os.makedirs(run_dir, exist_ok=True)
+  if fcntl is None:
+    return None
+  fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    raise RunInUseError(f"{run_dir} is being trained by another process (it holds "
+                        f"{os.path.join(run_dir, LOCK_FILE)}); wait for it to end, or use "
+                        "another workdir") from None
+  return fd
+
+
+def _check_workdir(workdir: str) -> None:
+  """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
+  parents that exists, is not a directory."""
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
+                             "not a directory")
 
 
 class Progress(NamedTuple):
@@ -195,6 +238,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
                            config.mesh.process_id)
   spec = parse_config(config)
+  _check_workdir(workdir)
   check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
   done = finished_seeds(config, workdir)
@@ -216,6 +260,19 @@ class _Group:
     self.t_start = time.perf_counter()
     self.trainer, self.config, self.seeds, self.dirs = trainer, config, seeds, dirs
     self.main = jax.process_index() == 0
+    self.locks = []
+    try:
+      self._open(trainer)
+    except BaseException:
+      self.release()
+      raise
+
+  def _open(self, trainer: Trainer) -> None:
+    seeds, dirs = self.seeds, self.dirs
+    if self.main:
+      for k in seeds:
+        self.locks.append(_lock(dirs[k]))
+        remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
     self.step = _resume_step(list(dirs.values()))
     if self.step:
       self.state, self.prior_wall = self._restore()
@@ -224,12 +281,18 @@ class _Group:
     self.writers = {}
     if self.main:
       for k in seeds:
-        os.makedirs(dirs[k], exist_ok=True)
         cfg_k = seed_config(self.config, k)
         cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
         write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
         self.writers[k] = RunWriter(dirs[k], flatten(cfg_k, skip=RUNTIME_SECTIONS),
                                     self.step or None)
+
+  def release(self) -> None:
+    """Releases the run directories' locks."""
+    for fd in self.locks:
+      if fd is not None:
+        os.close(fd)   # closing the descriptor drops its flock
+    self.locks = []
 
   def _restore(self) -> tuple[TrainState, list[float]]:
     like = checkpoint_like(self.trainer)
@@ -243,6 +306,8 @@ class _Group:
   def save(self) -> None:
     host = to_host(self.state)
     if self.main:
+      for writer in self.writers.values():
+        writer.flush()   # every event up to this step on disk before the checkpoint says so
       for i, k in enumerate(self.seeds):
         checkpoint.save(self.dirs[k], self.step, _payload(unstack(host, i), self.wall(i)),
                         keep=self.config.output.keep_checkpoints)
@@ -280,9 +345,9 @@ class _Group:
           "fprop_dtype": self.trainer.spec.model.fprop_dtype,
           "num_devices": self.trainer.placement.num_devices,
       })
-      if self.main:
-        write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
+      if self.main:   # result.json last: a run that has it is skipped, never repaired
         self.writers[k].close(finished=True)
+        write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
     return results
 
 
@@ -292,13 +357,22 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   """Chunks of scanned steps until `num_steps` (or every seed diverged), with evaluation,
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
   g = _Group(trainer, config, seeds, dirs)
+  try:
+    return _train_group(g, trainer, progress)
+  finally:
+    g.release()
+
+
+def _train_group(g: _Group, trainer: Trainer,
+                 progress: Optional[Callable[[Progress], None]]) -> dict[int, dict]:
+  seeds = g.seeds
   start_step = g.step
   t = trainer.spec.config.train
   examples_per_chunk = t.steps_per_call * t.batch_size * len(seeds)
   train_seconds, timed_chunks, chunks = 0.0, 0, 0
   evaluated, eval_step, train_rows = {}, -1, {}
   diverged = to_host(g.state.diverged)
-  while g.step < t.num_steps:
+  while g.step < t.num_steps and not diverged.all():   # a restored state may be diverged
     t0 = time.perf_counter()
     g.state, stats = trainer.train_chunk(g.state)
     stats = to_host(stats)
@@ -338,7 +412,7 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   g.save()
   if chunks:
     throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
-  else:  # killed after the final checkpoint, before result.json
+  else:  # killed after the final checkpoint (every seed diverged, or the last step)
     train_rows, throughput = g.logged_training()
   return g.finish(evaluated, train_rows, throughput)
 

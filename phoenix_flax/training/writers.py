@@ -153,6 +153,11 @@ class RunWriter:
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(jsonable(row), sort_keys=True) + "\n")
 
+  def flush(self) -> None:
+    """Writes the pending TensorBoard events to disk (metrics.jsonl rows are written as
+    they are logged)."""
+    self.tb.flush()
+
   def close(self, finished: bool) -> None:
     """Flushes; on a finished run also records the HParams session end."""
     if finished:
