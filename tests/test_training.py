@@ -219,7 +219,8 @@ AT_THE_EDGE = {
     "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0,
     "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
     "train.action_weights": (1.0,) + (0.0,) * 18, "retrieval.positive_action": 18,
-    "retrieval.recall_k": (1, 400), "ranking.top_k": (1, 400), "mesh.num_devices": -1, "mesh.distributed": True,
+    "retrieval.recall_k": (1, 400), "ranking.top_k": (1, 400), "mesh.num_devices": -1,
+    "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
     "mesh.process_id": 1, "output.seed_subdirs": True,
 }

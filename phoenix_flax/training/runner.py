@@ -35,11 +35,6 @@ import json
 import math
 import os
 import time
-
-try:
-  import fcntl
-except ImportError:   # no POSIX file locks (Windows): runs are not locked
-  fcntl = None
 from typing import Any, Callable, NamedTuple, Optional
 
 import equinox as eqx
@@ -57,6 +52,11 @@ from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
                                            remove_temporaries, write_json)
+
+try:
+  import fcntl
+except ImportError:   # no POSIX file locks (Windows): runs are not locked
+  fcntl = None
 
 RESULT_FILE = "result.json"
 CONFIG_FILE = "config.json"
