@@ -22,6 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
+from phoenix_flax.training.checkpoint import CheckpointError
 from phoenix_flax.training.runner import RunInUseError, finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -155,7 +156,7 @@ def main(argv: list[str]) -> None:
   try:
     done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
-  except (ConfigError, RunInUseError, NotADirectoryError) as e:
+  except (ConfigError, RunInUseError, NotADirectoryError, CheckpointError) as e:
     _fail(str(e))
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():

@@ -169,6 +169,13 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   with pytest.raises(ValueError, match="keep=0"):
     checkpoint.save(str(tmp_path), 40, tree, keep=0)
   assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
+  # A damaged file (truncated by a copy, a disk fault) is named, with what to do.
+  path = os.path.join(tmp_path, "checkpoint", "step_000000030.eqx")
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with pytest.raises(checkpoint.CheckpointError, match=r"step_000000030.eqx cannot be read .*"
+                                                       r"Delete it to resume from the"):
+    checkpoint.load(str(tmp_path), 30, tree)
 
 
 def test_a_restart_at_an_earlier_step_replaces_the_later_checkpoints(tmp_path):

@@ -66,6 +66,10 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
             # the config file's own error, without the traceback around it
             (["--config=experiments/configs/ranking.py:nopreset", f"--workdir={workdir}"],
              "unknown preset 'nopreset'")]
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  cases += [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={a_file}/run"],
+             f"{a_file} is a file, not a directory")]
   procs = [subprocess.Popen(_command(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for args, _ in cases]
   for proc, (extra, needle) in zip(procs, cases):

@@ -21,6 +21,10 @@ CHECKPOINT_DIR = "checkpoint"
 _PATTERN = re.compile(r"step_(\d+)\.eqx")
 
 
+class CheckpointError(ValueError):
+  """A checkpoint file exists but cannot be read into the expected structure."""
+
+
 def checkpoint_dir(run_dir: str) -> str:
   return os.path.join(run_dir, CHECKPOINT_DIR)
 
@@ -65,4 +69,9 @@ def load(run_dir: str, step: int, like: Any) -> Any:
   path = _path(run_dir, step)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
-  return eqx.tree_deserialise_leaves(path, like)
+  try:
+    return eqx.tree_deserialise_leaves(path, like)
+  except Exception as e:   # truncated or foreign bytes: equinox's error names no file
+    raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
+                          "it is damaged or of another model. Delete it to resume from the "
+                          "checkpoint before it (or from the start)") from e
