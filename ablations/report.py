@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
@@ -182,18 +182,26 @@ def metric_table(results: Mapping, metric: str) -> list[str]:
   return rows
 
 
-def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
-  """Means of `metrics` per variant; metrics run down the rows when there are more of
-  them than variants (a narrow table either way)."""
-  variants = results["variants"]
-  if len(metrics) > len(variants):
-    rows = ["| metric | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
-    return rows + [f"| `{m}` | " + " | ".join(_cell(v["metrics"].get(m)) for v in variants.values())
-                   + " |" for m in metrics]
-  rows = ["| variant | " + " | ".join(f"`{m}`" for m in metrics) + " |",
+def _narrow_table(names: Sequence[str], metrics: Sequence[str], cell: Callable[[str, str], str],
+                  corners: tuple[str, str], prefix: str = "") -> list[str]:
+  """A row per name and a column per metric (headed `prefix` + the metric), or the metrics
+  down the rows when there are more of them than names: a narrow table either way.
+  `corners`: the top-left header of the two layouts (names down, metrics down)."""
+  if len(metrics) > len(names):
+    rows = [f"| {corners[1]} | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    return rows + [f"| `{m}` | " + " | ".join(cell(n, m) for n in names) + " |"
+                   for m in metrics]
+  rows = [f"| {corners[0]} | " + " | ".join(f"{prefix}`{m}`" for m in metrics) + " |",
           "| --- |" + " --- |" * len(metrics)]
-  return rows + [f"| {name} | " + " | ".join(_cell(v["metrics"].get(m)) for m in metrics) + " |"
-                 for name, v in variants.items()]
+  return rows + [f"| {n} | " + " | ".join(cell(n, m) for m in metrics) + " |" for n in names]
+
+
+def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
+  """Means of `metrics` per variant (a narrow table)."""
+  variants = results["variants"]
+  return _narrow_table(list(variants), metrics,
+                       lambda name, m: _cell(variants[name]["metrics"].get(m)),
+                       ("variant", "metric"))
 
 
 def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
@@ -201,8 +209,8 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
   over conditions when the sweep has any, per variant otherwise): "Δ [95% CI] (Holm p)",
   a star when significant. Empty when none could be computed."""
   metrics = [m for m in metrics if m != "diverged"]   # its counts are in the tables above
-  source = results.get("pooled_comparisons") or results.get("comparisons", [])
-  comps = {(c["variant"], c["metric"]): c for c in source if c["metric"] in metrics}
+  comps = {(c["variant"], c["metric"]): c for c in verdict_comparisons(results)
+           if c["metric"] in metrics}
   names = list(dict.fromkeys(variant for variant, _ in comps))
   if not names:
     return []
@@ -214,13 +222,7 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
     star = " *" if significant(c) else ""
     return f"{fmt(c['delta'], 3)} {fmt_ci(c['ci95'])} (Holm p {fmt_p(c.get('p_holm'))}){star}"
 
-  if len(metrics) > len(names):   # metrics down the rows, as in `other_metrics_table`
-    rows = ["| Δ vs baseline | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
-    return rows + [f"| `{m}` | " + " | ".join(cell(n, m) for n in names) + " |"
-                   for m in metrics]
-  rows = ["| vs baseline | " + " | ".join(f"Δ `{m}`" for m in metrics) + " |",
-          "| --- |" + " --- |" * len(metrics)]
-  return rows + [f"| {n} | " + " | ".join(cell(n, m) for m in metrics) + " |" for n in names]
+  return _narrow_table(names, metrics, cell, ("vs baseline", "Δ vs baseline"), prefix="Δ ")
 
 
 def preset_note(preset: str) -> list[str]:
@@ -398,9 +400,15 @@ def write_report(results: Mapping, workdir: str, curve_keys: Sequence[str] = (),
   return path
 
 
+def verdict_comparisons(results: Mapping) -> list[Mapping]:
+  """The comparisons a verdict reads: pooled over conditions when there are any, per
+  variant otherwise."""
+  return results.get("pooled_comparisons") or results.get("comparisons", [])
+
+
 def headline_comparisons(results: Mapping) -> list[Mapping]:
-  """The comparisons the verdict states: pooled over conditions when there are any."""
-  source = results.get("pooled_comparisons") or results.get("comparisons", [])
+  """The comparisons the verdict states, of the headline metrics."""
+  source = verdict_comparisons(results)
   return [c for metric in results.get("headline", [results["primary_metric"]])
           for c in source if c["metric"] == metric]
 
