@@ -173,9 +173,51 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   path = os.path.join(tmp_path, "checkpoint", "step_000000030.eqx")
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) // 2)
-  with pytest.raises(checkpoint.CheckpointError, match=r"step_000000030.eqx cannot be read .*"
-                                                       r"Delete it to resume from the"):
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"step_000000030.eqx cannot be read .*An older step may still load "
+                           r"\(steps on disk: \[20, 30\]\)"):
     checkpoint.load(str(tmp_path), 30, tree)
+
+
+def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplog):
+  """A damaged newest checkpoint of one seed (truncated by a copy, a disk fault) makes
+  every seed resume from the newest step they all can read, with a warning naming the
+  file, and the run ends as an uninterrupted one; with none readable the run stops with
+  `CheckpointError` naming the files instead of training from scratch over them."""
+  config = ranking_configs.get_config("smoke")
+  config.num_seeds = 2
+  config.train.checkpoint_every = 10
+  workdir = str(tmp_path / "run")
+  want = run_experiment(config, workdir)
+  seed_dirs = [os.path.join(workdir, f"seed_{k}") for k in (0, 1)]
+  assert [checkpoint.available_steps(d) for d in seed_dirs] == [[30, 40]] * 2
+
+  def damage(run_dir, step):
+    path = os.path.join(run_dir, "checkpoint", f"step_{step:09d}.eqx")
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+    return path
+
+  for d in seed_dirs:
+    os.remove(os.path.join(d, "result.json"))   # as if killed after the final checkpoint
+  damaged = damage(seed_dirs[1], 40)
+  with caplog.at_level("WARNING", logger=runner.__name__):
+    got = run_experiment(config, workdir)
+  assert f"checkpoint {damaged} cannot be read" in caplog.text
+  assert "trying the one before it" in caplog.text
+  for k in (0, 1):
+    assert got[k]["final"] == want[k]["final"] and got[k]["steps"] == 40
+    assert [r["step"] for r in writers.read_metrics(seed_dirs[k])] == [10, 20, 30, 40]
+  assert load_run(seed_dirs[1]).step == 40   # the damaged file was replaced by the retrained one
+
+  for d in seed_dirs:
+    os.remove(os.path.join(d, "result.json"))
+  paths = [damage(seed_dirs[0], 40), damage(seed_dirs[1], 30)]
+  with pytest.raises(checkpoint.CheckpointError,
+                     match="no checkpoint to resume from can be read") as raised:
+    run_experiment(config, workdir)
+  assert all(p in str(raised.value) for p in paths)
+  assert checkpoint.available_steps(seed_dirs[0]) == [30, 40]   # nothing was overwritten
 
 
 def test_a_restart_at_an_earlier_step_replaces_the_later_checkpoints(tmp_path):
@@ -220,9 +262,10 @@ def test_atomic_file_replaces_only_on_success_and_syncs_the_folder(tmp_path, mon
   assert path.read_bytes() == b"new" and os.listdir(tmp_path) == ["out.json"]
 
 
-def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_path):
+def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_path, caplog):
   """NaN and +-inf become null (strict JSON has neither); a metrics.jsonl whose last line
-  a kill cut short reads as the rows before it."""
+  a kill cut short reads as the rows before it; a damaged line elsewhere is skipped with a
+  warning and the rows after it are kept."""
   assert writers.jsonable({"a": [np.float32(np.inf), -np.inf, np.nan, 1.5], "b": 2}) == {
       "a": [None, None, None, 1.5], "b": 2}
   path = tmp_path / "result.json"
@@ -231,6 +274,12 @@ def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_p
   (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 20}\n{"step": 3')
   assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 20}]
   assert writers.read_metrics(str(tmp_path / "none")) == []
+  (tmp_path / "metrics.jsonl").write_text(
+      '{"step": 10}\n{"st\x00\n3\n{"loss": 1.0}\n{"step": true}\n{"step": 40}\n')
+  with caplog.at_level("WARNING", logger=writers.__name__):
+    assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 40}]
+  warned = [n for n in range(1, 7) if f"metrics.jsonl line {n} is not" in caplog.text]
+  assert warned == [2, 3, 4, 5]
 
 
 def test_write_json_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
@@ -358,7 +407,7 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
   def fail(dirs):
     raise OSError("disk gone")
   with monkeypatch.context() as m:
-    m.setattr(runner, "_resume_step", fail)
+    m.setattr(runner, "_resume_steps", fail)
     with pytest.raises(OSError, match="disk gone"):
       run_experiment(config, run_dir)
 

@@ -22,7 +22,7 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
-from phoenix_flax.training.runner import _resume_step, _train_scalars, load_run
+from phoenix_flax.training.runner import _resume_steps, _train_scalars, load_run
 from phoenix_flax.training.schema import base_config, split_config, with_defaults
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -429,17 +429,18 @@ def test_divergence_guard_freezes_a_seed_for_good():
   same(after.opt_state, healed.opt_state)
 
 
-def test_resume_step_is_the_newest_every_seed_has(tmp_path):
+def test_resume_steps_are_those_every_seed_has(tmp_path):
   """A kill between two seeds' checkpoint writes leaves them at different steps; the run
-  resumes from the newest step all seeds have."""
+  resumes from the newest step all seeds have (then the ones before it, newest first, if
+  a file of it cannot be read)."""
   tree = {"w": jnp.arange(3.0)}
   dirs = [str(tmp_path / "seed_0"), str(tmp_path / "seed_1")]
   for d, steps in zip(dirs, ([10, 20], [10])):
     for step in steps:
       checkpoint.save(d, step, tree, keep=3)
-  assert _resume_step(dirs) == 10
-  assert _resume_step(dirs[:1]) == 20
-  assert _resume_step([str(tmp_path / "empty")]) == 0
+  assert _resume_steps(dirs) == [10]
+  assert _resume_steps(dirs[:1]) == [20, 10]
+  assert _resume_steps([str(tmp_path / "empty")]) == []
 
 
 @pytest.mark.slow

@@ -22,7 +22,11 @@ _PATTERN = re.compile(r"step_(\d+)\.eqx")
 
 
 class CheckpointError(ValueError):
-  """A checkpoint file exists but cannot be read into the expected structure."""
+  """A checkpoint file exists but cannot be read into the expected structure (`path`)."""
+
+  def __init__(self, message: str, path: str):
+    super().__init__(message)
+    self.path = path
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -73,5 +77,5 @@ def load(run_dir: str, step: int, like: Any) -> Any:
     return eqx.tree_deserialise_leaves(path, like)
   except Exception as e:   # truncated or foreign bytes: equinox's error names no file
     raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
-                          "it is damaged or of another model. Delete it to resume from the "
-                          "checkpoint before it (or from the start)") from e
+                          "it is damaged or of another model. An older step may still "
+                          f"load (steps on disk: {available_steps(run_dir)})", path) from e

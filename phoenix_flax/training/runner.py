@@ -22,6 +22,9 @@ is the only chunk).
 
 A run with `result.json` is skipped; one with checkpoints resumes from the newest step
 that every seed of the call has, and ends with the same numbers as an uninterrupted run.
+Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
+themselves are atomic), it resumes from the newest step before it that every seed can
+read, with a warning naming the file, and raises `CheckpointError` when there is none.
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
 `flock`, released when the process ends, however it ends); a second process refuses that
 directory with `RunInUseError`. The TensorBoard events are flushed before every checkpoint
@@ -32,6 +35,7 @@ is complete.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -52,6 +56,8 @@ from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
                                            remove_temporaries, write_json)
+
+_LOG = logging.getLogger(__name__)
 
 try:
   import fcntl
@@ -183,9 +189,10 @@ def _trainer(spec: ExperimentSpec) -> Trainer:
   return _TRAINERS[key]
 
 
-def _resume_step(dirs: list[str]) -> int:
+def _resume_steps(dirs: list[str]) -> list[int]:
+  """The steps with a checkpoint in every one of `dirs`, newest first."""
   common = set.intersection(*(set(checkpoint.available_steps(d)) for d in dirs))
-  return max(common, default=0)
+  return sorted(common, reverse=True)
 
 
 def _train_scalars(stats: dict, i: int) -> dict[str, float]:
@@ -273,10 +280,24 @@ class _Group:
       for k in seeds:
         self.locks.append(_lock(dirs[k]))
         remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
-    self.step = _resume_step(list(dirs.values()))
-    if self.step:
-      self.state, self.prior_wall = self._restore()
+    self.step = 0
+    damaged = []
+    for step in _resume_steps(list(dirs.values())):
+      try:
+        self.state, self.prior_wall = self._restore(step)
+      except checkpoint.CheckpointError as e:
+        damaged.append(e.path)
+        _LOG.warning("checkpoint %s cannot be read (%s); trying the one before it", e.path,
+                     e.__cause__)
+        continue
+      self.step = step
+      break
     else:
+      if damaged:
+        raise checkpoint.CheckpointError(
+            f"no checkpoint to resume from can be read (damaged or of another model): "
+            f"{', '.join(damaged)}. Delete the checkpoint folder of each run directory to "
+            "train from the start", damaged[-1])
       self.state, self.prior_wall = trainer.init(seeds), [0.0] * len(seeds)
     self.writers = {}
     if self.main:
@@ -294,9 +315,9 @@ class _Group:
         os.close(fd)   # closing the descriptor drops its flock
     self.locks = []
 
-  def _restore(self) -> tuple[TrainState, list[float]]:
+  def _restore(self, step: int) -> tuple[TrainState, list[float]]:
     like = checkpoint_like(self.trainer)
-    loaded = [load_checkpoint(self.trainer, self.dirs[k], self.step, like) for k in self.seeds]
+    loaded = [load_checkpoint(self.trainer, self.dirs[k], step, like) for k in self.seeds]
     state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[s for s, _ in loaded])
     return self.trainer.placement.place_state(state), [wall for _, wall in loaded]
 

@@ -52,7 +52,8 @@ command line as `--config.<section>.<field>=value`):
   output.*            `seed_subdirs`: None = `<workdir>/seed_<k>/` only when num_seeds > 1,
                       True = always, False = never (one seed only); `keep_checkpoints`:
                       newest checkpoints kept per run (the last is the final model; at
-                      least 2 with several seeds).
+                      least 2 with several seeds; a resume falls back to an older one
+                      when the newest cannot be read).
 """
 
 from __future__ import annotations

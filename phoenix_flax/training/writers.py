@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -14,6 +15,8 @@ from typing import IO, Any, Iterator, Mapping, Optional
 import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
+
+_LOG = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 _TEMPORARY = re.compile(r"\..+\.tmp\.\d+")   # atomic_file's ".<name>.tmp.<pid>"
@@ -96,18 +99,28 @@ def _hparam_value(value: Any) -> Any:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-  """The rows of a run's metrics.jsonl (none if it has none), up to a truncated last line
-  that a killed process may have left."""
+  """The rows of a run's metrics.jsonl (none if it has none).
+
+  A last line without its newline (a killed process's half-written row) is dropped. A
+  line elsewhere that is not a JSON object with an integer "step" (damage from outside:
+  rows are appended whole) is skipped with a warning naming it; the rows after it stay.
+  """
   path = os.path.join(run_dir, METRICS_FILE)
   if not os.path.exists(path):
     return []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    lines = f.read().split("\n")
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        break
+  for number, line in enumerate(lines[:-1], 1):   # lines[-1]: "" or an unfinished row
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError:
+      row = None
+    step = row.get("step") if isinstance(row, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool):
+      rows.append(row)
+    else:
+      _LOG.warning("%s line %d is not a metrics row (skipped): %.80r", path, number, line)
   return rows
 
 
