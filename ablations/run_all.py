@@ -59,7 +59,8 @@ def main(argv):
     sweeps = make_sweeps(FLAGS.ablations, workdir)
   except ValueError as e:
     sweep.usage_error(str(e))
-  path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
+  with sweep.exit_on_interrupt():
+    path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 
 

@@ -52,6 +52,7 @@ cannot be computed (a CI from one value).
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -63,7 +64,7 @@ import shlex
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Mapping, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
 import jax
@@ -74,8 +75,8 @@ import numpy as np
 
 from ablations import report, stats
 from experiments.configs import ranking, retrieval
-from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
-                                   parse_config, run_dirs, run_experiment)
+from phoenix_flax.training import (RunInterrupted, Trainer, check_run_dirs, checkpoint,
+                                   load_checkpoint, parse_config, run_dirs, run_experiment)
 from phoenix_flax.training.runner import checkpoint_like, seed_dir
 from phoenix_flax.training.writers import jsonable
 
@@ -641,6 +642,17 @@ def usage_error(message: str) -> NoReturn:
   sys.exit(2)
 
 
+@contextlib.contextmanager
+def exit_on_interrupt() -> Iterator[None]:
+  """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
+  the script with its message and the shell's status for that signal (130, 143)."""
+  try:
+    yield
+  except RunInterrupted as e:
+    sys.stderr.write(f"{e}\nRun the same command again to go on with the sweep.\n")
+    sys.exit(128 + e.signum)
+
+
 def main(ablation: Ablation) -> None:
   """Entry point of an ablation script: `sweep.main(ABLATION)` under `__main__`."""
 
@@ -651,7 +663,8 @@ def main(ablation: Ablation) -> None:
       sweep = sweep_from_flags(ablation)
     except ValueError as e:
       usage_error(str(e))
-    sweep.run()
+    with exit_on_interrupt():
+      sweep.run()
     print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
           f"Curves: tensorboard --logdir {sweep.workdir}")
 

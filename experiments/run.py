@@ -7,6 +7,8 @@ r"""Train and evaluate one configuration on the synthetic world.
 Writes TensorBoard events, config.json, metrics.jsonl, checkpoints and result.json to the
 workdir (one seed) or to `<workdir>/seed_<k>/` (several seeds). Re-running the same
 command resumes an interrupted run from its last checkpoint and skips a finished one.
+Ctrl-C (SIGINT) or SIGTERM stops at the end of the current chunk with a checkpoint (exit
+status 130 or 143); a second one stops at once.
 Prints one progress line per host call (steps/s, examples/s, loss, ETA) and the final
 metrics. An invalid flag or config value exits with status 2 and a message naming it,
 before any work starts.
@@ -23,7 +25,7 @@ from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
 from phoenix_flax.training.checkpoint import CheckpointError
-from phoenix_flax.training.runner import RunInUseError, finished_seeds
+from phoenix_flax.training.runner import RunInterrupted, RunInUseError, finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -158,6 +160,9 @@ def main(argv: list[str]) -> None:
     results = run_experiment(config, _WORKDIR.value, progress=report)
   except (ConfigError, RunInUseError, NotADirectoryError, CheckpointError) as e:
     _fail(str(e))
+  except RunInterrupted as e:
+    sys.stderr.write(f"{e}\n")
+    sys.exit(128 + e.signum)    # the shell's status for a process ended by that signal
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():
     final = r["final"]

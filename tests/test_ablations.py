@@ -451,3 +451,20 @@ def test_sweep_json_records_nan_as_null(tmp_path):
   path = str(tmp_path / "probes.json")
   sweep.write_json(path, sweep.flatten_metrics({"probe": {"value": float("nan")}, "n": 2}))
   assert json.load(open(path)) == {"probe/value": None, "n": 2.0}
+
+
+def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
+  """A run stopped by SIGTERM (its checkpoint written) ends an ablation script with the
+  run's message, how to go on, and the shell's status for that signal."""
+  import signal
+  from phoenix_flax.training import RunInterrupted
+  with pytest.raises(SystemExit) as e:
+    with sweep.exit_on_interrupt():
+      raise RunInterrupted(signal.SIGTERM, 30, ["/w/full/seed_0", "/w/full/seed_1"])
+  assert e.value.code == 143
+  err = capsys.readouterr().err
+  assert err.startswith("stopped by SIGTERM after step 30, with a checkpoint in /w/full/seed_0, "
+                        "/w/full/seed_1; run the same command again to resume\n")
+  assert "go on with the sweep" in err
+  with sweep.exit_on_interrupt():   # nothing raised: nothing happens
+    pass

@@ -20,8 +20,8 @@ from jax.sharding import Mesh
 from tensorboard.backend.event_processing import event_accumulator
 
 from experiments.configs import ranking as ranking_configs
-from phoenix_flax.training import (ConfigError, RunInUseError, checkpoint, run_experiment,
-                                   writers)
+from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, checkpoint,
+                                   run_experiment, writers)
 from phoenix_flax.training import runner
 from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
@@ -428,3 +428,68 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
   assert os.path.exists(os.path.join(run_dir, runner.LOCK_FILE))
   with pytest.raises(NotADirectoryError, match="result.json is a file, not a directory"):
     run_experiment(config, os.path.join(run_dir, "result.json", "sub"))
+
+
+def _stop_at(step_signals: dict):
+  """A progress callback that sends this process the given signals after those steps."""
+  def progress(p):
+    for sig in step_signals.get(p.step, ()):
+      os.kill(os.getpid(), sig)
+  return progress
+
+
+def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
+  """The first SIGINT or SIGTERM lets the chunk finish, writes a checkpoint of its step
+  (10 and 30 are not checkpoint steps here) and raises `RunInterrupted`; running again
+  resumes to the uninterrupted result. A second signal acts at once, as before."""
+  config = ranking_configs.get_config("smoke")   # 10 steps a chunk, checkpoints at 20
+  want = run_experiment(config, str(tmp_path / "straight"))[0]
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    run_dir = str(tmp_path / "stopped")
+    with pytest.raises(RunInterrupted, match=r"stopped by SIGINT after step 10, with a "
+                                             r"checkpoint in .*stopped; run the same") as e:
+      run_experiment(config, run_dir, progress=_stop_at({10: [signal.SIGINT]}))
+    assert e.value.signum == signal.SIGINT and e.value.step == 10
+    assert checkpoint.available_steps(run_dir) == [10]
+    assert not os.path.exists(os.path.join(run_dir, "result.json"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    with pytest.raises(RunInterrupted, match="SIGTERM after step 30") as e:
+      run_experiment(config, run_dir, progress=_stop_at({30: [signal.SIGTERM]}))
+    assert e.value.signum == signal.SIGTERM and checkpoint.available_steps(run_dir) == [20, 30]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    got = run_experiment(config, run_dir)[0]
+    assert got["final"] == want["final"] and got["steps"] == 40
+    assert [r["step"] for r in writers.read_metrics(run_dir)] == [10, 20, 30, 40]
+
+    # Ctrl-C twice: the second raises KeyboardInterrupt where it lands, with no checkpoint.
+    again = str(tmp_path / "twice")
+    with pytest.raises(KeyboardInterrupt) as e:
+      run_experiment(config, again, progress=_stop_at({10: [signal.SIGINT, signal.SIGINT]}))
+    assert type(e.value) is KeyboardInterrupt and checkpoint.available_steps(again) == []
+  finally:
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.slow
+def test_run_script_exits_143_on_sigterm_with_a_checkpoint(tmp_path, env):
+  """`experiments/run.py` under a scheduler's SIGTERM: the message, the shell's status for
+  that signal, and a checkpoint at the step it names."""
+  workdir = str(tmp_path / "run")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "experiments.run", "--config=experiments/configs/ranking.py:smoke",
+       "--config.train.num_steps=1000000", "--config.train.checkpoint_every=0",
+       f"--workdir={workdir}"],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    first = proc.stdout.readline()   # the first chunk's progress line: training has begun
+    assert first.startswith("step 10/"), first + proc.stderr.read()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+  finally:
+    proc.kill()
+  assert proc.returncode == 143, err[-3000:]
+  stopped = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM")]
+  assert len(stopped) == 1 and "run the same command again to resume" in stopped[0]
+  step = int(stopped[0].split("after step ")[1].split(",")[0])
+  assert checkpoint.available_steps(workdir) == [step] and step % 10 == 0

@@ -3,7 +3,7 @@
 from phoenix_flax.training.loop import (Trainer, TrainState, make_optimizer, make_schedule,
                                         make_system)
 from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ranking_loss
-from phoenix_flax.training.runner import (LoadedRun, Progress, RunInUseError,
+from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, RunInUseError,
                                           check_run_dirs, load_checkpoint, load_run, run_dirs,
                                           run_experiment)
 from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
@@ -13,7 +13,8 @@ from phoenix_flax.training.system import HashEmbeddingTables, RankingSystem, Ret
 
 __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
-    "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "TrainState", "Trainer",
+    "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "RunInterrupted",
+    "TrainState", "Trainer",
     "base_config", "check_run_dirs", "first_positive", "in_batch_softmax_loss", "load_checkpoint",
     "load_run", "make_optimizer", "make_placement", "make_schedule", "make_system",
     "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",

@@ -25,6 +25,9 @@ that every seed of the call has, and ends with the same numbers as an uninterrup
 Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
 themselves are atomic), it resumes from the newest step before it that every seed can
 read, with a warning naming the file, and raises `CheckpointError` when there is none.
+The first Ctrl-C (SIGINT) or SIGTERM during training lets the current chunk finish,
+writes a checkpoint of its step and raises `RunInterrupted` (a `KeyboardInterrupt`); a
+second one acts at once (single-process runs; see `_StopRequests`).
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
 `flock`, released when the process ends, however it ends); a second process refuses that
 directory with `RunInUseError`. The TensorBoard events are flushed before every checkpoint
@@ -38,6 +41,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -72,6 +77,58 @@ LOCK_FILE = ".lock"
 
 class RunInUseError(RuntimeError):
   """Another process is training this run directory (it holds the directory's lock)."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+  """Training stopped on SIGINT or SIGTERM (`signum`) at the end of a chunk, after writing a
+  checkpoint of `step`; running the same config again resumes from it. A
+  `KeyboardInterrupt`, so code that stops on Ctrl-C (a sweep over runs) stops on it too."""
+
+  def __init__(self, signum: int, step: int, dirs: list[str]):
+    name = signal.Signals(signum).name
+    super().__init__(f"stopped by {name} after step {step}, with a checkpoint in "
+                     f"{', '.join(dirs)}; run the same command again to resume")
+    self.signum, self.step = signum, step
+
+
+class _StopRequests:
+  """While training, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) only
+  asks the loop to stop at the end of its current chunk, checkpoint and raise
+  `RunInterrupted`, since a state interrupted inside a chunk (its buffers donated) cannot
+  be saved. A second signal acts as it did before. Handlers are installed only in the
+  main thread of a single-process run (every process of a multi-process run would have
+  to stop at the same chunk) and restored on exit."""
+
+  SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self):
+    self.signum: Optional[int] = None
+    self._previous: dict = {}
+
+  def __enter__(self) -> "_StopRequests":
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+      for s in self.SIGNALS:
+        previous = signal.getsignal(s)
+        self._previous[s] = signal.SIG_DFL if previous is None else previous
+        signal.signal(s, self._handle)
+    return self
+
+  def _handle(self, signum: int, frame: Any) -> None:
+    if self.signum is not None:     # the second one: what it did before
+      self._restore()
+      signal.raise_signal(signum)
+      return
+    self.signum = signum
+    _LOG.warning("%s: stopping with a checkpoint when the current chunk ends (send it "
+                 "again to stop at once)", signal.Signals(signum).name)
+
+  def _restore(self) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    self._previous = {}
+
+  def __exit__(self, *exc) -> None:
+    self._restore()
 
 
 def _lock(run_dir: str) -> Optional[int]:
@@ -350,6 +407,11 @@ class _Group:
     rates = rates[1:] or rates
     return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0)
 
+  def close_writers(self) -> None:
+    """Closes the event writers of a run that stops unfinished."""
+    for writer in self.writers.values():
+      writer.close(finished=False)
+
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
     results = {}
@@ -379,13 +441,14 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
   g = _Group(trainer, config, seeds, dirs)
   try:
-    return _train_group(g, trainer, progress)
+    with _StopRequests() as stop:
+      return _train_group(g, trainer, progress, stop)
   finally:
     g.release()
 
 
-def _train_group(g: _Group, trainer: Trainer,
-                 progress: Optional[Callable[[Progress], None]]) -> dict[int, dict]:
+def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progress], None]],
+                 stop: _StopRequests) -> dict[int, dict]:
   seeds = g.seeds
   start_step = g.step
   t = trainer.spec.config.train
@@ -412,7 +475,8 @@ def _train_group(g: _Group, trainer: Trainer,
                "perf/examples_per_second": examples_per_chunk / dt,
                **{key: float(v[i]) for key, v in new_eval.items()}}
            for i, row in train_rows.items()})
-    if t.checkpoint_every and g.step % t.checkpoint_every == 0 and g.step < t.num_steps:
+    saved = bool(t.checkpoint_every) and g.step % t.checkpoint_every == 0
+    if saved and g.step < t.num_steps:
       g.save()
     if progress is not None and g.main:
       rate = t.steps_per_call / dt
@@ -428,6 +492,11 @@ def _train_group(g: _Group, trainer: Trainer,
                         int(diverged.sum()), new_eval, start_step, chunks == 1))
     if diverged.all():
       break
+    if stop.signum is not None and g.step < t.num_steps:
+      if not saved:
+        g.save()
+      g.close_writers()
+      raise RunInterrupted(stop.signum, g.step, [g.dirs[k] for k in seeds])
   if eval_step != g.step:
     evaluated = to_host(trainer.evaluate(g.state))
   g.save()
