@@ -299,8 +299,16 @@ HOW_TO_READ = (
 
 
 def environment_line(env: Mapping) -> str:
-  """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ..." of a results.json."""
+  """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ..." of a results.json, with
+  the code versions that trained the runs where they differ from the report's."""
   code = env.get("code") or "not a git checkout"
+  runs = env.get("run_codes")
+  if runs and list(runs) == [env.get("code")]:
+    code += " (every run's too)"
+  elif runs:
+    code += (" for this report; the runs were trained by: " + ", ".join(
+        f"{c if c != 'not recorded' else 'unrecorded code'} ({n} run{'s' if n > 1 else ''})"
+        for c, n in runs.items()))
   return (f"Code: {code}; Python {env.get('python')}, jax {env.get('jax')}, "
           f"jaxlib {env.get('jaxlib')}, numpy {env.get('numpy')}.")
 

@@ -32,7 +32,8 @@ results.json:
                       "p_value", "p_holm", "n", "test"}],
      "pooled_comparisons": [the same, with "variant" an arm and "conditions" the number
                             of condition levels averaged; empty without conditions],
-     "environment": {"python", "jax", "jaxlib", "numpy", "code"}}
+     "environment": {"python", "jax", "jaxlib", "numpy", "code",
+                     "run_codes": {code: number of runs it trained}}}
 
 Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
 variant minus the baseline variant of the same condition, paired by seed (paired t-test;
@@ -61,7 +62,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
@@ -77,7 +77,8 @@ from ablations import report, stats
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (RunInterrupted, Trainer, check_run_dirs, checkpoint,
                                    load_checkpoint, parse_config, run_dirs, run_experiment)
-from phoenix_flax.training.runner import checkpoint_like, seed_dir
+from phoenix_flax.training import provenance
+from phoenix_flax.training.runner import checkpoint_like, finished_seeds, seed_dir
 from phoenix_flax.training.writers import jsonable
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
@@ -376,6 +377,11 @@ class Sweep:
       logging.info("[%s %d/%d] %s", self.ablation.name, i + 1, len(self.variants),
                    variant.name)
       cfg = self.config(variant)
+      reused = finished_seeds(cfg, self.variant_dir(variant))
+      if reused:
+        logging.info("  %d of %d seeds finished earlier and are reused (their code is in "
+                     "result.json; delete %s to train them again)", len(reused),
+                     len(self.seeds), self.variant_dir(variant))
       runner(cfg, self.variant_dir(variant))
       if self.ablation.probe is not None:
         self._probe(variant, cfg)
@@ -463,6 +469,17 @@ class Sweep:
           values[m].append(None if diverged else found.get(m))
     return values, diverged_at, available
 
+  def run_codes(self) -> dict[str, int]:
+    """How many runs each code version trained (`result.json`'s "code"; "not recorded"
+    for runs from before it was recorded or from outside a git checkout)."""
+    codes = [read_json(os.path.join(self.run_dir(v, seed), "result.json")).get("code")
+             for v in self.variants for seed in self.seeds]
+    counts = {}
+    for code in codes:
+      key = code or "not recorded"
+      counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
   def results(self) -> dict:
     """The results.json dict (see the module docstring)."""
     ab = self.ablation
@@ -513,24 +530,18 @@ class Sweep:
             "arms": list(dict.fromkeys(v.arm for v in self.variants)),
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
             "variants": variants, "comparisons": comparisons,
-            "pooled_comparisons": pooled, "environment": environment()}
+            "pooled_comparisons": pooled,
+            "environment": {**environment(), "run_codes": self.run_codes()}}
 
 
 def environment() -> dict:
-  """What produced the numbers: Python, JAX and NumPy versions, and the code's git commit
-  (with "+changes" when its tracked files differ from it; None outside a git checkout)."""
+  """What produced the numbers: Python, JAX and NumPy versions, and the code's git state
+  (`provenance.code_version`: the commit, with "+changes.<digest>" when its Python files
+  have uncommitted edits; None outside a git checkout)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True,
-                                     text=True, timeout=30)
-  try:
-    head = git("rev-parse", "--short=12", "HEAD")
-    code = head.stdout.strip() if head.returncode == 0 else None
-    if code and git("diff", "--quiet", "HEAD", "--").returncode != 0:
-      code += "+changes"
-  except (OSError, subprocess.SubprocessError):
-    code = None
   return {"python": sys.version.split()[0], "jax": jax.__version__,
-          "jaxlib": jaxlib.__version__, "numpy": np.__version__, "code": code}
+          "jaxlib": jaxlib.__version__, "numpy": np.__version__,
+          "code": provenance.code_version(root)}
 
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:

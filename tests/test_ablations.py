@@ -3,6 +3,7 @@ training), plus checks that every ablation script builds valid configs."""
 
 import ast
 import json
+import logging
 import math
 import os
 import subprocess
@@ -14,18 +15,18 @@ import pytest
 
 import ablations
 from ablations import report, run_all, stats, sweep
-from phoenix_flax.training import run_dirs
+from phoenix_flax.training import provenance, run_dirs
 from phoenix_flax.training.schema import seed_config
 
 SCRIPTS = ablations.modules()
 EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
 
 
-def fake_runner(diverge=()):
+def fake_runner(diverge=(), code=None):
   """A stand-in for run_experiment: writes result.json and metrics.jsonl per seed.
 
   AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed; `diverge` lists
-  (variant, seed)."""
+  (variant, seed); `code(variant)`, if given, is the code version each result records."""
   calls = []
 
   def run(config, workdir):
@@ -40,6 +41,8 @@ def fake_runner(diverge=()):
                           "calibration_error": 0.01, "residual_rms": [1.0, 2.0]},
                 "diverged": diverged, "diverged_at_step": 7 if diverged else None,
                 "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
+      if code is not None:
+        result["code"] = code(variant)
       with open(os.path.join(run_dir, "result.json"), "w") as f:
         json.dump(result, f)
       with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
@@ -166,10 +169,12 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert pooled[("b", "diverged")]["ci95"] is None   # no divergence: no CI
   env = on_disk["environment"]
   assert env["jax"] == jax.__version__ and env["python"] == sys.version.split()[0]
+  assert env["run_codes"] == {"not recorded": 24}   # the fake runs record no code
 
   text = (tmp_path / "REPORT.md").read_text()
   assert "Toy hypothesis." in text and "python -m toy" in text
   assert f"jax {jax.__version__}" in text
+  assert " for this report; the runs were trained by: unrecorded code (24 runs);" in text
   assert "(pooled: per seed, the mean over 2 conditions), `auc_mean`" in text
   assert "4 seeds)." in text
   assert "significantly higher (better)" in text
@@ -303,6 +308,24 @@ def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeyp
                     "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}))
   with pytest.raises(ValueError, match="returned 1 results for 2 runs"):
     bad.run()
+
+
+def test_report_names_the_code_that_trained_the_runs(tmp_path, monkeypatch, caplog):
+  monkeypatch.setattr(provenance, "code_version", lambda root=None: "cafe00000000")
+  old = fake_runner(code=lambda variant: "01d000000000" if variant == "a" else "cafe00000000")
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=old).run()
+  assert results["environment"]["code"] == "cafe00000000"
+  assert results["environment"]["run_codes"] == {"01d000000000": 2, "cafe00000000": 4}
+  text = (tmp_path / "REPORT.md").read_text()
+  assert ("Code: cafe00000000 for this report; the runs were trained by: 01d000000000 "
+          "(2 runs), cafe00000000 (4 runs); Python") in text
+  # Re-run: the finished runs are reused, and the log says so and where they lie.
+  with caplog.at_level(logging.INFO):
+    sweep.Sweep(toy_ablation(), "smoke", str(tmp_path),
+                runner=fake_runner(code=lambda variant: "cafe00000000")).run()
+  assert "2 of 2 seeds finished earlier and are reused" in caplog.text
+  assert f"delete {tmp_path / 'a'} to train them again" in caplog.text
+  assert "Code: cafe00000000 (every run's too); Python" in (tmp_path / "REPORT.md").read_text()
 
 
 def test_unknown_metric_is_an_error(tmp_path):

@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, checkpoint,
                                    run_experiment, writers)
-from phoenix_flax.training import runner
+from phoenix_flax.training import provenance, runner
 from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
 from phoenix_flax.training.schema import parse_config
@@ -69,7 +69,7 @@ def _curve(run_dir):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypatch):
+def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypatch, caplog):
   straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
   cli = subprocess.run(
       [sys.executable, "-m", "experiments.run",
@@ -120,6 +120,14 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   skipped = run_experiment(ranking_configs.get_config("smoke"), killed)
   assert skipped[0]["final"] == want["final"]
   assert before == {f: os.path.getmtime(os.path.join(killed, f)) for f in os.listdir(killed)}
+  # Each result names the code that trained it; reusing it after the code changed warns.
+  assert want["code"] == got["code"] == provenance.code_version()
+  assert "other code" not in caplog.text
+  monkeypatch.setattr(provenance, "code_version", lambda root=None: "0123456789ab+changes.x")
+  run_experiment(ranking_configs.get_config("smoke"), killed)
+  assert "1 finished run(s) reused as they are, trained by other code" in caplog.text
+  assert f"delete {killed} " in caplog.text
+  monkeypatch.undo()
   other = ranking_configs.get_config("smoke")
   other.optim.learning_rate = 1e-4
   with pytest.raises(ConfigError, match="optim.learning_rate"):

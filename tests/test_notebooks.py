@@ -93,3 +93,7 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
     assert set(results["variants"]) == {"rope", "no_rope"}
     slot = results["variants"]["no_rope"]["metrics"]["slot_sensitivity"]["per_seed"]
     assert max(slot) < 1e-5
+    # The scratch copy is no checkout: its runs record the version the notebook gives.
+    code = results["environment"]["code"]
+    assert code.endswith("+notebooks/new_idea.ipynb")
+    assert results["environment"]["run_codes"] == {code: 4}

@@ -10,17 +10,20 @@ finished, `result.json`:
   {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...},
    "diverged": bool, "diverged_at_step": int | null, "steps": int, "seed": int,
    "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int,
-   "fprop_dtype": str, "num_devices": int}
+   "fprop_dtype": str, "num_devices": int, "code": str | null}
 
 `final` holds the primary eval split's metrics under their own names and the extra
 splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is the forward
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
-and `num_devices` the size of the last call's mesh. `wall_seconds` is the run's
+and `num_devices` the size of the last call's mesh. `code` is the git state of the code
+that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" for
+uncommitted edits, null outside a git checkout). `wall_seconds` is the run's
 whole time (over resumes); `examples_per_second` counts the training examples of every
 vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
 is the only chunk).
 
-A run with `result.json` is skipped; one with checkpoints resumes from the newest step
+A run with `result.json` is skipped, with a warning when the code has changed since it
+was trained (its `code` differs from this checkout's); one with checkpoints resumes from the newest step
 that every seed of the call has, and ends with the same numbers as an uninterrupted run.
 Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
 themselves are atomic), it resumes from the newest step before it that every seed can
@@ -52,7 +55,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from phoenix_flax.training import checkpoint
+from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
                                           check_config, default_fprop_dtype, flatten,
@@ -307,12 +310,27 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   dirs = run_dirs(config, workdir)
   done = finished_seeds(config, workdir)
   results = {k: read_json(os.path.join(dirs[k], RESULT_FILE)) for k in done}
+  if done:
+    _warn_if_other_code(results, dirs)
   pending = [k for k in dirs if k not in done]
   if not pending:
     return results
   results.update(_train(_trainer(spec), spec.config, pending, {k: dirs[k] for k in pending},
                         progress))
   return dict(sorted(results.items()))
+
+
+def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
+  """Warns about reused runs whose recorded code differs from this checkout's (runs from
+  before `code` was recorded, or from outside a checkout, say nothing)."""
+  now = provenance.code_version()
+  other = {k: r.get("code") for k, r in results.items()
+           if r.get("code") is not None and r.get("code") != now}
+  if other:
+    _LOG.warning("%d finished run(s) reused as they are, trained by other code (%s; this "
+                 "checkout: %s): delete %s (or use a new workdir) to train them with this "
+                 "code", len(other), ", ".join(sorted(set(other.values()))), now,
+                 " ".join(dirs[k] for k in sorted(other)))
 
 
 class _Group:
@@ -414,6 +432,7 @@ class _Group:
 
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
+    code = provenance.code_version()
     results = {}
     for i, k in enumerate(self.seeds):
       results[k] = jsonable({
@@ -427,6 +446,7 @@ class _Group:
           "num_seeds_vmapped": len(self.seeds),
           "fprop_dtype": self.trainer.spec.model.fprop_dtype,
           "num_devices": self.trainer.placement.num_devices,
+          "code": code,
       })
       if self.main:   # result.json last: a run that has it is skipped, never repaired
         self.writers[k].close(finished=True)

@@ -1,0 +1,88 @@
+"""The code version that result.json, results.json and REPORT.md record."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from phoenix_flax.training import provenance
+
+
+def _git(root, *args):
+  subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t",
+                  *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def checkout(tmp_path):
+  root = tmp_path / "repo"
+  (root / "phoenix_flax").mkdir(parents=True)
+  (root / "phoenix_flax" / "layers.py").write_text("x = 1\n")
+  (root / "README.md").write_text("readme\n")
+  (root / ".gitignore").write_text(".venv/\n")
+  _git(root, "init", "-q")
+  _git(root, "add", ".")
+  _git(root, "commit", "-q", "-m", "first")
+  return root
+
+
+def test_a_clean_checkout_is_its_commit(checkout):
+  head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], check=True,
+                        capture_output=True, text=True).stdout.strip()
+  assert provenance.code_version(str(checkout)) == head[:12]
+
+
+def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
+  clean = provenance.code_version(str(checkout))
+  (checkout / "README.md").write_text("edited\n")            # no run changes with it
+  (checkout / ".venv").mkdir()
+  (checkout / ".venv" / "site.py").write_text("ignored\n")   # ignored by git
+  (checkout / "notes.py").write_text("outside the package folders\n")
+  assert provenance.code_version(str(checkout)) == clean
+
+  layers = checkout / "phoenix_flax" / "layers.py"
+  layers.write_text("x = 2\n")
+  first = provenance.code_version(str(checkout))
+  assert first.startswith(clean + "+changes.") and len(first) == len(clean) + 17
+  assert provenance.code_version(str(checkout)) == first      # deterministic
+  layers.write_text("x = 3\n")
+  second = provenance.code_version(str(checkout))
+  assert second.startswith(clean + "+changes.") and second != first
+  layers.write_text("x = 1\n")                                 # back to the commit
+  assert provenance.code_version(str(checkout)) == clean
+
+  # A new, uncommitted file in a package folder (an ablation script) is a change too.
+  (checkout / "ablations").mkdir()
+  script = checkout / "ablations" / "my_idea.py"
+  script.write_text("VARIANTS = 1\n")
+  one = provenance.code_version(str(checkout))
+  script.write_text("VARIANTS = 2\n")
+  two = provenance.code_version(str(checkout))
+  assert one.startswith(clean + "+changes.") and two.startswith(clean + "+changes.")
+  assert one != two
+
+
+def test_outside_a_checkout_there_is_no_version(checkout, tmp_path, monkeypatch):
+  plain = tmp_path / "plain"
+  plain.mkdir()
+  monkeypatch.delenv(provenance.ENV_VAR, raising=False)
+  assert provenance.code_version(str(plain)) is None
+  # Whoever copies the tree out of its checkout can say what it is.
+  monkeypatch.setenv(provenance.ENV_VAR, "0123456789ab+copied")
+  assert provenance.code_version(str(plain)) == "0123456789ab+copied"
+  assert provenance.code_version(str(checkout)) != "0123456789ab+copied"   # git wins
+  monkeypatch.delenv(provenance.ENV_VAR)
+  # A folder inside a checkout (a virtualenv's site-packages there) is not that checkout.
+  inner = checkout / ".venv" / "lib"
+  inner.mkdir(parents=True)
+  assert provenance.code_version(str(inner)) is None
+
+
+def test_this_package_reports_its_own_checkout():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.dirname(os.path.dirname(os.path.abspath(provenance.__file__))) != os.path.join(
+      root, "phoenix_flax"):
+    pytest.skip("phoenix_flax is installed from elsewhere, not from this checkout")
+  assert provenance.code_version() == provenance.code_version(root)
