@@ -274,8 +274,26 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
               "correction):", ""] + differences + [""]
   if plots:
     out += ["## Plots", ""] + [f"![{os.path.splitext(p)[0]}]({p})" for p in plots] + [""]
+  out += design_lines(results)
   out += ["## How to read this", "", HOW_TO_READ, ""]
   return "\n".join(out)
+
+
+def design_lines(results: Mapping) -> list[str]:
+  """"## Design": the script's task knobs, variants and metrics, and how long each run
+  trained and on which evaluation lists (sweeps from before results.json held them: none)."""
+  out = []
+  if results.get("design"):
+    out += [p for paragraph in results["design"].split("\n\n") for p in (paragraph, "")]
+  t = results.get("training")
+  if t:
+    out += [f"Training: {t['num_steps']} steps of {t['batch_size']} users per seed "
+            "(the base config's; a variant's own setting, if any, is in its overrides). "
+            f"Evaluation: {t['eval_lists']} lists per split ({t['eval_batches']} batches of "
+            f"{t['eval_batch_size']}), drawn from `eval_seed` {t['eval_seed']} and the same "
+            "for every variant and seed, so the intervals above cover the seed's variation "
+            "(model initialisation and training batches), not evaluation sampling.", ""]
+  return ["## Design", ""] + out if out else []
 
 
 HOW_TO_READ = (

@@ -57,7 +57,7 @@ def main(argv):
   workdir = FLAGS.workdir or os.path.join("/tmp/phoenix_ablations", FLAGS.preset)
   try:
     sweeps = make_sweeps(FLAGS.ablations, workdir)
-  except ValueError as e:
+  except (ValueError,) + sweep.RUN_ERRORS as e:
     sweep.usage_error(str(e))
   with sweep.exit_on_interrupt():
     path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
@@ -66,4 +66,5 @@ def main(argv):
 
 if __name__ == "__main__":
   sweep.expose_flags()
-  app.run(main)
+  sweep.quiet_backend_search()
+  app.run(main, flags_parser=sweep.parse_flags)

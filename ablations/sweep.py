@@ -8,7 +8,8 @@ condition level is a *variant*, trained for every seed by
 vmapped in one call). The runner skips finished runs and resumes interrupted ones, so
 re-running a sweep only does the missing work. A *probe* can then measure what training
 does not (serving-time behaviour, parameter counts) on each finished run; its numbers are
-cached in `seed_<k>/probes.json`. A *joint probe* measures one seed's runs of every
+cached in `seed_<k>/probes.json` and written to TensorBoard as the run's scalars at its last
+step (`events.out.tfevents.*.probes`; `.joint_probes` for joint probes). A *joint probe* measures one seed's runs of every
 variant together, for comparisons that need the same conditions (throughput, timed in
 interleaved rounds); cached in `seed_<k>/joint_probes.json`. The caches know nothing of
 the probe's code: after changing a probe, `--reprobe` measures every finished run again.
@@ -22,7 +23,9 @@ results.json:
 
     {"ablation": str, "preset": str, "baseline": arm, "primary_metric": str,
      "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
-     "hypothesis": str, "command": str, "seeds": [int],
+     "hypothesis": str, "design": str (the docstring's other sections),
+     "training": {"num_steps", "batch_size", "eval_batches", "eval_batch_size", "eval_lists",
+                  "eval_seed"} (the base config's), "command": str, "seeds": [int],
      "arms": [arm], "conditions": {axis: [level]},
      "variants": {name: {"arm": str, "cell": str, "overrides": {path: value},
                          "seeds": [int], "diverged": int, "diverged_at_step": [int|null],
@@ -59,6 +62,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging as std_logging
 import os
 import re
 import shlex
@@ -75,11 +79,14 @@ import numpy as np
 
 from ablations import report, stats
 from experiments.configs import ranking, retrieval
-from phoenix_flax.training import (RunInterrupted, Trainer, check_run_dirs, checkpoint,
-                                   load_checkpoint, parse_config, run_dirs, run_experiment)
+from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, Trainer,
+                                   check_run_dirs, checkpoint, load_checkpoint, parse_config,
+                                   run_dirs, run_experiment)
 from phoenix_flax.training import provenance
-from phoenix_flax.training.runner import checkpoint_like, finished_seeds, seed_dir
-from phoenix_flax.training.writers import jsonable
+from phoenix_flax.training.checkpoint import CheckpointError
+from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
+                                          finished_seeds, seed_dir)
+from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
@@ -353,9 +360,11 @@ class Sweep:
     if ignored:
       raise ValueError(f"override of {ignored} would change nothing: every variant of "
                        f"{ablation.name!r} sets it itself (its arms or conditions)")
+    check_workdir(workdir)
     for variant in self.variants:
       cfg = self.config(variant)
       parse_config(cfg)
+      check_placement(cfg)
       check_run_dirs(cfg, self.variant_dir(variant))
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
@@ -393,9 +402,21 @@ class Sweep:
     return self.write()
 
   def write(self) -> dict:
-    """results.json, REPORT.md and the plots from the finished runs."""
+    """results.json, REPORT.md and the plots from the finished runs (with a warning when
+    they replace a report of more variants or seeds: a rerun with fewer)."""
     results = self.results()
-    write_json(os.path.join(self.workdir, "results.json"), results)
+    path = os.path.join(self.workdir, "results.json")
+    try:
+      before = read_json(path) or {}
+    except ValueError:   # damaged: it is replaced
+      before = {}
+    lost_variants = sorted(set(before.get("variants") or ()) - set(results["variants"]))
+    lost_seeds = sorted(set(before.get("seeds") or ()) - set(results["seeds"]))
+    if lost_variants or lost_seeds:
+      logging.warning("the report now covers fewer runs than the one it replaces (left out: "
+                      "variants %s, seeds %s; their runs stay in %s): run the sweep with all "
+                      "of them to report them again", lost_variants, lost_seeds, self.workdir)
+    write_json(path, results)
     report.write_report(results, self.workdir, self.ablation.curves, self.ablation.plots)
     return results
 
@@ -412,14 +433,24 @@ class Sweep:
     done = [seed for seed in self.seeds if self._probeable(variant, seed)]
     todo = [seed for seed in done if not self._cached(variant, seed, PROBES_FILE)]
     _log_cached(variant.name, PROBES_FILE, len(done) - len(todo))
-    if not todo:
-      return
-    trainer, systems = load_systems(cfg, self.variant_dir(variant), todo)
-    for seed, system in zip(todo, systems):
-      ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset, trainer.spec,
-                       trainer.world, system)
-      write_json(os.path.join(ctx.run_dir, PROBES_FILE),
-                 flatten_metrics(self.ablation.probe(ctx)))
+    if todo:
+      trainer, systems = load_systems(cfg, self.variant_dir(variant), todo)
+      for seed, system in zip(todo, systems):
+        ctx = RunContext(self.run_dir(variant, seed), seed, variant, self.preset,
+                         trainer.spec, trainer.world, system)
+        write_json(os.path.join(ctx.run_dir, PROBES_FILE),
+                   flatten_metrics(self.ablation.probe(ctx)))
+    for seed in done:
+      self._probe_events(self.run_dir(variant, seed), PROBES_FILE, fresh=seed in todo)
+
+  def _probe_events(self, run_dir: str, name: str, fresh: bool) -> None:
+    """The TensorBoard copy of a run's probe file `name`, at the run's last step: written
+    after a measurement, and for a cached one when it is missing (a sweep probed before
+    probes reached TensorBoard)."""
+    tag = name.rsplit(".", 1)[0]
+    if fresh or event_file_name(run_dir, tag) is None:
+      write_event_file(run_dir, tag, read_json(os.path.join(run_dir, name)) or {},
+                       read_json(os.path.join(run_dir, "result.json"))["steps"])
 
   def _joint_probe(self) -> None:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
@@ -427,6 +458,8 @@ class Sweep:
       variants = [v for v in self.variants if self._probeable(v, seed)]
       if all(self._cached(v, seed, JOINT_PROBES_FILE) for v in variants):
         _log_cached(f"seed {seed}", JOINT_PROBES_FILE, len(variants))
+        for v in variants:
+          self._probe_events(self.run_dir(v, seed), JOINT_PROBES_FILE, fresh=False)
         continue
       contexts = []
       for v in variants:
@@ -440,6 +473,7 @@ class Sweep:
                          f"for {len(contexts)} runs; it must return one per run, in order")
       for ctx, metrics in zip(contexts, found):
         write_json(os.path.join(ctx.run_dir, JOINT_PROBES_FILE), flatten_metrics(metrics))
+        self._probe_events(ctx.run_dir, JOINT_PROBES_FILE, fresh=True)
       jax.clear_caches()
 
   def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set]:
@@ -468,6 +502,14 @@ class Sweep:
         else:
           values[m].append(None if diverged else found.get(m))
     return values, diverged_at, available
+
+  def training(self) -> dict:
+    """How long the base config trains and what it evaluates on (results.json's
+    "training")."""
+    t = self.base.train
+    return {"num_steps": t.num_steps, "batch_size": t.batch_size,
+            "eval_batches": t.eval_batches, "eval_batch_size": t.eval_batch_size,
+            "eval_lists": t.eval_batches * t.eval_batch_size, "eval_seed": self.base.eval_seed}
 
   def run_codes(self) -> dict[str, int]:
     """How many runs each code version trained (`result.json`'s "code"; "not recorded"
@@ -525,7 +567,8 @@ class Sweep:
             "primary_metric": ab.primary_metric, "headline": list(ab.headline),
             "metrics": list(ab.metrics),
             "better": {m: better(m, ab.better) for m in ab.metrics},
-            "hypothesis": hypothesis(ab.doc), "command": self.command,
+            "hypothesis": hypothesis(ab.doc), "design": design(ab.doc),
+            "training": self.training(), "command": self.command,
             "seeds": list(self.seeds),
             "arms": list(dict.fromkeys(v.arm for v in self.variants)),
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
@@ -572,6 +615,13 @@ def select(variants: Sequence[Variant], names: Sequence[str], baseline: str
   chosen = [v for v in variants if v.name in names or v.arm in names]
   cells = {v.cell for v in chosen}
   return [v for v in variants if v in chosen or (v.arm == baseline and v.cell in cells)]
+
+
+def design(doc: str) -> str:
+  """A script docstring's paragraphs after the first, except "Hypothesis:" (task knobs,
+  variants, metrics), each on one line, separated by blank lines."""
+  paragraphs = [" ".join(p.split()) for p in (doc or "").strip().split("\n\n")]
+  return "\n\n".join(p for p in paragraphs[1:] if p and not p.startswith("Hypothesis:"))
 
 
 def hypothesis(doc: str) -> str:
@@ -653,15 +703,40 @@ def usage_error(message: str) -> NoReturn:
   sys.exit(2)
 
 
+# What a sweep's runs raise for a reason the user can act on (another process on a run
+# directory, a damaged or foreign file there, a workdir that cannot be written): reported
+# as one line, where any other exception is a bug and keeps its traceback.
+RUN_ERRORS = (ConfigError, RunInUseError, CheckpointError, NotADirectoryError,
+              PermissionError)
+
+
 @contextlib.contextmanager
 def exit_on_interrupt() -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
-  the script with its message and the shell's status for that signal (130, 143)."""
+  the script with its message and the shell's status for that signal (130, 143); one of
+  `RUN_ERRORS` ends it with its message and status 2."""
   try:
     yield
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\nRun the same command again to go on with the sweep.\n")
     sys.exit(128 + e.signum)
+  except RUN_ERRORS as e:
+    usage_error(str(e))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing whose errors (an unknown preset, a malformed value) exit with
+  status 2 and one message, as every other usage error of the scripts."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    usage_error(str(e))
+
+
+def quiet_backend_search() -> None:
+  """Hides JAX's INFO lines about accelerator plugins it did not find ("Unable to
+  initialize backend 'tpu'"), which the sweep's INFO-level progress log would show."""
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
 
 
 def main(ablation: Ablation) -> None:
@@ -672,7 +747,7 @@ def main(ablation: Ablation) -> None:
       usage_error(f"unexpected arguments: {argv[1:]}")
     try:
       sweep = sweep_from_flags(ablation)
-    except ValueError as e:
+    except (ValueError,) + RUN_ERRORS as e:
       usage_error(str(e))
     with exit_on_interrupt():
       sweep.run()
@@ -680,4 +755,5 @@ def main(ablation: Ablation) -> None:
           f"Curves: tensorboard --logdir {sweep.workdir}")
 
   expose_flags()
-  app.run(_main)
+  quiet_backend_search()
+  app.run(_main, flags_parser=parse_flags)

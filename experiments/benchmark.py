@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import resource
 import statistics
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from absl import app, flags
 import equinox as eqx
@@ -82,16 +83,19 @@ CASES = {
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["demo", "serve", "1k", "chunked"],
                   f"Configurations to run, from {sorted(CASES)}.")
-flags.DEFINE_integer("iters", 10, "Timed calls per path (the median is reported).")
-flags.DEFINE_integer("warmup", 2, "Untimed calls per path after compilation.")
+flags.DEFINE_integer("iters", 10, "Timed calls per path (the median is reported).",
+                     lower_bound=1)
+flags.DEFINE_integer("warmup", 2, "Untimed calls per path after compilation.", lower_bound=0)
 flags.DEFINE_float("min_seconds", 5.0, "Keep timing rounds (beyond --iters, up to 1000) until "
-                   "they add up to this many seconds per configuration.")
+                   "they add up to this many seconds per configuration.", lower_bound=0.0)
 flags.DEFINE_string("out", "benchmark.json", "JSON results file (written atomically).")
-flags.DEFINE_integer("chunk_size", None, "Chunk size of the chunked case (default 1000).")
+flags.DEFINE_integer("chunk_size", None, "Chunk size of the chunked case (default 1000).",
+                     lower_bound=1)
 flags.DEFINE_integer("dense_iters", 3, "Timed calls of the chunked case's dense reference "
                      "(all candidates in one call; tens of seconds each at 10,000), after an "
-                     "untimed first call; outside the timing rounds.")
-flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator).")
+                     "untimed first call; outside the timing rounds.", lower_bound=1)
+flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator).",
+                     lower_bound=1)
 flags.DEFINE_bool("compile_check", True, "Compare compile times of a deep and a shallow model.")
 flags.DEFINE_list("compile_layers", ["2", "12"], "Shallow and deep layer counts to compile.")
 flags.DEFINE_integer("seed", 0, "Seed of parameters and inputs.")
@@ -101,9 +105,10 @@ flags.DEFINE_list("train_presets", ["cpu"],
 flags.DEFINE_list("train_seeds", ["1", "3"],
                   "Seed counts of the training measurement (the scanned loop trains them "
                   "at once, vmapped).")
-flags.DEFINE_integer("train_rounds", 3, "Alternating timing rounds of the training loops.")
+flags.DEFINE_integer("train_rounds", 3, "Alternating timing rounds of the training loops.",
+                     lower_bound=1)
 flags.DEFINE_integer("train_chunks", 2, "Scanned host calls per training round; each plain "
-                     "loop runs as many steps.")
+                     "loop runs as many steps.", lower_bound=1)
 
 
 def model_config(case: Case, attention_impl: str = "isolated",
@@ -331,15 +336,9 @@ def training_throughput(preset: str, num_seeds: int, rounds: int, chunks: int) -
   return {"preset": preset, **train_throughput.measure(config, rounds, chunks)}
 
 
-def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: int = 10,
-                  warmup: int = 2, min_seconds: float = 0.0, seed: int = 0,
-                  matmul_size: int = 2048,
-                  compile_case: Optional[Case] = None,
-                  compile_layers: Sequence[int] = (2, 12),
-                  train: Sequence[tuple[str, int]] = (), train_rounds: int = 3,
-                  train_chunks: int = 2, dense_iters: int = 3) -> dict:
-  """Runs the named cases, the KV-cache table, (with `compile_case`) compile scaling and
-  (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
+def check_args(names: Sequence[str], cases: dict[str, Case], compile_layers: Sequence[int],
+               train: Sequence[tuple[str, int]], dense_iters: int) -> None:
+  """Raises `ValueError` naming the first bad argument of `run_benchmark`."""
   unknown = [n for n in names if n not in cases]
   if unknown:
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
@@ -353,6 +352,18 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
       raise ValueError(f"train preset {preset!r}: choose from {list(ranking.PRESETS)}")
     if num_seeds < 1:
       raise ValueError(f"train seeds {num_seeds}: need at least 1")
+
+
+def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: int = 10,
+                  warmup: int = 2, min_seconds: float = 0.0, seed: int = 0,
+                  matmul_size: int = 2048,
+                  compile_case: Optional[Case] = None,
+                  compile_layers: Sequence[int] = (2, 12),
+                  train: Sequence[tuple[str, int]] = (), train_rounds: int = 3,
+                  train_chunks: int = 2, dense_iters: int = 3) -> dict:
+  """Runs the named cases, the KV-cache table, (with `compile_case`) compile scaling and
+  (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
+  check_args(names, cases, compile_layers, train, dense_iters)
   report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
             "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
@@ -431,17 +442,55 @@ def format_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def _fail(message: str) -> NoReturn:
+  sys.stderr.write(f"error: {message}\nRun with --helpfull to see every flag.\n")
+  sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing whose errors exit with status 2 and one message."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    _fail(str(e))
+
+
+def _ints(name: str) -> list[int]:
+  try:
+    return [int(n) for n in FLAGS[name].value]
+  except ValueError:
+    _fail(f"--{name}={','.join(FLAGS[name].value)}: give integers, comma-separated")
+
+
+def _check_out(path: str) -> None:
+  """The JSON file can be written, checked before minutes of timing."""
+  if os.path.isdir(path):
+    _fail(f"--out={path} is a directory; name a file")
+  folder = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(folder):
+    folder = os.path.dirname(folder)
+  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    _fail(f"--out={path} cannot be written: {folder} is not a writable directory")
+
+
 def main(argv: Sequence[str]) -> None:
-  del argv
+  if len(argv) > 1:
+    _fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
   cases = dict(CASES)
-  if FLAGS.chunk_size:
+  if FLAGS.chunk_size is not None:
     cases = {n: dataclasses.replace(c, chunk=FLAGS.chunk_size) if c.chunk else c
              for n, c in cases.items()}
+  compile_layers = _ints("compile_layers")
+  train = [(p, n) for p in FLAGS.train_presets for n in _ints("train_seeds")]
+  try:
+    check_args(FLAGS.configs, cases, compile_layers, train, FLAGS.dense_iters)
+  except ValueError as e:
+    _fail(str(e))
+  _check_out(FLAGS.out)
   report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
                          FLAGS.seed, FLAGS.matmul_size,
                          cases["serve"] if FLAGS.compile_check else None,
-                         [int(n) for n in FLAGS.compile_layers],
-                         [(p, int(n)) for p in FLAGS.train_presets for n in FLAGS.train_seeds],
+                         compile_layers, train,
                          FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
   report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
   save_report(report, FLAGS.out)
@@ -450,4 +499,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  app.run(main, flags_parser=parse_flags)

@@ -21,9 +21,11 @@ import math
 import sys
 
 from absl import app, flags
+import ml_collections
 from ml_collections import config_flags
 
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
+from phoenix_flax.training.schema import check_config
 from phoenix_flax.training.checkpoint import CheckpointError
 from phoenix_flax.training.runner import RunInterrupted, RunInUseError, finished_seeds
 
@@ -38,7 +40,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "num_seeds, world_seed, eval_seed, world.* (synthetic world), train_split.* and "
     "eval_split.* (how batches are drawn), model.* (shape and ablation switches), "
     "optim.* (AdamW, warmup + cosine, clipping), train.* (steps, batch, eval and "
-    "checkpoint cadence), extra_eval_splits.<name>.* (more evaluation splits), retrieval.*, "
+    "checkpoint cadence), extra_eval_splits.<name>.* (more evaluation splits: a config "
+    "file defines them with schema.split_config(); the command line can only change "
+    "the fields of splits the file defines), ranking.*, retrieval.*, "
     "mesh.* (devices, sharding, multi-host), output.*; "
     "every field is documented in phoenix_flax/training/schema.py.",
     lock_config=True)
@@ -137,6 +141,10 @@ def parse_flags(argv: list[str]) -> list[str]:
           + "\nThe schema is in phoenix_flax/training/schema.py")
   except (TypeError, ValueError) as e:
     _fail(f"bad --config value: {e}")
+  except SyntaxError as e:
+    _fail(f"--config could not be loaded: {e.filename}, line {e.lineno}: {e.msg}")
+  except Exception as e:   # raised by the config file's own code while loading it
+    _fail(f"--config could not be loaded ({type(e).__name__}: {e})")
 
 
 def main(argv: list[str]) -> None:
@@ -149,8 +157,17 @@ def main(argv: list[str]) -> None:
     config.to_dict()   # ml_collections defers a config file's load error to first use
   except OSError as e:
     _fail(f"--config could not be loaded: {e}")
+  except AttributeError:
+    pass   # no ConfigDict: said next
+  if not isinstance(config, ml_collections.ConfigDict):
+    _fail(f"--config's get_config() must return an ml_collections.ConfigDict, got "
+          f"{type(config).__name__}")
   if not _WORKDIR.value:
     _fail("--workdir is required")
+  try:
+    check_config(config)   # before reading any section (no backend touched)
+  except ConfigError as e:
+    _fail(str(e))
   batch = config.train.batch_size * config.num_seeds
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
@@ -158,7 +175,8 @@ def main(argv: list[str]) -> None:
   try:
     done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
-  except (ConfigError, RunInUseError, NotADirectoryError, CheckpointError) as e:
+  except (ConfigError, RunInUseError, NotADirectoryError, PermissionError,
+          CheckpointError) as e:
     _fail(str(e))
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\n")

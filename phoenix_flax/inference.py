@@ -135,6 +135,8 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   if batch.user_hashes is None or np.ndim(batch.user_hashes) != 2:
     raise ValueError(f"batch.user_hashes must be [B, U], got shape {np.shape(batch.user_hashes)}")
   B = np.shape(batch.user_hashes)[0]
+  if B < 1:
+    raise ValueError("batch.user_hashes holds no users (B = 0)")
   specs = [("user_hashes", (B, U), "B, num_user_hashes", "int"),
            ("history_post_hashes", (B, S, I), "B, history_seq_len, num_item_hashes", "int"),
            ("history_author_hashes", (B, S, Au), "B, history_seq_len, num_author_hashes", "int"),

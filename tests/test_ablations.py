@@ -2,6 +2,7 @@
 training), plus checks that every ablation script builds valid configs."""
 
 import ast
+import glob
 import json
 import logging
 import math
@@ -12,10 +13,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
 from ablations import report, run_all, stats, sweep
-from phoenix_flax.training import provenance, run_dirs
+from phoenix_flax.training import provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
 SCRIPTS = ablations.modules()
@@ -175,6 +177,15 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert "Toy hypothesis." in text and "python -m toy" in text
   assert f"jax {jax.__version__}" in text
   assert " for this report; the runs were trained by: unrecorded code (24 runs);" in text
+  # The design: the docstring's other sections, the training length, the evaluation lists.
+  assert on_disk["design"] == "More text."
+  assert on_disk["training"]["num_steps"] == 20
+  design = text.split("## Design\n\n")[1].split("## How to read this")[0]
+  assert design.startswith("More text.\n\nTraining: 20 steps of ")
+  t = on_disk["training"]
+  assert (f"Evaluation: {t['eval_batches'] * t['eval_batch_size']} lists per split "
+          f"({t['eval_batches']} batches of {t['eval_batch_size']}), drawn from `eval_seed` "
+          f"{t['eval_seed']}") in design
   assert "(pooled: per seed, the mean over 2 conditions), `auc_mean`" in text
   assert "4 seeds)." in text
   assert "significantly higher (better)" in text
@@ -251,6 +262,15 @@ def test_small_effect_reads_not_significant(tmp_path):
   assert "Smoke preset" not in report.markdown(results)
 
 
+def _probe_scalars(run_dir, name):
+  """tag -> [(step, value)] of a run's probe event file, read by TensorBoard's reader."""
+  events = event_accumulator.EventAccumulator(writers.event_file_name(str(run_dir), name),
+                                              size_guidance={"scalars": 0})
+  events.Reload()
+  return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+          for tag in events.Tags()["scalars"]}
+
+
 def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog):
   calls = []
 
@@ -267,13 +287,24 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
   assert sorted(calls) == [("a", 0), ("a", 1), ("b", 1), ("c", 0), ("c", 1)]
   assert results["variants"]["c"]["metrics"]["probe/value"]["per_seed"] == [0.0, 1.0]
   assert results["variants"]["b"]["metrics"]["probe/value"]["per_seed"] == [None, 1.0]
+  # TensorBoard shows them as the run's scalars, at its last step (none for b0).
+  assert _probe_scalars(tmp_path / "c" / "seed_1", "probes") == {"probe/value": [(20, 1.0)]}
+  assert writers.event_file_name(str(tmp_path / "b" / "seed_0"), "probes") is None
+  first = writers.event_file_name(str(tmp_path / "c" / "seed_1"), "probes")
   with caplog.at_level("INFO"):
     sw.run()
   assert len(calls) == 5
   assert "c: 2 run(s) keep the values of their probes.json (--reprobe" in caplog.text
+  assert writers.event_file_name(str(tmp_path / "c" / "seed_1"), "probes") == first
+  # A sweep probed before probes reached TensorBoard gets its event file from the cache.
+  os.remove(first)
+  sw.run()
+  assert len(calls) == 5
+  assert _probe_scalars(tmp_path / "c" / "seed_1", "probes") == {"probe/value": [(20, 1.0)]}
   # --reprobe (after a probe changed): every finished run is measured again.
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
   assert sorted(calls[5:]) == sorted(calls[:5])
+  assert len(glob.glob(str(tmp_path / "c" / "seed_1" / "events.out.tfevents.*"))) == 1
 
 
 def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeypatch):
@@ -294,6 +325,7 @@ def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeyp
                    [("a", 1, "a1"), ("b", 1, "b1"), ("c", 1, "c1")]]
   speed = {v: results["variants"][v]["metrics"]["speed"]["per_seed"] for v in "abc"}
   assert speed == {"a": [10.0, 11.0], "b": [None, 21.0], "c": [20.0, 31.0]}
+  assert _probe_scalars(tmp_path / "c" / "seed_1", "joint_probes") == {"speed": [(20, 31.0)]}
   sw.run()
   assert len(calls) == 2                                  # cached
   os.remove(tmp_path / "c" / "seed_1" / sweep.JOINT_PROBES_FILE)
@@ -326,6 +358,12 @@ def test_report_names_the_code_that_trained_the_runs(tmp_path, monkeypatch, capl
   assert "2 of 2 seeds finished earlier and are reused" in caplog.text
   assert f"delete {tmp_path / 'a'} to train them again" in caplog.text
   assert "Code: cafe00000000 (every run's too); Python" in (tmp_path / "REPORT.md").read_text()
+  # A rerun with fewer variants replaces the report, and says what it left out.
+  with caplog.at_level(logging.WARNING):
+    sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), variants=["a", "b"],
+                runner=fake_runner(code=lambda variant: "cafe00000000")).run()
+  assert "the report now covers fewer runs than the one it replaces (left out: variants " \
+         "['c'], seeds []; their runs stay in" in caplog.text
 
 
 def test_unknown_metric_is_an_error(tmp_path):
@@ -438,20 +476,42 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch):
 
 def test_cli_rejects_bad_flags_before_work(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  for args, message in ((["--preset=huge"], "preset"),
-                        (["--variants=nope"], "unknown"),
-                        (["--override=model.num_layerz=2"], "num_layerz"),
-                        (["--override=model.num_kv_heads=1"], "would change nothing")):
+  workdir = tmp_path / "sweep"
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  for module, args, message in (
+      ("gqa_ratio", ["--preset=huge"], "flag --preset=huge: value should be one of"),
+      ("gqa_ratio", ["--variants=nope"], "unknown"),
+      ("gqa_ratio", ["--override=model.num_layerz=2"], "num_layerz"),
+      ("gqa_ratio", ["--override=model.num_kv_heads=1"], "would change nothing"),
+      ("gqa_ratio", ["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
+      ("gqa_ratio", [f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory"),
+      ("run_all", [f"--workdir={a_file}"], f"{a_file} is a file, not a directory")):
     proc = subprocess.run(
-        [sys.executable, "-m", "ablations.gqa_ratio", f"--workdir={tmp_path}", *args],
+        [sys.executable, "-m", f"ablations.{module}", f"--workdir={workdir}", *args],
         capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
             os.path.abspath(__file__))))
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    if args[0] != "--preset=huge":          # ours, not absl's flag parsing: exit 2, the
-      assert proc.returncode == 2           # message alone (no docstring dump)
-      assert proc.stderr.startswith("error: ") and "Hypothesis:" not in proc.stderr
-  assert not os.listdir(tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]   # the message alone: no traceback,
+    assert message in proc.stderr                       # no docstring dump
+    assert proc.stderr.startswith("error: ") and "Hypothesis:" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+  assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_a_run_error_ends_the_sweep_with_its_message(capsys):
+  """What a user can act on (a run directory in use, a damaged file) is one line and
+  status 2; anything else keeps its traceback."""
+  from phoenix_flax.training import ConfigError, RunInUseError
+  for error in (RunInUseError("/w/a is being trained by another process"),
+                ConfigError("/w/a/config.json cannot be read")):
+    with pytest.raises(SystemExit) as e:
+      with sweep.exit_on_interrupt():
+        raise error
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: {error}\n")
+  with pytest.raises(KeyError):
+    with sweep.exit_on_interrupt():
+      raise KeyError("a bug")
 
 
 def _absl_mains():

@@ -115,6 +115,28 @@ def test_run_benchmark_rejects_unknown_configs():
     benchmark.run_benchmark(["chunked"], TINY, dense_iters=0)
 
 
+def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  cases = [(["--iters=0"], "flag --iters=0: 0 is not a positive integer"),
+           (["--warmup=-1"], "flag --warmup=-1"),
+           (["--chunk_size=0"], "flag --chunk_size=0"),
+           (["--train_seeds=abc"], "--train_seeds=abc: give integers"),
+           (["--compile_layers=2,x"], "--compile_layers=2,x: give integers"),
+           (["--configs=foo"], "unknown configs ['foo']"),
+           ([f"--out={tmp_path}"], "is a directory; name a file"),
+           ([f"--out={a_file}/b.json"], f"{a_file} is not a writable directory"),
+           (["positional"], "unexpected arguments ['positional']")]
+  procs = [subprocess.Popen([sys.executable, "-m", "experiments.benchmark", *args],
+                            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for args, _ in cases]
+  for proc, (args, needle) in zip(procs, cases):
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and err.startswith("error: ") and needle in err, (args, err)
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_cli_writes_json_and_table(tmp_path):
   out = tmp_path / "bench.json"

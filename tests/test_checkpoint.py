@@ -501,3 +501,33 @@ def test_run_script_exits_143_on_sigterm_with_a_checkpoint(tmp_path, env):
   assert len(stopped) == 1 and "run the same command again to resume" in stopped[0]
   step = int(stopped[0].split("after step ")[1].split(",")[0])
   assert checkpoint.available_steps(workdir) == [step] and step % 10 == 0
+
+
+def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
+  """config.json and result.json are written atomically, so damage comes from outside;
+  it is a ConfigError naming the file and the way out, before any work, not a traceback."""
+  config = ranking_configs.get_config("smoke")
+  run_dir = str(tmp_path)
+  path = tmp_path / "config.json"
+  for text, why in (('{"task": "ranking", ', "Expecting"), ("[1, 2]", "a list, not an object"),
+                    ('{"task": 3}', "config.task=3 is invalid")):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"config.json (cannot be read|is not a run's "
+                                          rf"config).*{why}.*delete it"):
+      runner.check_run_dirs(config, run_dir)
+  path.write_text('{"model": 3}')   # a config, of another shape: every differing key counted
+  with pytest.raises(ConfigError, match=r"differs in \[.model., .*\] and \d+ more\)"):
+    runner.check_run_dirs(config, run_dir)
+  # Another config, never checkpointed: deleting it loses nothing, and the error says so.
+  other = ranking_configs.get_config("smoke")
+  other.optim.learning_rate = 1e-4
+  path.write_text(json.dumps(runner.jsonable(other.to_dict())))
+  with pytest.raises(ConfigError, match=r"differs in \['optim.learning_rate'\].*stopped "
+                                        r"before its first checkpoint"):
+    runner.check_run_dirs(config, run_dir)
+  # The run's own config, and a damaged result.json: deleting it resumes the run.
+  path.write_text(json.dumps(runner.jsonable(config.to_dict())))
+  (tmp_path / "result.json").write_text("")
+  with pytest.raises(ConfigError, match=r"result.json cannot be read .*delete it and the run "
+                                        r"resumes from its checkpoints"):
+    run_experiment(config, run_dir)

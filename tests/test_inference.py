@@ -254,6 +254,8 @@ BAD_INPUTS = {
                       r"candidate_post_embeddings holds nan at index \(1, 2, 0, 3\)"),
     "inf embedding": (_replace_emb("user_embeddings", _set((0, 0, 0), np.inf)),
                       "user_embeddings holds inf"),
+    "no users": (lambda b, e: jax.tree.map(lambda x: np.asarray(x)[:0], (b, e)),
+                 r"batch.user_hashes holds no users \(B = 0\)"),
 }
 
 

@@ -70,6 +70,23 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
   a_file.write_text("")
   cases += [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={a_file}/run"],
              f"{a_file} is a file, not a directory")]
+  # Broken config files: a syntax error, a dict instead of a ConfigDict, a misspelled key
+  # (which no command-line lock catches), another task's setting.
+  configs = {"syntax": "def get_config(:\n",
+             "plain_dict": "def get_config():\n  return {'task': 'ranking'}\n",
+             "typo": "from experiments.configs import ranking\ndef get_config():\n"
+                     "  c = ranking.get_config('smoke')\n  c.train.num_stepz = 7\n  return c\n"}
+  for name, text in configs.items():
+    (tmp_path / f"{name}.py").write_text(text)
+  cases += [([f"--config={tmp_path}/syntax.py", f"--workdir={workdir}"],
+             f"--config could not be loaded: {tmp_path}/syntax.py, line 1: invalid syntax"),
+            ([f"--config={tmp_path}/plain_dict.py", f"--workdir={workdir}"],
+             "must return an ml_collections.ConfigDict, got dict"),
+            ([f"--config={tmp_path}/typo.py", f"--workdir={workdir}"],
+             "config has no field(s) 'train.num_stepz' (did you mean train.num_steps?)"),
+            (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
+              "--config.retrieval.temperature=0.5"],
+             "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
   procs = [subprocess.Popen(_command(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True) for args, _ in cases]
   for proc, (extra, needle) in zip(procs, cases):

@@ -178,6 +178,40 @@ def test_bad_config_values_name_the_field():
       parse_config(c)
 
 
+def test_unknown_and_missing_config_paths_are_refused():
+  """A misspelled key in a config file (which no command-line lock catches) is an error
+  naming it, with the field it was probably meant to be, not a run with the default."""
+  c = smoke_config()
+  c.optim.lr = 5.0
+  c.train.num_stepz = 7
+  c.bogus_section = 1
+  with pytest.raises(ConfigError, match=r"config has no field\(s\) 'bogus_section', 'optim.lr', "
+                     r"'train.num_stepz' \(did you mean train.num_steps\?\)"):
+    parse_config(c)
+  c = smoke_config()
+  del c["train"]
+  with pytest.raises(ConfigError, match=r"config lacks \['train.action_weights', "):
+    parse_config(c)
+  c = smoke_config()
+  c.extra_eval_splits.short = 3
+  with pytest.raises(ConfigError, match="extra_eval_splits.short=3 is invalid: must be a section"):
+    parse_config(c)
+  with pytest.raises(ConfigError, match="must be an ml_collections.ConfigDict, got dict"):
+    parse_config(smoke_config().to_dict())
+
+
+@pytest.mark.parametrize("task, path, value", [("ranking", "retrieval.temperature", 0.5),
+                                               ("retrieval", "ranking.top_k", (3,))])
+def test_the_other_tasks_section_is_refused_unless_at_its_defaults(task, path, value):
+  with pytest.raises(ConfigError, match=rf"config.{path}=.* is invalid: only .* runs read it "
+                                        rf"and this is a {task} run"):
+    parse_config(_overridden(task, {path: value}))
+  default = base_config("retrieval" if task == "ranking" else "ranking")
+  section, field = path.split(".")
+  parse_config(_overridden(task, {path: list(default[section][field])
+                                  if isinstance(value, tuple) else default[section][field]}))
+
+
 def _overridden(task, overrides):
   c = (ranking_configs if task == "ranking" else retrieval_configs).get_config("smoke")
   for path, value in overrides.items():
@@ -219,8 +253,8 @@ OUT_OF_RANGE = [
 AT_THE_EDGE = {
     "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0,
     "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
-    "train.action_weights": (1.0,) + (0.0,) * 18, "retrieval.positive_action": 18,
-    "retrieval.recall_k": (1, 400), "ranking.top_k": (1, 400), "mesh.num_devices": -1,
+    "train.action_weights": (1.0,) + (0.0,) * 18, "ranking.top_k": (1, 400),
+    "mesh.num_devices": -1,
     "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
     "mesh.process_id": 1, "output.seed_subdirs": True,
@@ -237,7 +271,8 @@ def test_values_just_out_of_range_are_refused_by_name(task, overrides, message):
 def test_values_at_the_edge_of_their_range_are_accepted():
   spec = parse_config(_overridden("ranking", AT_THE_EDGE))
   assert spec.action_weights == (1.0,) + (0.0,) * 18
-  retrieval = parse_config(_overridden("retrieval", {"train.batch_size": 2}))
+  retrieval = parse_config(_overridden("retrieval", {
+      "train.batch_size": 2, "retrieval.positive_action": 18, "retrieval.recall_k": (1, 400)}))
   assert retrieval.config.train.batch_size == 2
   with pytest.raises(ConfigError, match=r"SplitConfig has no field\(s\) \['max_histroy'\]"):
     split_config(max_histroy=4)
@@ -386,10 +421,12 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   # Throughput counts the examples of both seeds: batch 8 x 2 per step, over the timed
   # chunks (every chunk after the first, which compiles).
   rows = [json.loads(line) for line in open(tmp_path / "both" / "seed_1" / "metrics.jsonl")]
-  for row in rows:
+  # The first chunk compiled: it logs its time, the others their rates.
+  assert rows[0]["perf/first_call_seconds"] > 0 and "perf/steps_per_second" not in rows[0]
+  timed = rows[1:]
+  for row in timed:
     assert row["perf/examples_per_second"] == pytest.approx(
         16 * row["perf/steps_per_second"], rel=1e-9)
-  timed = rows[1:]
   expected = len(timed) * 10 * 16 / sum(10 / r["perf/steps_per_second"] for r in timed)
   assert result["examples_per_second"] == pytest.approx(expected, rel=1e-6)
   assert together[0]["examples_per_second"] == result["examples_per_second"]
@@ -456,8 +493,10 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert f"diverged at step {result['diverged_at_step']}" in out
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert rows and rows[-1]["step"] <= 40
-  # Training stops once every seed has diverged; `steps` counts the steps run.
+  # Training stops once every seed has diverged; `steps` counts the steps run, and the
+  # throughput is that of the one (compiling) chunk rather than none.
   assert result["steps"] == max(r["step"] for r in rows) < 40
+  assert result["examples_per_second"] > 0
   # Killed after its final checkpoint (result.json missing): the diverged state it restores
   # trains no further, and the run ends as it did.
   os.remove(tmp_path / "result.json")
@@ -469,6 +508,12 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert (again["steps"], again["diverged_at_step"]) == (result["steps"],
                                                          result["diverged_at_step"])
   assert [json.loads(line) for line in open(tmp_path / "metrics.jsonl")] == rows
+  # A diverged retrieval model's recall is undefined (null), as its AUC and loss are.
+  cli("retrieval.py:smoke", tmp_path / "retrieval", "--config.optim.learning_rate=1e8",
+      "--config.optim.grad_clip_norm=None")
+  final = _result(tmp_path / "retrieval")["final"]
+  assert final["recall@5"] is None and final["auc"] is None and final["loss"] is None
+  assert final["bayes_recall@5"] > 0
 
 
 def test_every_training_statistic_is_logged():

@@ -346,7 +346,8 @@ class Trainer:
                                      max(ks))
       res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
-                 loss=loss, max_logit=diag.max_abs_attn_logit, rms=diag.residual_rms)
+                 loss=loss, max_logit=diag.max_abs_attn_logit, rms=diag.residual_rms,
+                 finite=jnp.all(jnp.isfinite(user_BD)))
       for k in ks:
         res[f"found@{k}"], res["total"] = metrics.corpus_hits(
             model_top[:, :k], sb.candidate_post_ids, positive_BC)
@@ -359,8 +360,12 @@ class Trainer:
     total, has = flat(r["total"]), flat(r["total"]) > 0
     per_user = lambda found: jnp.sum(jnp.where(has, flat(found) / jnp.maximum(total, 1), 0.0))
     out = {"loss": jnp.mean(r["loss"])}
+    # A model whose representations are not finite (a diverged run) ranks the corpus
+    # arbitrarily: its recall is undefined (NaN, null in result.json), not 0.
+    defined = jnp.all(r["finite"]) & jnp.all(jnp.isfinite(corpus_ND))
     for k in ks:
-      out[f"recall@{k}"] = per_user(r[f"found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
+      out[f"recall@{k}"] = jnp.where(
+          defined, per_user(r[f"found@{k}"]) / jnp.maximum(jnp.sum(has), 1), jnp.nan)
       out[f"bayes_recall@{k}"] = per_user(r[f"bayes_found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
     m = flat(r["mask"])
     out["auc"] = metrics.roc_auc(flat(r["scores"]), flat(r["labels"]), m)[0]

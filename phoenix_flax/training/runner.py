@@ -20,7 +20,7 @@ that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" 
 uncommitted edits, null outside a git checkout). `wall_seconds` is the run's
 whole time (over resumes); `examples_per_second` counts the training examples of every
 vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
-is the only chunk).
+is the only chunk: the last one, or one in which every seed diverged).
 
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from the newest step
@@ -151,15 +151,19 @@ def _lock(run_dir: str) -> Optional[int]:
   return fd
 
 
-def _check_workdir(workdir: str) -> None:
+def check_workdir(workdir: str) -> None:
   """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
-  parents that exists, is not a directory."""
+  parents that exists, is not a directory, and `PermissionError` when this process cannot
+  write there."""
   path = os.path.abspath(workdir)
   while not os.path.exists(path):
     path = os.path.dirname(path)
   if not os.path.isdir(path):
     raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
                              "not a directory")
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise PermissionError(f"workdir {workdir!r} cannot be written: this user may not "
+                          f"write in {path}")
 
 
 class Progress(NamedTuple):
@@ -195,11 +199,32 @@ def finished_seeds(config: ml_collections.ConfigDict, workdir: str) -> list[int]
           if os.path.exists(os.path.join(d, RESULT_FILE))]
 
 
+def _read_run_file(path: str) -> dict:
+  """A run's config.json or result.json, or a `ConfigError` saying what to do when it
+  cannot be read (damaged by something outside: the runner writes them atomically)."""
+  try:
+    found = read_json(path)
+  except (OSError, ValueError) as e:
+    found = e
+  if not isinstance(found, dict):
+    what = found if isinstance(found, Exception) else f"a {type(found).__name__}, not an object"
+    raise ConfigError(f"{path} cannot be read ({what}); delete it"
+                      + (" and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
+                         else ", or the run's directory, to start the run afresh"))
+  return found
+
+
 def _check_existing_config(run_dir: str, expected: dict) -> None:
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
     return
-  found = flatten(jsonable(with_defaults(read_json(path)).to_dict()), skip=RUNTIME_SECTIONS)
+  stored = _read_run_file(path)
+  try:
+    stored = with_defaults(stored).to_dict()
+  except (KeyError, TypeError, ValueError, AttributeError) as e:
+    raise ConfigError(f"{path} is not a run's config ({type(e).__name__}: {e}); delete it, "
+                      "or the run's directory, to start the run afresh") from e
+  found = flatten(jsonable(stored), skip=RUNTIME_SECTIONS)
   wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
   # config.json holds the forward dtype a None resolved to on the platform that started
   # the run (None in runs written before it did), so that resuming on another platform
@@ -208,8 +233,12 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
   found[FPROP_KEY] = found.get(FPROP_KEY) or wanted[FPROP_KEY]
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
-    raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}); "
-                      "use another workdir, or delete that run to start it again")
+    never = ("; it stopped before its first checkpoint, so deleting it loses nothing"
+             if not checkpoint.available_steps(run_dir)
+             and not os.path.exists(os.path.join(run_dir, RESULT_FILE)) else "")
+    more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
+    raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}{more}); "
+                      f"use another workdir, or delete that run to start it again{never}")
 
 
 def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -230,6 +259,17 @@ def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
       if getattr(w, f) % n:
         raise ConfigError(f"config.world.{f}={getattr(w, f)} is invalid: sharding the hash "
                           f"tables needs a multiple of the {n} devices")
+
+
+def check_placement(config: ml_collections.ConfigDict) -> None:
+  """Raises `ConfigError` when the config's mesh cannot be built on this host's devices
+  or its batch sizes (or sharded hash tables) do not divide over it; nothing is compiled.
+  A multi-host config (`mesh.distributed`) is left to `run_experiment`: its devices are
+  known only once `jax.distributed.initialize` has run, which must come first."""
+  if config.mesh.distributed:
+    return
+  _validate_placement(parse_config(config), make_placement(config.mesh.num_devices,
+                                                           config.mesh.shard_hash_tables))
 
 
 _TRAINERS: dict[str, Trainer] = {}
@@ -305,11 +345,11 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
     initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
                            config.mesh.process_id)
   spec = parse_config(config)
-  _check_workdir(workdir)
+  check_workdir(workdir)
   check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
   done = finished_seeds(config, workdir)
-  results = {k: read_json(os.path.join(dirs[k], RESULT_FILE)) for k in done}
+  results = {k: _read_run_file(os.path.join(dirs[k], RESULT_FILE)) for k in done}
   if done:
     _warn_if_other_code(results, dirs)
   pending = [k for k in dirs if k not in done]
@@ -421,8 +461,9 @@ class _Group:
             for i, k in enumerate(self.seeds)}
     train_rows = {i: {key: v for key, v in r[-1].items() if key.startswith("train/")}
                   for i, r in rows.items() if r}
-    rates = [r["perf/examples_per_second"] for r in rows[0]]
-    rates = rates[1:] or rates
+    rates = [r["perf/examples_per_second"] for r in rows[0] if "perf/examples_per_second" in r]
+    if not any("perf/first_call_seconds" in r for r in rows[0]):
+      rates = rates[1:] or rates   # logged when the compiling chunk's rate was logged too
     return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0)
 
   def close_writers(self) -> None:
@@ -483,17 +524,22 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     dt = time.perf_counter() - t0
     g.step += t.steps_per_call
     chunks += 1
-    if chunks > 1 or g.step == t.num_steps:  # the first chunk also compiles
-      train_seconds, timed_chunks = train_seconds + dt, timed_chunks + 1
     diverged = to_host(g.state.diverged)
+    # The first chunk also compiles: timed only when it is the only one.
+    timed = chunks > 1 or g.step == t.num_steps or bool(diverged.all())
+    if timed:
+      train_seconds, timed_chunks = train_seconds + dt, timed_chunks + 1
     train_rows = {i: _train_scalars(stats, i) for i in range(len(seeds))}
     new_eval = {}
     if g.step == t.num_steps or diverged.all() or (t.eval_every and g.step % t.eval_every == 0):
       new_eval = evaluated = to_host(trainer.evaluate(g.state))
       eval_step = g.step
-    g.log({i: {**row, "perf/steps_per_second": t.steps_per_call / dt,
-               "perf/examples_per_second": examples_per_chunk / dt,
-               **{key: float(v[i]) for key, v in new_eval.items()}}
+    # A compiling chunk logs its time, not a rate that would start every perf curve
+    # with a dip.
+    perf = ({"perf/steps_per_second": t.steps_per_call / dt,
+             "perf/examples_per_second": examples_per_chunk / dt} if timed
+            else {"perf/first_call_seconds": dt})
+    g.log({i: {**row, **perf, **{key: float(v[i]) for key, v in new_eval.items()}}
            for i, row in train_rows.items()})
     saved = bool(t.checkpoint_every) and g.step % t.checkpoint_every == 0
     if saved and g.step < t.num_steps:

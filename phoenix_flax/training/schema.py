@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import re
 from typing import Any, Mapping, Optional
@@ -243,10 +244,55 @@ def _split(path: str, fields, world: WorldConfig) -> SplitConfig:
   return split
 
 
+def _check_paths(c: ml_collections.ConfigDict) -> None:
+  """Every path of the config outside `model` (whose keys `_model_config` checks against
+  the model configs' fields) and `extra_eval_splits` (checked against `SplitConfig`) is a
+  path of the schema, and every schema path is there: a misspelled key in a config file
+  or an ablation's `task` would otherwise be ignored and the run train with the default."""
+  skip = ("model", "extra_eval_splits")
+  have = set(flatten(c, skip=skip))
+  want = set(flatten(base_config(c.task), skip=skip))
+  unknown, missing = sorted(have - want), sorted(want - have)
+  if unknown:
+    def hint(path: str) -> str:   # the closest field name of the same section
+      section, _, name = path.rpartition(".")
+      names = [w.rpartition(".")[2] for w in want if w.rpartition(".")[0] == section]
+      close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+      return f" (did you mean {section + '.' if section else ''}{close[0]}?)" if close else ""
+    named = ", ".join(f"{p!r}{hint(p)}" for p in unknown)
+    raise ConfigError(f"config has no field(s) {named}: every field is listed in "
+                      "phoenix_flax/training/schema.py")
+  if missing:
+    raise ConfigError(f"config lacks {missing}: build configs on "
+                      "phoenix_flax.training.base_config, which holds every field")
+  section = (Mapping, ml_collections.ConfigDict)
+  for name in skip:
+    _check(isinstance(c[name], section), name, c[name], "must be a section")
+  for name, split in c.extra_eval_splits.items():
+    _check(isinstance(split, section), f"extra_eval_splits.{name}", split,
+           "must be a section of SplitConfig fields (see split_config)")
+
+
+def _check_other_task(c: ml_collections.ConfigDict) -> None:
+  """The other task's section holds its defaults: this task never reads it, so a value
+  set there would change nothing (two variants differing only in it train alike)."""
+  other = "retrieval" if c.task == "ranking" else "ranking"
+  defaults = base_config(other)[other]
+  as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
+  for key, value in c[other].items():
+    _check(as_tuple(value) == as_tuple(defaults[key]), f"{other}.{key}", value,
+           f"only {other} runs read it and this is a {c.task} run (config.task), so it "
+           f"would change nothing; leave it at {defaults[key]!r}")
+
+
 def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   """Validates every field; raises `ConfigError` naming the first bad one."""
   c = config
-  _check(c.task in TASKS, "task", c.task, f"use one of {TASKS}")
+  if not isinstance(c, ml_collections.ConfigDict):
+    raise ConfigError(f"the config must be an ml_collections.ConfigDict, got "
+                      f"{type(c).__name__}")
+  _check(c.get("task") in TASKS, "task", c.get("task"), f"use one of {TASKS}")
+  _check_paths(c)
   for f in ("seed", "world_seed", "eval_seed"):
     _check(_is_int(c[f]) and c[f] >= 0, f, c[f], "must be an integer >= 0")
   _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
@@ -315,6 +361,7 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   _check(len(ks) >= 1 and all(_is_int(k) and 1 <= k <= world.num_posts for k in ks),
          "retrieval.recall_k", r.recall_k,
          f"give one or more integers in [1, world.num_posts={world.num_posts}]")
+  _check_other_task(c)
 
   m = c.mesh
   _check(_is_int(m.num_devices) and (m.num_devices >= 1 or m.num_devices == -1),

@@ -10,6 +10,8 @@ import logging
 import math
 import os
 import re
+import shutil
+import tempfile
 from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
@@ -17,6 +19,9 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summary
 
 _LOG = logging.getLogger(__name__)
+# tensorboardX warns at every non-finite scalar; a diverged run logs NaN on purpose (and
+# says it diverged), so those warnings would only flood its output.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 METRICS_FILE = "metrics.jsonl"
 _TEMPORARY = re.compile(r"\..+\.tmp\.\d+")   # atomic_file's ".<name>.tmp.<pid>"
@@ -79,6 +84,38 @@ def write_json(path: str, payload: Any) -> None:
   with atomic_file(path) as f:
     json.dump(jsonable(payload), f, indent=2, sort_keys=True, allow_nan=False)
     f.write("\n")
+
+
+def event_file_name(run_dir: str, name: str) -> Optional[str]:
+  """The run's extra event file `name` (see `write_event_file`), or None."""
+  found = sorted(glob.glob(os.path.join(run_dir, f"events.out.tfevents.*.{name}")))
+  return found[-1] if found else None
+
+
+def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: int) -> str:
+  """Writes `scalars` (the finite numbers among them) at `step` to an event file of their
+  own in `run_dir`, `events.out.tfevents.*.<name>`, replacing an earlier one of that name.
+  TensorBoard reads every event file of a folder as one run, so values measured after
+  training (an ablation's probes) join the run's curves and its HParams metrics. The file
+  is written in a temporary folder and moved in whole."""
+  for stale in glob.glob(os.path.join(run_dir, f".{name}.*")):   # a killed writer's
+    shutil.rmtree(stale, ignore_errors=True)
+  tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir)
+  try:
+    writer = SummaryWriter(tmp, filename_suffix=f".{name}")
+    for key, value in scalars.items():
+      if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        writer.add_scalar(tensorboard_tag(key), float(value), step)
+    writer.close()
+    (written,) = glob.glob(os.path.join(tmp, "events.out.tfevents.*"))
+    old = event_file_name(run_dir, name)
+    path = os.path.join(run_dir, os.path.basename(written))
+    os.replace(written, path)
+    if old is not None and old != path:
+      os.remove(old)
+    return path
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_json(path: str) -> Any:
