@@ -183,8 +183,9 @@ def test_sweep_results_stats_and_report(tmp_path):
   design = text.split("## Design\n\n")[1].split("## How to read this")[0]
   assert design.startswith("More text.\n\nTraining: 20 steps of ")
   t = on_disk["training"]
+  batches = f"{t['eval_batches']} batch{'es' if t['eval_batches'] > 1 else ''}"
   assert (f"Evaluation: {t['eval_batches'] * t['eval_batch_size']} lists per split "
-          f"({t['eval_batches']} batches of {t['eval_batch_size']}), drawn from `eval_seed` "
+          f"({batches} of {t['eval_batch_size']}), drawn from `eval_seed` "
           f"{t['eval_seed']}") in design
   assert "(pooled: per seed, the mean over 2 conditions), `auc_mean`" in text
   assert "4 seeds)." in text
