@@ -9,7 +9,8 @@ vmapped in one call). The runner skips finished runs and resumes interrupted one
 re-running a sweep only does the missing work. A *probe* can then measure what training
 does not (serving-time behaviour, parameter counts) on each finished run; its numbers are
 cached in `seed_<k>/probes.json` and written to TensorBoard as the run's scalars at its last
-step (`events.out.tfevents.*.probes`; `.joint_probes` for joint probes). A *joint probe* measures one seed's runs of every
+step (`events.out.tfevents.*.probes`; `.joint_probes` for joint probes, `.derived` for the
+metrics `derived` computes). A *joint probe* measures one seed's runs of every
 variant together, for comparisons that need the same conditions (throughput, timed in
 interleaved rounds); cached in `seed_<k>/joint_probes.json`. The caches know nothing of
 the probe's code: after changing a probe, `--reprobe` measures every finished run again.
@@ -493,7 +494,10 @@ class Sweep:
       for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
         found.update(flatten_metrics(read_json(os.path.join(run_dir, probes_file)) or {}))
       if self.ablation.derived is not None:
-        found.update(flatten_metrics(self.ablation.derived(found)))
+        derived = flatten_metrics(self.ablation.derived(found))
+        found.update(derived)
+        if not diverged and (self._reprobe or event_file_name(run_dir, "derived") is None):
+          write_event_file(run_dir, "derived", derived, result["steps"])   # TensorBoard's copy
       if not diverged:
         available.update(k for k, v in found.items() if v is not None)
       for m in values:

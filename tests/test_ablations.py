@@ -308,6 +308,17 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
   assert len(glob.glob(str(tmp_path / "c" / "seed_1" / "events.out.tfevents.*"))) == 1
 
 
+def test_derived_metrics_reach_tensorboard(tmp_path):
+  gap = lambda auc: None if auc is None else 1.0 - auc   # a diverged run has no AUC
+  ab = toy_ablation(derived=lambda found: {"gap": {"auc": gap(found["auc_mean"])}},
+                    metrics=("auc_mean", "gap/auc", "diverged"))
+  results = sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)})).run()
+  gap = results["variants"]["c"]["metrics"]["gap/auc"]["per_seed"][1]
+  ((step, value),) = _probe_scalars(tmp_path / "c" / "seed_1", "derived")["gap/auc"]
+  assert step == 20 and value == pytest.approx(gap)
+  assert writers.event_file_name(str(tmp_path / "b" / "seed_0"), "derived") is None
+
+
 def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeypatch):
   calls = []
 
