@@ -287,10 +287,11 @@ def design_lines(results: Mapping) -> list[str]:
     out += [p for paragraph in results["design"].split("\n\n") for p in (paragraph, "")]
   t = results.get("training")
   if t:
+    batches = f"{t['eval_batches']} batch{'es' if t['eval_batches'] > 1 else ''}"
     out += [f"Training: {t['num_steps']} steps of {t['batch_size']} users per seed "
             "(the base config's; a variant's own setting, if any, is in its overrides). "
-            f"Evaluation: {t['eval_lists']} lists per split ({t['eval_batches']} "
-            f"batch{'es' if t['eval_batches'] > 1 else ''} of {t['eval_batch_size']}), drawn from `eval_seed` {t['eval_seed']} and the same "
+            f"Evaluation: {t['eval_lists']} lists per split ({batches} of "
+            f"{t['eval_batch_size']}), drawn from `eval_seed` {t['eval_seed']} and the same "
             "for every variant and seed, so the intervals above cover the seed's variation "
             "(model initialisation and training batches), not evaluation sampling.", ""]
   return ["## Design", ""] + out if out else []

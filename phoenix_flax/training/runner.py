@@ -23,8 +23,9 @@ vmapped seed per second of training chunks, the compiling first chunk excluded (
 is the only chunk: the last one, or one in which every seed diverged).
 
 A run with `result.json` is skipped, with a warning when the code has changed since it
-was trained (its `code` differs from this checkout's); one with checkpoints resumes from the newest step
-that every seed of the call has, and ends with the same numbers as an uninterrupted run.
+was trained (its `code` differs from this checkout's); one with checkpoints resumes from
+the newest step that every seed of the call has, and ends with the same numbers as an
+uninterrupted run.
 Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
 themselves are atomic), it resumes from the newest step before it that every seed can
 read, with a warning naming the file, and raises `CheckpointError` when there is none.
