@@ -52,9 +52,17 @@ def joint_probe(contexts):
 
 
 def plot_tradeoff(results, workdir):
-  """gqa_tradeoff.png: mean AUC (95% CI) against KV-cache bytes and parameters."""
+  """gqa_tradeoff.png: mean AUC (95% CI over seeds) against KV-cache bytes per user
+  context and transformer parameters, log2 x-axes (each halving of the KV heads is a
+  step), ticks at the variants' values."""
+  from matplotlib.ticker import FixedLocator, NullLocator
   fig, axes = report.figure(1, 2, (8.4, 3.2))
-  for ax, x_metric in zip(axes.flat, ("kv_cache_bytes", "params/transformer")):
+  units = {"kv_cache_bytes": "KV-cache bytes per user context",
+           "params/transformer": "transformer parameters"}
+  aucs = [v["metrics"]["auc_mean"]["mean"] for v in results["variants"].values()
+          if v["metrics"]["auc_mean"]["mean"] is not None]
+  for ax, x_metric in zip(axes.flat, units):
+    xs = []
     for name, v in results["variants"].items():
       auc, x = v["metrics"]["auc_mean"], v["metrics"][x_metric]
       if auc["mean"] is None or x["mean"] is None:
@@ -63,8 +71,21 @@ def plot_tradeoff(results, workdir):
       ax.errorbar(x["mean"], auc["mean"], yerr=err, fmt="o", capsize=3)
       ax.annotate(name, (x["mean"], auc["mean"]), fontsize=7, xytext=(4, 4),
                   textcoords="offset points")
-    ax.set_xlabel(x_metric, fontsize=8)
-    ax.set_ylabel("auc_mean", fontsize=8)
+      xs.append(x["mean"])
+    if xs:
+      ax.set_xscale("log", base=2)
+      ax.xaxis.set_major_locator(FixedLocator(sorted(set(xs))))
+      ax.xaxis.set_minor_locator(NullLocator())
+      ax.set_xticklabels([report.fmt(x) for x in sorted(set(xs))], fontsize=7, rotation=30)
+      ax.margins(x=0.15)
+    if aucs:   # at least +-0.02 around the means: seed noise should not fill the panel
+      middle = (max(aucs) + min(aucs)) / 2
+      half = max((max(aucs) - min(aucs)) / 2 * 1.6, 0.02)
+      lo, hi = ax.get_ylim()
+      ax.set_ylim(min(lo, middle - half), max(hi, middle + half))
+    ax.set_xlabel(units[x_metric] + " (log scale)", fontsize=8)
+    ax.set_ylabel("auc_mean (mean ± 95% CI over seeds)", fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
   report.save_figure(fig, os.path.join(workdir, "gqa_tradeoff.png"))
   return "gqa_tradeoff.png"
 

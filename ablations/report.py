@@ -14,6 +14,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from phoenix_flax.training.runner import seed_dir
 from phoenix_flax.training.writers import atomic_file, read_metrics
@@ -43,13 +44,19 @@ def save_figure(fig, path: str) -> None:
 
 
 def fmt(value: Optional[float], digits: int = 4) -> str:
-  """`digits` significant digits (scientific outside [1e-3, 1e5)), or "n/a"."""
+  """`digits` significant digits (scientific outside [1e-3, 1e5)), whole numbers below
+  1e5 in full (a count, a byte size), or "n/a"."""
   if value is None:
     return "n/a"
   if value == 0:
     return "0"
+  if abs(value) < 1e5 and float(value).is_integer():
+    return f"{int(value)}"
   if 1e-3 <= abs(value) < 1e5:
-    return f"{value:.{digits}g}"
+    text = f"{value:.{digits}g}"
+    # `g` turns to an exponent at 10**digits (12345 -> "1.234e+04"); a rounded whole
+    # number reads better there.
+    return f"{round(value):d}" if "e" in text else text
   return f"{value:.{max(digits - 2, 1)}e}"
 
 
@@ -78,7 +85,8 @@ def significant(comparison: Mapping) -> bool:
 def verdict(comparison: Mapping, better: Optional[str]) -> str:
   """Plain reading of one comparison."""
   if comparison.get("p_value") is None or comparison.get("delta") is None:
-    return f"not testable ({comparison.get('n', 0)} complete pairs)"
+    n = comparison.get("n", 0)
+    return f"not testable: {n} complete pair{'' if n == 1 else 's'}"
   if not significant(comparison):
     return "no significant difference"
   side = "higher" if comparison["delta"] > 0 else "lower"
@@ -93,10 +101,11 @@ def headline_lines(results: Mapping) -> list[str]:
   better = results.get("better", {})
 
   def scope(c: Mapping) -> tuple[str, str]:
+    plural = "" if c["n"] == 1 else "s"
     if "conditions" not in c:
-      return "", f"{c['n']} pairs"
+      return "", f"{c['n']} pair{plural}"
     return (f" (pooled: per seed, the mean over {c['conditions']} conditions)",
-            f"{c['n']} seeds")
+            f"{c['n']} seed{plural}")
 
   lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope(c)[0]}, `{c['metric']}`: "
            f"{verdict(c, better.get(c['metric']))} (Δ = {fmt(c['delta'])}, "
@@ -225,13 +234,14 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
   return _narrow_table(names, metrics, cell, ("vs baseline", "Δ vs baseline"), prefix="Δ ")
 
 
-def preset_note(preset: str) -> list[str]:
+def preset_note(preset: str, seeds: Optional[int] = None) -> list[str]:
   """A warning under the title of a smoke-preset report: its runs are too short to learn
-  and its two seeds too few for any difference to be significant."""
+  and its `seeds` (two by default) too few for any difference to be significant."""
   if preset != "smoke":
     return []
+  n = "two seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
   return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
-          "runs train for a few steps (AUC near 0.5) with two seeds; use `--preset=cpu` "
+          f"runs train for a few steps (AUC near 0.5) with {n}; use `--preset=cpu` "
           "for results.", ""]
 
 
@@ -240,7 +250,7 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
   better = results.get("better", {})
   headline = results.get("headline", [results["primary_metric"]])
   out = [f"# Ablation `{results['ablation']}` ({results['preset']} preset)", ""]
-  out += preset_note(results["preset"])
+  out += preset_note(results["preset"], len(results.get("seeds") or ()) or None)
   if results.get("hypothesis"):
     out += [results["hypothesis"], ""]
   if results.get("command"):
@@ -286,14 +296,22 @@ def design_lines(results: Mapping) -> list[str]:
   if results.get("design"):
     out += [p for paragraph in results["design"].split("\n\n") for p in (paragraph, "")]
   t = results.get("training")
+  ran = results.get("variants_run")
+  if ran:
+    out += [f"Variants run: {', '.join(ran)} (a subset, chosen with `--variants`; the "
+            "design above names every variant of the ablation).", ""]
   if t:
     batches = f"{t['eval_batches']} batch{'es' if t['eval_batches'] > 1 else ''}"
+    covers = ("so the intervals above cover the seed's variation (model initialisation "
+              "and training batches), not evaluation sampling"
+              if len(results.get("seeds") or ()) > 1 else
+              "so with more than one seed the intervals would cover the seed's variation, "
+              "not evaluation sampling")
     out += [f"Training: {t['num_steps']} steps of {t['batch_size']} users per seed "
             "(the base config's; a variant's own setting, if any, is in its overrides). "
             f"Evaluation: {t['eval_lists']} lists per split ({batches} of "
             f"{t['eval_batch_size']}), drawn from `eval_seed` {t['eval_seed']} and the same "
-            "for every variant and seed, so the intervals above cover the seed's variation "
-            "(model initialisation and training batches), not evaluation sampling.", ""]
+            f"for every variant and seed, {covers}.", ""]
   return ["## Design", ""] + out if out else []
 
 
@@ -314,7 +332,10 @@ HOW_TO_READ = (
     "(a parameter count) does; its p is then 0 unless the difference is 0. A diverged "
     "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
     "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
-    "many remained).")
+    "many remained). In TensorBoard (`tensorboard --logdir` on this folder) the primary "
+    "evaluation's metrics are tagged `eval/<metric>` (`auc_mean` here is `eval/auc_mean`), "
+    "the extra splits' `<split>/<metric>`, and probe and derived metrics keep their names, "
+    "at each run's last step; the HParams view groups each variant's seeds.")
 
 
 def environment_line(env: Mapping) -> str:
@@ -362,6 +383,7 @@ def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) 
           drawn = True
     ax.set_title(key + (f" | {cell}" if cell else ""), fontsize=9)
     ax.set_xlabel("step", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.tick_params(labelsize=7)
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=7)
@@ -388,21 +410,29 @@ def plot_effects(results: Mapping, metrics: Sequence[str], path: str) -> bool:
   fig = Figure(figsize=(1.5 + 3.6 * cols, (0.9 + 0.28 * len(labels)) * rows_n),
                layout="constrained")
   axes = fig.subplots(rows_n, cols, squeeze=False, sharey=True)
+  better = results.get("better", {})
+  no_ci = False
   for ax, metric in zip(axes.flat, panels):
     for c in (c for c in comps if c["metric"] == metric):
-      lo, hi = c["ci95"] or (c["delta"], c["delta"])
+      if c["ci95"] is None:   # one pair, or every pair equal: a hollow point, no bar
+        no_ci = True
+        ax.plot(c["delta"], row[c["variant"]], "o", mfc="none", color="tab:gray")
+        continue
+      lo, hi = c["ci95"]
       ax.errorbar(c["delta"], row[c["variant"]], xerr=[[c["delta"] - lo], [hi - c["delta"]]],
                   fmt="o", capsize=3, color="tab:red" if significant(c) else "tab:gray")
     ax.axvline(0.0, color="black", lw=0.8)
-    ax.set_title(f"Δ {metric}", fontsize=9)
+    direction = better.get(metric)
+    ax.set_title(f"Δ {metric}" + (f" ({direction} is better)" if direction else ""),
+                 fontsize=9)
     ax.tick_params(labelsize=7)
   axes[0, 0].set_yticks(list(row.values()))
   axes[0, 0].set_yticklabels(list(row), fontsize=7)
   axes[0, 0].set_ylim(-0.6, len(labels) - 0.4)
   for ax in list(axes.flat)[len(panels):]:
     ax.axis("off")
-  fig.suptitle(f"difference to {results['baseline']} (95% CI; red = significant after Holm)",
-               fontsize=9)
+  fig.suptitle(f"difference to {results['baseline']} (95% CI; red = significant after Holm"
+               + ("; hollow = no CI" if no_ci else "") + ")", fontsize=9)
   save_figure(fig, path)
   return True
 

@@ -26,7 +26,9 @@ results.json:
      "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
      "hypothesis": str, "design": str (the docstring's other sections),
      "training": {"num_steps", "batch_size", "eval_batches", "eval_batch_size", "eval_lists",
-                  "eval_seed"} (the base config's), "command": str, "seeds": [int],
+                  "eval_seed"} (the base config's), "variants_run": [variant] | null (the
+     variants of a --variants subset), "overrides": {path: value} (the user's, every
+     variant), "command": str, "seeds": [int],
      "arms": [arm], "conditions": {axis: [level]},
      "variants": {name: {"arm": str, "cell": str, "overrides": {path: value},
                          "seeds": [int], "diverged": int, "diverged_at_step": [int|null],
@@ -346,6 +348,7 @@ class Sweep:
       raise ValueError(f"seeds={n}: need at least 1 (3 or more for confidence intervals)")
     self.ablation, self.preset, self.workdir, self.command = ablation, preset, workdir, command
     self.variants = select(ablation.variants(preset), variants, ablation.baseline)
+    self.subset = len(self.variants) < len(ablation.variants(preset))
     self._runner = runner
     self._reprobe = reprobe
     cfg = apply_overrides(preset_config(preset, ablation.experiment),
@@ -353,6 +356,7 @@ class Sweep:
     if ablation.task is not None:
       ablation.task(cfg, preset)
     self.base = apply_overrides(cfg, dict(overrides))
+    self.overrides = dict(overrides)   # the user's, for every variant (results.json)
     self.base.num_seeds = n
     self.base.output.seed_subdirs = True
     self.seeds = list(range(self.base.seed, self.base.seed + n))
@@ -572,7 +576,9 @@ class Sweep:
             "metrics": list(ab.metrics),
             "better": {m: better(m, ab.better) for m in ab.metrics},
             "hypothesis": hypothesis(ab.doc), "design": design(ab.doc),
-            "training": self.training(), "command": self.command,
+            "training": self.training(),
+            "variants_run": [v.name for v in self.variants] if self.subset else None,
+            "overrides": self.overrides, "command": self.command,
             "seeds": list(self.seeds),
             "arms": list(dict.fromkeys(v.arm for v in self.variants)),
             "conditions": {axis: list(levels) for axis, levels in axes.items()},

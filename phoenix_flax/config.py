@@ -216,10 +216,9 @@ class PhoenixModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
     if self.post_age_granularity_mins is not None:
+      # Above POST_AGE_MAX_MINUTES every known age shares bucket 1 (a table of 2 rows), as
+      # the release's formula gives: degenerate, but the release's.
       _positive_int(c, "post_age_granularity_mins", self.post_age_granularity_mins)
-      if self.post_age_granularity_mins > POST_AGE_MAX_MINUTES:
-        _fail(c, "post_age_granularity_mins", self.post_age_granularity_mins,
-              f"must be at most {POST_AGE_MAX_MINUTES} (the oldest bucketed age, in minutes)")
     if self.dwell_time_norm is not None and not isinstance(self.dwell_time_norm, NormConfig):
       _fail(c, "dwell_time_norm", self.dwell_time_norm, "pass a NormConfig or None")
     _positive_int(c, "dwell_hidden_size", self.dwell_hidden_size)

@@ -390,7 +390,11 @@ def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: Recs
 
 class RetrievalRunner:
   """Two-tower retrieval with a built model: `encode_corpus` (the candidate tower over
-  the corpus items' hash embeddings), `set_corpus`, then `retrieve`."""
+  the corpus items' hash embeddings), `set_corpus`, then `retrieve`.
+
+  The release's runner builds its parameters in an `initialize()` step; here the model
+  exists before the runner: pass a built (or imported, `haiku_compat`) model, or use
+  `RetrievalRunner.from_config(config, key=...)` for a freshly initialised one."""
 
   def __init__(self, model: PhoenixRetrievalModel):
     if not isinstance(model, PhoenixRetrievalModel):

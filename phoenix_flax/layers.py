@@ -66,7 +66,9 @@ def apply_rope(x_BTHd: Array, positions_BT: Array) -> Array:
   """Rotary embedding on `[B, T, heads, d]` with explicit float positions `[B, T]`.
 
   Rotates halves (not interleaved pairs), base 10000, as the release does: the pair
-  `(x_i, x_{i+d/2})` turns by `position * 10000^(-2i/d)`. Written per half, which equals
+  `(x_i, x_{i+d/2})` turns by `position * inv_freq_i`, `inv_freq_i = 1 / 10000^(2i/d)`
+  computed in float32 in that form (the form `10000^(-2i/d)` differs from it by an ulp in
+  some frequencies). Written per half, which equals
   the release's `x * cos + rotate_half(x) * sin` bit for bit and takes the cosine and sine
   of `d/2` angles, not `d`.
   """

@@ -142,9 +142,11 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   Masks come from iota comparisons and are never stored. Returns the attended values
   `[B,T,KV,G,d]` (before the output projection) and the max |logit| over kept entries.
 
-  A row with no kept key at all (a padded candidate of a row whose context is entirely
-  padding) averages the values it can see, where the release's dense softmax averages
-  every value of the row, other candidates' included; both are padding outputs.
+  A query with no kept key at all (a padded user or history token with no valid key
+  before it, or a padded candidate whose context is entirely padding) averages the values
+  it can see, where the release's dense softmax averages every value of the row, other
+  candidates' included: its output differs from the dense path's, but it is a padding
+  position, which no kept query reads and no logit comes from.
   """
   B, T, KV, G, d = q_BTKGd.shape
   N = ctx_k_BNKd.shape[1]

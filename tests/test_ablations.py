@@ -221,7 +221,7 @@ def test_verdict_uses_the_holm_adjusted_p():
       "significantly lower (worse)"
   assert report.verdict({**row, "p_holm": 0.04}, None) == "significantly higher"
   assert report.verdict({"p_value": None, "delta": None, "n": 1}, "higher") == \
-      "not testable (1 complete pairs)"
+      "not testable: 1 complete pair"
 
 
 def test_mean_and_interval_show_the_same_decimals():
@@ -563,3 +563,23 @@ def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
   assert "go on with the sweep" in err
   with sweep.exit_on_interrupt():   # nothing raised: nothing happens
     pass
+
+
+def test_exact_counts_are_printed_whole():
+  assert report.fmt(22832) == "22832" and report.fmt(-2304, 3) == "-2304"
+  assert report.fmt(12345.6) == "12346" and report.fmt(0.123456) == "0.1235"
+  assert report.fmt(2.5e6) == "2.50e+06" and report.fmt(1.5e-4) == "1.50e-04"
+
+
+def test_a_one_seed_subset_report_says_what_it_is(tmp_path):
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=1, variants=["b"],
+                        runner=fake_runner()).run()
+  assert results["variants_run"] == ["a", "b"] and list(results["variants"]) == ["a", "b"]
+  text = (tmp_path / "REPORT.md").read_text()
+  assert "with 1 seed; use `--preset=cpu`" in text
+  assert "`auc_mean`: not testable: 1 complete pair (Δ = " in text and "1 pair)." in text
+  assert "Variants run: a, b (a subset, chosen with `--variants`" in text
+  assert "so with more than one seed the intervals would cover" in text
+  assert (tmp_path / "effects.png").stat().st_size > 1000
+  full = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path / "full"), runner=fake_runner()).run()
+  assert full["variants_run"] is None and full["overrides"] == {}

@@ -92,7 +92,6 @@ BAD_CONFIGS = [
     ("widening_factor", lambda: transformer_config(widening_factor="2")),
     ("widening_factor", lambda: transformer_config(widening_factor=float("inf"))),
     ("norm_scale", lambda: pf.NormConfig(norm_scale=float("inf"))),
-    ("post_age_granularity_mins", lambda: ranking_config(post_age_granularity_mins=4801)),
     ("widening_factor", lambda: transformer_config(widening_factor=0.01)),   # ffn_size 0
     ("dwell_hidden_size", lambda: ranking_config(dwell_hidden_size=0)),
     ("num_layers", lambda: transformer_config(num_layers=True)),
@@ -113,5 +112,7 @@ def test_rezero_message_says_what_to_change():
 
 def test_values_on_the_edge_of_their_range_are_accepted():
   assert ranking_config(post_age_granularity_mins=4800).num_post_age_buckets == 3
+  # Coarser than the oldest bucketed age: every known age in bucket 1, as the release gives.
+  assert ranking_config(post_age_granularity_mins=6000).num_post_age_buckets == 2
   assert ranking_config(num_continuous_actions=0, dwell_hidden_size=1).dwell_hidden_size == 1
   assert transformer_config(widening_factor=0.0625).ffn_size == 8   # int(2.0) * 2 // 3 = 1

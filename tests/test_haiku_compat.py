@@ -487,3 +487,66 @@ def test_rope_equals_reference_bit_for_bit():
   rope = pf.layers.apply_rope
   np.testing.assert_array_equal(jax.jit(rope)(x, pos), jax.jit(ref.rope)(x, pos))
   np.testing.assert_array_equal(rope(x, pos), ref.rope(x, pos))
+
+
+def test_later_release_tokens_follow_the_spec(inputs):
+  """The later release's additions, from SPEC's formulas in numpy: the post-age bucket
+  embedding is the last part of each candidate's concat, the dwell-time embedding the last
+  part of each history item's (their order decides which rows of an imported proj_mat_2 /
+  proj_mat_3 they meet), and the continuous head reads the final-normed candidates. The
+  reference models only the first release, so this is their check."""
+  batch, emb = inputs
+  rng = np.random.default_rng(7)
+  impression = np.array([1_700_000_000, 0], np.int32)              # row 1: no impression time
+  posted = (1_700_000_000 - rng.integers(-3600, 400_000, (B, C))).astype(np.int32)
+  posted[0, :3] = [1_700_000_000 - 7200, 0, 1_700_000_000 - 300_000 * 60]   # 120 min, a
+  # missing post time, past the last bucket
+  dwell = rng.uniform(-5, 50, (B, S)).astype(np.float32)            # clipped to [0, 30]
+  batch = batch._replace(impression_timestamps=jnp.asarray(impression),
+                         candidate_post_timestamps=jnp.asarray(posted),
+                         history_dwell_times=jnp.asarray(dwell))
+  g, scale = 60, 30.0
+  model = pf.PhoenixModel(_ranking_config(
+      post_age_granularity_mins=g, dwell_time_norm=pf.NormConfig(norm_scale=scale, use_log=True),
+      num_continuous_actions=3), key=jax.random.PRNGKey(0))
+  tokens, _, offset = model.build_inputs(batch, emb)
+  n = lambda x: np.asarray(x, np.float64)
+
+  def lookup(ids, table):   # single-hot: rows outside the table embed as zeros
+    ids, table = np.asarray(ids), n(table)
+    ok = (ids >= 0) & (ids < table.shape[0])
+    return np.where(ok[..., None], table[np.where(ok, ids, 0)], 0.0)
+
+  minutes = (impression[:, None].astype(np.int64) - posted) // 60
+  bucket = np.clip(minutes // g + 1, 0, 4800 // g + 1)
+  bucket[(minutes < 0) | (posted == 0) | (impression[:, None] == 0)] = 0
+  assert model.post_age_embedding_table.shape == (4800 // g + 2, 64)
+  assert list(bucket[0, :3]) == [3, 0, 4800 // g + 1] and not bucket[1].any()
+  candidates = np.concatenate([
+      n(emb.candidate_post_embeddings).reshape(B, C, -1),
+      n(emb.candidate_author_embeddings).reshape(B, C, -1),
+      lookup(batch.candidate_product_surface, model.product_surface_embedding_table),
+      lookup(bucket, model.post_age_embedding_table)], -1) @ n(model.proj_mat_2)
+
+  actions = n(batch.history_actions)
+  action_emb = ((2 * actions - 1) @ n(model.action_projection)) * actions.any(-1, keepdims=True)
+  normed = np.log1p(np.clip(dwell, 0, scale)) / np.log1p(scale)
+  dwell_emb = n(jax.nn.gelu(jnp.asarray(normed[..., None] @ n(model.dwell_proj_1),
+                                        jnp.float32))) @ n(model.dwell_proj_2)
+  history = np.concatenate([
+      n(emb.history_post_embeddings).reshape(B, S, -1),
+      n(emb.history_author_embeddings).reshape(B, S, -1), action_emb,
+      lookup(batch.history_product_surface, model.product_surface_embedding_table),
+      dwell_emb], -1) @ n(model.proj_mat_3)
+  user = n(emb.user_embeddings).reshape(B, 1, -1) @ n(model.proj_mat_1)
+  want = np.concatenate([user, history, candidates], axis=1)
+  assert offset == 1 + S
+  np.testing.assert_allclose(n(tokens), want, atol=1e-5, rtol=0)
+
+  out = model(batch, emb)
+  final = n(model.final_norm(model.transformer(tokens, model.build_inputs(batch, emb)[1],
+                                               offset).embeddings))[:, offset:]
+  np.testing.assert_allclose(n(out.logits), final @ n(model.unembeddings), atol=1e-5)
+  np.testing.assert_allclose(n(out.continuous),
+                             1 / (1 + np.exp(-(final @ n(model.continuous_unembeddings)))),
+                             atol=1e-6)

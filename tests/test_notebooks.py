@@ -97,3 +97,20 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
     code = results["environment"]["code"]
     assert code.endswith("+notebooks/new_idea.ipynb")
     assert results["environment"]["run_codes"] == {code: 4}
+
+
+def test_compare_variants_reads_a_results_file_without_its_runs(tmp_path, monkeypatch):
+  """docs/results keeps results.json and the report, not the runs: the notebook shows the
+  verdict, tables and effects, and says the curves need the run directories."""
+  import shutil
+  shutil.copy(os.path.join(ROOT, "docs", "results", "candidate_isolation", "results.json"),
+              tmp_path / "results.json")
+  monkeypatch.setenv("PHOENIX_SWEEP_DIR", str(tmp_path))
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  nb = nbformat.read(os.path.join(NOTEBOOKS, "compare_variants.ipynb"), as_version=4)
+  NotebookClient(nb, timeout=300, kernel_name="python3",
+                 resources={"metadata": {"path": NOTEBOOKS}}).execute()
+  text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                   for out in cell.outputs)
+  assert "holds no run directories (a copy of results.json only): no curves" in text
+  assert "candidate_isolation (cpu preset)" in text

@@ -15,6 +15,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from phoenix_flax.training import runner
 from phoenix_flax.training.schema import RUNTIME_SECTIONS, flatten
 from phoenix_flax.training.writers import RunWriter, read_metrics
 
@@ -67,6 +68,23 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
       content["_hparams_/session_start_info"]).session_start_info
   assert start.hparams["model.num_layers"].number_value == 1
   assert start.hparams["model.norm_layout"].string_value == "sandwich"
+  assert start.group_name == ""   # one seed in the workdir itself: a group of its own
+
+
+def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
+  """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
+  named "<ablation>/<variant>"; a run in its workdir itself is a group of its own."""
+  for seed in (0, 1):
+    run_dir = str(tmp_path / "candidate_isolation" / "causal_corr0" / f"seed_{seed}")
+    writer = RunWriter(run_dir, {"seed": seed}, None,
+                       runner._hparams_group(run_dir, seed))
+    writer.close(finished=True)
+    content = _accumulator(run_dir).PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(
+        content["_hparams_/session_start_info"]).session_start_info
+    assert start.group_name == "candidate_isolation/causal_corr0"
+    assert start.hparams["seed"].number_value == seed
+  assert runner._hparams_group(str(tmp_path / "run"), 0) == ""
 
 
 def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):

@@ -374,6 +374,16 @@ def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
                  " ".join(dirs[k] for k in sorted(other)))
 
 
+def _hparams_group(run_dir: str, seed: int) -> str:
+  """The HParams session group of a run in a seed subdirectory: the last two parts of
+  its workdir (in a sweep, "<ablation>/<variant>"), shared by the config's seeds; "" for
+  a run in the workdir itself."""
+  if os.path.basename(run_dir) != os.path.basename(seed_dir("", seed)):
+    return ""
+  workdir = os.path.dirname(os.path.abspath(run_dir))
+  return "/".join([os.path.basename(os.path.dirname(workdir)), os.path.basename(workdir)])
+
+
 class _Group:
   """The seeds trained together in one call: their state, directories and writers.
   `config` is the caller's: the (cached) trainer's may differ in seeds and `output`."""
@@ -422,7 +432,7 @@ class _Group:
         cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
         write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
         self.writers[k] = RunWriter(dirs[k], flatten(cfg_k, skip=RUNTIME_SECTIONS),
-                                    self.step or None)
+                                    self.step or None, _hparams_group(dirs[k], k))
 
   def release(self) -> None:
     """Releases the run directories' locks."""

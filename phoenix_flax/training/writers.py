@@ -16,6 +16,7 @@ from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 from tensorboardX.summary import hparams as hparams_summary
 
 _LOG = logging.getLogger(__name__)
@@ -173,10 +174,13 @@ class RunWriter:
   differ between runs and lists them first, and offers every scalar as a metric. A summary
   per run would make it take one run's, in which nothing differs.
   `resume_step` None starts afresh (old events and rows are removed); an int keeps the rows
-  up to that step and tells TensorBoard to drop the events logged after it.
+  up to that step and tells TensorBoard to drop the events logged after it. `group` names
+  the session group of the HParams view: the seeds of one config share it, so that view
+  can average them and compare configs (empty: the run is a group of its own).
   """
 
-  def __init__(self, run_dir: str, hparams: Mapping[str, Any], resume_step: Optional[int]):
+  def __init__(self, run_dir: str, hparams: Mapping[str, Any], resume_step: Optional[int],
+               group: str = ""):
     os.makedirs(run_dir, exist_ok=True)
     self.run_dir = run_dir
     self.metrics_path = os.path.join(run_dir, METRICS_FILE)
@@ -192,6 +196,10 @@ class RunWriter:
     self.tb = SummaryWriter(run_dir, purge_step=purge, flush_secs=10)
     if resume_step is None:
       _, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()}, {})
+      if group:
+        data = HParamsPluginData.FromString(ssi.value[0].metadata.plugin_data.content)
+        data.session_start_info.group_name = group
+        ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
       self.tb.file_writer.add_summary(ssi)
     self._hparams = dict(hparams)
 
