@@ -132,9 +132,19 @@ def test_log_loss_and_calibration_match_reference():
   assert float(ece) == pytest.approx(abs(1.95 - 1.0) / 3)
 
 
+def _tie_groups(scores):
+  """(first rank, size) of each group of equal scores, best first, and each score's group."""
+  values = np.unique(scores)[::-1]
+  sizes = np.array([(scores == v).sum() for v in values])
+  firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  return {v: (f, n) for v, f, n in zip(values, firsts, sizes)}
+
+
 @pytest.mark.parametrize("seed,C,levels", [(6, 7, None), (9, 40, 3)], ids=["distinct", "ties"])
 def test_ndcg_and_recall_match_reference(seed, C, levels):
-  """Against loops over the lists; tied scores rank the lower slot first."""
+  """Against loops over the lists, where a group of tied scores spanning ranks
+  [first, first + size) gives each member the mean discount of those ranks, and a chance
+  of (ranks of the group inside the top k) / size of being in the top k."""
   rng = np.random.default_rng(seed)
   B, k = 5, 3
   scores = (rng.normal(size=(B, C)) if levels is None
@@ -146,13 +156,18 @@ def test_ndcg_and_recall_match_reference(seed, C, levels):
   ndcgs, recalls = [], []
   for b in range(B):
     idx = np.flatnonzero(mask[b])
-    order = idx[np.argsort(-scores[b, idx], kind="stable")][:k]
-    disc = 1 / np.log2(np.arange(len(order)) + 2)
+    groups = _tie_groups(scores[b, idx])
+    dcg = hits = 0.0
+    for i in idx:
+      first, size = groups[scores[b, i]]
+      ranks = np.arange(first, first + size)
+      dcg += gains[b, i] * np.mean(np.where(ranks < k, 1 / np.log2(ranks + 2), 0.0))
+      hits += relevant[b, i] * np.mean(ranks < k)
     ideal = np.sort(gains[b, idx])[::-1][:k]
     if ideal.sum() > 0:
-      ndcgs.append((gains[b, order] * disc).sum() / (ideal * disc[:len(ideal)]).sum())
+      ndcgs.append(dcg / (ideal / np.log2(np.arange(len(ideal)) + 2)).sum())
     if relevant[b, idx].sum() > 0:
-      recalls.append(relevant[b, order].sum() / relevant[b, idx].sum())
+      recalls.append(hits / relevant[b, idx].sum())
   np.testing.assert_allclose(metrics.ndcg_at_k(scores, gains, mask, k), np.mean(ndcgs),
                              rtol=1e-5)
   np.testing.assert_allclose(metrics.recall_at_k(scores, relevant, mask, k), np.mean(recalls),
@@ -162,6 +177,29 @@ def test_ndcg_and_recall_match_reference(seed, C, levels):
   for fn, target in ((metrics.ndcg_at_k, gains), (metrics.recall_at_k, relevant)):
     np.testing.assert_allclose(fn(scores, target, mask, C + 3), fn(scores, target, mask, C),
                                rtol=1e-6)
+  # Slots decide nothing: the same lists with their candidates (and padding) shuffled.
+  perm = rng.permutation(C)
+  for fn, target in ((metrics.ndcg_at_k, gains), (metrics.recall_at_k, relevant)):
+    np.testing.assert_allclose(fn(scores[:, perm], target[:, perm], mask[:, perm], k),
+                               fn(scores, target, mask, k), rtol=1e-6)
+
+
+def test_a_constant_model_gets_the_chance_level_whatever_the_order():
+  """A model that scores every candidate alike ranks no better than chance, even on a
+  list ordered best first (the sampler's `relevance` order): a tie broken by slot would
+  give it the Bayes NDCG of 1."""
+  gains = np.array([[0.9, 0.5, 0.2, 0.1, 0.0, 0.0]], np.float32)   # best first, 2 padded
+  mask = np.array([[True, True, True, True, False, False]])
+  constant = np.zeros_like(gains)
+  discounts = 1 / np.log2(np.arange(2) + 2)
+  chance = gains[0, :4].sum() * discounts.sum() / 4 / (gains[0, :2] * discounts).sum()
+  assert float(metrics.ndcg_at_k(constant, gains, mask, 2)) == pytest.approx(chance, rel=1e-6)
+  relevant = gains > 0.4
+  assert float(metrics.recall_at_k(constant, relevant, mask, 2)) == pytest.approx(0.5)
+  # A valid candidate scored -inf still ranks above padding: k = the valid count is 1.0.
+  scores = np.array([[0.0, -np.inf, 1.0, 0.0]], np.float32)
+  pad_first = np.array([[False, True, True, False]])
+  assert float(metrics.recall_at_k(scores, np.array([[0, 1, 0, 0]], bool), pad_first, 2)) == 1.0
 
 
 def test_corpus_hits_match_reference():

@@ -92,7 +92,8 @@ def uniform_shapes(B: int, S: int, C: int, A: int) -> dict:
 
 def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKeyArray
                  ) -> SyntheticBatch:
-  """Draws one batch; jit it with `split` and `batch_size` static. Deterministic in key."""
+  """Draws one batch; jit it with `split` and `batch_size` static. Deterministic in key:
+  bit for bit between jitted calls (an eager call rounds a few values differently)."""
   if not isinstance(split, SplitConfig):
     raise TypeError(f"split must be a SplitConfig, got {type(split).__name__}")
   if not isinstance(batch_size, int) or batch_size < 1:

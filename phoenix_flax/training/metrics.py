@@ -75,21 +75,45 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   return jnp.sum(jnp.abs(prob_K - label_K)) / jnp.maximum(jnp.sum(count_K), 1.0)
 
 
-def _top_k_order(scores_BC: Array, mask_BC: Array, k: int) -> Array:
-  """Indices `[B, k]` of the k best valid candidates (ties: lower slot first)."""
-  masked = jnp.where(mask_BC, jnp.asarray(scores_BC, jnp.float32), -jnp.inf)
-  return jnp.argsort(-masked, axis=-1, stable=True)[:, :k]
+def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
+  """Per candidate, how many valid candidates of its list score strictly higher (`above`)
+  and how many score the same, itself included (`tied`, at least 1). Under a uniformly
+  random order of tied scores a valid candidate takes each rank of `[above, above + tied)`
+  with equal chance; padding ranks after every valid candidate."""
+  s_BC = jnp.where(mask_BC, jnp.asarray(scores_BC, jnp.float32), 0.0)
+  other_B1C = jnp.asarray(mask_BC, bool)[:, None, :]
+  above_BC = jnp.sum((s_BC[:, None, :] > s_BC[:, :, None]) & other_B1C, axis=-1)
+  tied_BC = jnp.sum((s_BC[:, None, :] == s_BC[:, :, None]) & other_B1C, axis=-1)
+  return above_BC, jnp.maximum(tied_BC, 1)
+
+
+def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array, Array]:
+  """Per valid candidate, under a uniformly random order of tied scores: the chance that
+  it ranks in the top k, and its expected discount `[rank < k] / log2(rank + 2)` (both 0
+  for padding). Without ties: the indicator of the top k and the discount of its rank."""
+  C = scores_BC.shape[-1]
+  above_BC, tied_BC = _rank_spans(scores_BC, mask_BC)
+  chance_BC = jnp.clip(k - above_BC, 0, tied_BC) / tied_BC
+  rank_R = jnp.arange(C, dtype=jnp.float32)
+  discount_R = jnp.where(rank_R < k, 1.0 / jnp.log2(rank_R + 2.0), 0.0)
+  cumulative_R = jnp.concatenate([jnp.zeros(1), jnp.cumsum(discount_R)])   # [C + 1]
+  span_BC = cumulative_R[above_BC + tied_BC] - cumulative_R[above_BC]
+  valid_BC = jnp.asarray(mask_BC, bool)
+  return (jnp.where(valid_BC, chance_BC, 0.0),
+          jnp.where(valid_BC, span_BC / tied_BC, 0.0))
 
 
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
   """NDCG@k with linear gains and 1/log2(rank+1) discounts, averaged over the lists
-  whose ideal DCG is positive (0 when there is none)."""
+  whose ideal DCG is positive (0 when there is none). Tied scores count at their expected
+  value over a random order of the tie (as scikit-learn's `ndcg_score` does), so neither
+  the candidates' slots nor their order decide a tie."""
   k = min(k, scores_BC.shape[-1])
   gains_BC = jnp.where(mask_BC, jnp.asarray(gains_BC, jnp.float32), 0.0)
-  discount_K = 1.0 / jnp.log2(jnp.arange(k, dtype=jnp.float32) + 2.0)
-  top_BK = _top_k_order(scores_BC, mask_BC, k)
-  dcg_B = jnp.sum(jnp.take_along_axis(gains_BC, top_BK, axis=-1) * discount_K, axis=-1)
-  ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * discount_K, axis=-1)
+  _, discount_BC = _expected_in_top_k(scores_BC, mask_BC, k)
+  dcg_B = jnp.sum(gains_BC * discount_BC, axis=-1)
+  ideal_discount_K = 1.0 / jnp.log2(jnp.arange(k, dtype=jnp.float32) + 2.0)
+  ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * ideal_discount_K, axis=-1)
   has_B = ideal_B > 0
   ndcg_B = jnp.where(has_B, dcg_B / jnp.where(has_B, ideal_B, 1.0), 0.0)
   return jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1)
@@ -97,11 +121,12 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
 
 def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) -> Array:
   """Share of each list's relevant valid candidates ranked in its top k, averaged over
-  the lists with at least one relevant candidate (0 when there is none)."""
+  the lists with at least one relevant candidate (0 when there is none). A tie across the
+  k-th rank counts at its expected value over a random order of the tie."""
   k = min(k, scores_BC.shape[-1])
   relevant_BC = jnp.asarray(relevant_BC, bool) & jnp.asarray(mask_BC, bool)
-  top_BK = _top_k_order(scores_BC, mask_BC, k)
-  hits_B = jnp.sum(jnp.take_along_axis(relevant_BC, top_BK, axis=-1), axis=-1)
+  chance_BC, _ = _expected_in_top_k(scores_BC, mask_BC, k)
+  hits_B = jnp.sum(jnp.where(relevant_BC, chance_BC, 0.0), axis=-1)
   total_B = jnp.sum(relevant_BC, axis=-1)
   has_B = total_B > 0
   recall_B = jnp.where(has_B, hits_B / jnp.maximum(total_B, 1), 0.0)
@@ -134,7 +159,10 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   `bayes_auc/<action>` per action (0.5 where the action is not valid). Which actions
   are valid depends on the labels only, so the Bayes figures never depend on the model.
   A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
-  (null in JSON), never a number computed over the rest.
+  (null in JSON), never a number computed over the rest; `auc/<action>` is NaN where that
+  action's logits hold the NaN. The AUCs pool every valid candidate of every list given
+  (the runner passes all its evaluation batches at once): a global AUC, which compares
+  candidates across users, not a mean of per-list AUCs.
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else
