@@ -65,13 +65,12 @@ import dataclasses
 import functools
 import itertools
 import json
-import logging as std_logging
 import os
 import re
 import shlex
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from absl import app, flags, logging
 import jax
@@ -81,6 +80,7 @@ import ml_collections
 import numpy as np
 
 from ablations import report, stats
+from experiments.cli import parse_flags, quiet_backend_search, usage_error
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, Trainer,
                                    check_run_dirs, checkpoint, load_checkpoint, parse_config,
@@ -368,8 +368,7 @@ class Sweep:
     check_workdir(workdir)
     for variant in self.variants:
       cfg = self.config(variant)
-      parse_config(cfg)
-      check_placement(cfg)
+      check_placement(parse_config(cfg))
       check_run_dirs(cfg, self.variant_dir(variant))
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
@@ -481,11 +480,12 @@ class Sweep:
         self._probe_events(ctx.run_dir, JOINT_PROBES_FILE, fresh=True)
       jax.clear_caches()
 
-  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set]:
-    """metric -> per-seed values (None for a diverged run), the divergence steps, and
-    every metric name the finished runs provide."""
+  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list]:
+    """metric -> per-seed values (None for a diverged run), the divergence steps, every
+    metric name the finished runs provide, and the code version each run recorded (None
+    for runs from before `result.json` held it, or from outside a git checkout)."""
     values = {m: [] for m in self.ablation.metrics}
-    diverged_at, available = [], set()
+    diverged_at, available, codes = [], set(), []
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
       result = read_json(os.path.join(run_dir, "result.json"))
@@ -493,6 +493,7 @@ class Sweep:
         raise FileNotFoundError(f"{run_dir}/result.json is missing: that run has not "
                                 "finished; run the sweep (not only the report) again")
       diverged = bool(result.get("diverged"))
+      codes.append(result.get("code"))
       diverged_at.append(result.get("diverged_at_step") if diverged else None)
       found = flatten_metrics(result.get("final", {}))
       for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
@@ -509,7 +510,7 @@ class Sweep:
           values[m].append(float(diverged))
         else:
           values[m].append(None if diverged else found.get(m))
-    return values, diverged_at, available
+    return values, diverged_at, available, codes
 
   def training(self) -> dict:
     """How long the base config trains and what it evaluates on (results.json's
@@ -519,23 +520,14 @@ class Sweep:
             "eval_batches": t.eval_batches, "eval_batch_size": t.eval_batch_size,
             "eval_lists": t.eval_batches * t.eval_batch_size, "eval_seed": self.base.eval_seed}
 
-  def run_codes(self) -> dict[str, int]:
-    """How many runs each code version trained (`result.json`'s "code"; "not recorded"
-    for runs from before it was recorded or from outside a git checkout)."""
-    codes = [read_json(os.path.join(self.run_dir(v, seed), "result.json")).get("code")
-             for v in self.variants for seed in self.seeds]
-    counts = {}
-    for code in codes:
-      key = code or "not recorded"
-      counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items()))
-
   def results(self) -> dict:
     """The results.json dict (see the module docstring)."""
     ab = self.ablation
-    table, variants, available, finished = {}, {}, set(), False
+    table, variants, available, finished, run_codes = {}, {}, set(), False, {}
     for v in self.variants:
-      values, diverged_at, found = self.per_seed(v)
+      values, diverged_at, found, codes = self.per_seed(v)
+      for code in codes:   # how many runs each code version trained
+        run_codes[code or "not recorded"] = run_codes.get(code or "not recorded", 0) + 1
       available |= found
       finished |= any(x is None for x in diverged_at)
       table[v.name] = values
@@ -584,7 +576,7 @@ class Sweep:
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
             "variants": variants, "comparisons": comparisons,
             "pooled_comparisons": pooled,
-            "environment": {**environment(), "run_codes": self.run_codes()}}
+            "environment": {**environment(), "run_codes": dict(sorted(run_codes.items()))}}
 
 
 def environment() -> dict:
@@ -706,13 +698,6 @@ def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep
                command=command_line(), reprobe=FLAGS.reprobe)
 
 
-def usage_error(message: str) -> NoReturn:
-  """Exits with status 2 and the message alone (as `experiments/run.py` does), where
-  absl's `UsageError` would print the script's whole docstring first."""
-  sys.stderr.write(f"error: {message}\nRun with --helpfull to see every flag.\n")
-  sys.exit(2)
-
-
 # What a sweep's runs raise for a reason the user can act on (another process on a run
 # directory, a damaged or foreign file there, a workdir that cannot be written): reported
 # as one line, where any other exception is a bug and keeps its traceback.
@@ -732,21 +717,6 @@ def exit_on_interrupt() -> Iterator[None]:
     sys.exit(128 + e.signum)
   except RUN_ERRORS as e:
     usage_error(str(e))
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing whose errors (an unknown preset, a malformed value) exit with
-  status 2 and one message, as every other usage error of the scripts."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    usage_error(str(e))
-
-
-def quiet_backend_search() -> None:
-  """Hides JAX's INFO lines about accelerator plugins it did not find ("Unable to
-  initialize backend 'tpu'"), which the sweep's INFO-level progress log would show."""
-  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.WARNING)
 
 
 def main(ablation: Ablation) -> None:

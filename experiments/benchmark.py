@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import resource
 import statistics
 import sys
 import time
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from absl import app, flags
 import equinox as eqx
@@ -45,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import train_throughput
+from experiments.cli import parse_flags, quiet_backend_search, usage_error
 from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
@@ -442,40 +442,25 @@ def format_table(report: dict) -> str:
   return "\n".join(lines)
 
 
-def _fail(message: str) -> NoReturn:
-  sys.stderr.write(f"error: {message}\nRun with --helpfull to see every flag.\n")
-  sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing whose errors exit with status 2 and one message."""
-  try:
-    return FLAGS(argv)
-  except flags.Error as e:
-    _fail(str(e))
-
-
 def _ints(name: str) -> list[int]:
   try:
     return [int(n) for n in FLAGS[name].value]
   except ValueError:
-    _fail(f"--{name}={','.join(FLAGS[name].value)}: give integers, comma-separated")
+    usage_error(f"--{name}={','.join(FLAGS[name].value)}: give integers, comma-separated")
 
 
 def _check_out(path: str) -> None:
   """The JSON file can be written, checked before minutes of timing."""
   if os.path.isdir(path):
-    _fail(f"--out={path} is a directory; name a file")
-  folder = os.path.dirname(os.path.abspath(path))
-  while not os.path.exists(folder):
-    folder = os.path.dirname(folder)
+    usage_error(f"--out={path} is a directory; name a file")
+  folder = writers.nearest_existing(os.path.dirname(os.path.abspath(path)))
   if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-    _fail(f"--out={path} cannot be written: {folder} is not a writable directory")
+    usage_error(f"--out={path} cannot be written: {folder} is not a writable directory")
 
 
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
+    usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
   cases = dict(CASES)
   if FLAGS.chunk_size is not None:
     cases = {n: dataclasses.replace(c, chunk=FLAGS.chunk_size) if c.chunk else c
@@ -485,7 +470,7 @@ def main(argv: Sequence[str]) -> None:
   try:
     check_args(FLAGS.configs, cases, compile_layers, train, FLAGS.dense_iters)
   except ValueError as e:
-    _fail(str(e))
+    usage_error(str(e))
   _check_out(FLAGS.out)
   report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
                          FLAGS.seed, FLAGS.matmul_size,
@@ -499,5 +484,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  quiet_backend_search()
   app.run(main, flags_parser=parse_flags)

@@ -16,7 +16,6 @@ before any work starts.
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 
@@ -24,6 +23,7 @@ from absl import app, flags
 import ml_collections
 from ml_collections import config_flags
 
+from experiments.cli import EXIT_BAD_INPUT, quiet_backend_search
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
 from phoenix_flax.training.schema import check_config
 from phoenix_flax.training.checkpoint import CheckpointError
@@ -52,8 +52,6 @@ _WORKDIR = flags.DEFINE_string(
     "interrupted run and skips a finished one; a different config there is an error.")
 _QUIET = flags.DEFINE_bool(
     "quiet", False, "Print only the final summary, not a progress line per host call.")
-
-EXIT_BAD_INPUT = 2
 
 
 def _duration(seconds: float) -> str:
@@ -194,5 +192,5 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  quiet_backend_search()
   app.run(main, flags_parser=parse_flags)

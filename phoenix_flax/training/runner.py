@@ -63,8 +63,8 @@ from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, Experim
                                           parse_config, seed_config, with_defaults)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
-from phoenix_flax.training.writers import (RunWriter, jsonable, read_json, read_metrics,
-                                           remove_temporaries, write_json)
+from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
+                                           read_metrics, remove_temporaries, write_json)
 
 _LOG = logging.getLogger(__name__)
 
@@ -156,9 +156,7 @@ def check_workdir(workdir: str) -> None:
   """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
   parents that exists, is not a directory, and `PermissionError` when this process cannot
   write there."""
-  path = os.path.abspath(workdir)
-  while not os.path.exists(path):
-    path = os.path.dirname(path)
+  path = nearest_existing(workdir)
   if not os.path.isdir(path):
     raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
                              "not a directory")
@@ -262,15 +260,15 @@ def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
                           f"tables needs a multiple of the {n} devices")
 
 
-def check_placement(config: ml_collections.ConfigDict) -> None:
-  """Raises `ConfigError` when the config's mesh cannot be built on this host's devices
+def check_placement(spec: ExperimentSpec) -> None:
+  """Raises `ConfigError` when the spec's mesh cannot be built on this host's devices
   or its batch sizes (or sharded hash tables) do not divide over it; nothing is compiled.
   A multi-host config (`mesh.distributed`) is left to `run_experiment`: its devices are
   known only once `jax.distributed.initialize` has run, which must come first."""
-  if config.mesh.distributed:
+  mesh = spec.config.mesh
+  if mesh.distributed:
     return
-  _validate_placement(parse_config(config), make_placement(config.mesh.num_devices,
-                                                           config.mesh.shard_hash_tables))
+  _validate_placement(spec, make_placement(mesh.num_devices, mesh.shard_hash_tables))
 
 
 _TRAINERS: dict[str, Trainer] = {}

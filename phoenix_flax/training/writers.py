@@ -72,6 +72,15 @@ def atomic_file(path: str, mode: str = "w") -> Iterator[IO]:
       os.close(fd)
 
 
+def nearest_existing(path: str) -> str:
+  """`path` (made absolute) or its nearest ancestor that exists: where creating `path`
+  would start, so whether it is a writable folder says whether that can work."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return path
+
+
 def remove_temporaries(folder: str) -> None:
   """Deletes `atomic_file`'s temporary files in `folder`: partial files of killed writers
   (call it only where no other process is writing)."""
