@@ -66,7 +66,7 @@ def plot_rms(results, workdir):
         continue
       per_seed = []
       for seed in v["seeds"]:
-        result = sweep.read_json(os.path.join(seed_dir(os.path.join(workdir, name), seed),
+        result = sweep.read_json_if_exists(os.path.join(seed_dir(os.path.join(workdir, name), seed),
                                               "result.json"))
         if result and not result["diverged"]:
           per_seed.append(layer_rms(result["final"]))

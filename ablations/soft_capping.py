@@ -19,8 +19,8 @@ Variants: `cap30` (attn_logit_cap=30, baseline), `off` (None), `cap10`, `cap50`,
 every learning rate x dtype.
 
 Metrics: `diverged` (runs with a non-finite loss or gradient norm), `max_attn_logit`
-(largest |attention logit| before the cap at the final evaluation), final `auc_mean` and
-`logloss` of the runs that did not diverge.
+(largest |attention logit| before the cap at the final evaluation), final `auc_mean`,
+`logloss` and `calibration_error` of the runs that did not diverge.
 """
 
 from ablations import sweep

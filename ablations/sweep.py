@@ -80,20 +80,19 @@ import ml_collections
 import numpy as np
 
 from ablations import report, stats
-from experiments.cli import parse_flags, quiet_backend_search, usage_error
+from experiments.cli import (RUN_ERRORS, exit_on_run_errors, parse_flags,
+                             quiet_backend_search, usage_error)
 from experiments.configs import ranking, retrieval
-from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, Trainer,
-                                   check_run_dirs, checkpoint, load_checkpoint, parse_config,
-                                   run_dirs, run_experiment)
+from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
+                                   parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
-from phoenix_flax.training.checkpoint import CheckpointError
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           finished_seeds, seed_dir)
 from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
-# On top of experiments/configs/ranking.py's preset of the same name (ablations may
+# On top of the experiment config's preset of the same name (ablations may
 # shorten runs further with `Ablation.preset_overrides`). cpu: 1200 of that preset's
 # 4000 steps, so that all five ablations fit in under an hour on 2 cores; smoke: the
 # tiny world, a handful of steps. Score consistency costs two extra forwards per
@@ -132,7 +131,8 @@ class Variant:
 class RunContext:
   """What a probe gets for one finished, non-diverged run: its directory, seed and
   variant, the parsed config (`spec`: world, splits, model config), the synthetic world
-  and the trained `RankingSystem` (final checkpoint)."""
+  and the trained system (final checkpoint): a `RankingSystem`, or a `RetrievalSystem` for
+  an ablation of the retrieval experiment."""
 
   run_dir: str
   seed: int
@@ -285,7 +285,8 @@ def write_json(path: str, obj: Any) -> None:
   report.write_atomic(path, json.dumps(jsonable(obj), indent=1, allow_nan=False) + "\n")
 
 
-def read_json(path: str) -> Optional[dict]:
+def read_json_if_exists(path: str) -> Optional[dict]:
+  """The JSON object in `path`, or None where there is no such file."""
   if not os.path.exists(path):
     return None
   with open(path) as f:
@@ -310,7 +311,7 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, O
 
 def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
                  seeds: Optional[Sequence[int]] = None):
-  """(trainer, [final `RankingSystem` per seed]) of a finished variant, from the final
+  """(trainer, [final system per seed]) of a finished variant, from the final
   checkpoint of each seed (of `seeds` only, in that order, if given); `trainer.world` is
   the run's synthetic world."""
   spec = parse_config(config)
@@ -411,7 +412,7 @@ class Sweep:
     results = self.results()
     path = os.path.join(self.workdir, "results.json")
     try:
-      before = read_json(path) or {}
+      before = read_json_if_exists(path) or {}
     except ValueError:   # damaged: it is replaced
       before = {}
     lost_variants = sorted(set(before.get("variants") or ()) - set(results["variants"]))
@@ -426,7 +427,7 @@ class Sweep:
 
   def _probeable(self, variant: Variant, seed: int) -> bool:
     """Whether the run has finished without diverging (probes need its final model)."""
-    result = read_json(os.path.join(self.run_dir(variant, seed), "result.json"))
+    result = read_json_if_exists(os.path.join(self.run_dir(variant, seed), "result.json"))
     return result is not None and not result.get("diverged")
 
   def _cached(self, variant: Variant, seed: int, name: str) -> bool:
@@ -453,8 +454,8 @@ class Sweep:
     probes reached TensorBoard)."""
     tag = name.rsplit(".", 1)[0]
     if fresh or event_file_name(run_dir, tag) is None:
-      write_event_file(run_dir, tag, read_json(os.path.join(run_dir, name)) or {},
-                       read_json(os.path.join(run_dir, "result.json"))["steps"])
+      write_event_file(run_dir, tag, read_json_if_exists(os.path.join(run_dir, name)) or {},
+                       read_json_if_exists(os.path.join(run_dir, "result.json"))["steps"])
 
   def _joint_probe(self) -> None:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
@@ -488,7 +489,7 @@ class Sweep:
     diverged_at, available, codes = [], set(), []
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
-      result = read_json(os.path.join(run_dir, "result.json"))
+      result = read_json_if_exists(os.path.join(run_dir, "result.json"))
       if result is None:
         raise FileNotFoundError(f"{run_dir}/result.json is missing: that run has not "
                                 "finished; run the sweep (not only the report) again")
@@ -497,7 +498,7 @@ class Sweep:
       diverged_at.append(result.get("diverged_at_step") if diverged else None)
       found = flatten_metrics(result.get("final", {}))
       for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
-        found.update(flatten_metrics(read_json(os.path.join(run_dir, probes_file)) or {}))
+        found.update(flatten_metrics(read_json_if_exists(os.path.join(run_dir, probes_file)) or {}))
       if self.ablation.derived is not None:
         derived = flatten_metrics(self.ablation.derived(found))
         found.update(derived)
@@ -698,25 +699,11 @@ def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep
                command=command_line(), reprobe=FLAGS.reprobe)
 
 
-# What a sweep's runs raise for a reason the user can act on (another process on a run
-# directory, a damaged or foreign file there, a workdir that cannot be written): reported
-# as one line, where any other exception is a bug and keeps its traceback.
-RUN_ERRORS = (ConfigError, RunInUseError, CheckpointError, NotADirectoryError,
-              PermissionError)
-
-
 @contextlib.contextmanager
 def exit_on_interrupt() -> Iterator[None]:
-  """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
-  the script with its message and the shell's status for that signal (130, 143); one of
-  `RUN_ERRORS` ends it with its message and status 2."""
-  try:
+  """`cli.exit_on_run_errors` with the sweep's resume hint."""
+  with exit_on_run_errors("Run the same command again to go on with the sweep."):
     yield
-  except RunInterrupted as e:
-    sys.stderr.write(f"{e}\nRun the same command again to go on with the sweep.\n")
-    sys.exit(128 + e.signum)
-  except RUN_ERRORS as e:
-    usage_error(str(e))
 
 
 def main(ablation: Ablation) -> None:

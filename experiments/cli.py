@@ -1,22 +1,49 @@
 """What the command-line scripts share: usage errors as one line with exit status 2,
-absl flag parsing that reports through them, and a quieter JAX backend search."""
+absl flag parsing that reports through them, the exit of a run that was interrupted or
+refused, and a quieter JAX backend search."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import NoReturn
+from typing import Iterator, NoReturn
 
 from absl import flags
 
+from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError
+from phoenix_flax.training.checkpoint import CheckpointError
+
 EXIT_BAD_INPUT = 2
 
+# What runs raise for a reason the user can act on (a bad config, another process on a run
+# directory, a damaged or foreign file there, a workdir that cannot be written): reported
+# as one line, where any other exception is a bug and keeps its traceback.
+RUN_ERRORS = (ConfigError, RunInUseError, CheckpointError, NotADirectoryError,
+              PermissionError)
 
-def usage_error(message: str) -> NoReturn:
-  """Exits with status 2 and the message alone, where absl's `UsageError` would print the
-  script's whole docstring first."""
-  sys.stderr.write(f"error: {message}\nRun with --helpfull to see every flag.\n")
+
+def usage_error(message: str, flags_hint: bool = True) -> NoReturn:
+  """Exits with status 2 and the message alone (plus a pointer to `--helpfull` where the
+  fault is in the flags), where absl's `UsageError` would print the script's whole
+  docstring first."""
+  hint = "Run with --helpfull to see every flag.\n" if flags_hint else ""
+  sys.stderr.write(f"error: {message}\n{hint}")
   sys.exit(EXIT_BAD_INPUT)
+
+
+@contextlib.contextmanager
+def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
+  """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
+  the script with its message, `resume_hint`, and the shell's status for that signal
+  (130, 143); one of `RUN_ERRORS` ends it with its message and status 2."""
+  try:
+    yield
+  except RunInterrupted as e:
+    sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
+    sys.exit(128 + e.signum)
+  except RUN_ERRORS as e:
+    usage_error(str(e), flags_hint=False)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -1,8 +1,9 @@
 """The plain training loop's data pipeline: the synthetic world sampled on the host, in numpy.
 
 The training loop samples its batches on device, inside the jitted step
-(`phoenix_flax.synthetic.sample_batch`). The issue's throughput baseline instead "samples
-each batch on the host with numpy and calls a jitted step once per step", and this module
+(`phoenix_flax.synthetic.sample_batch`). The plain loop that the training-throughput
+benchmark compares it with instead samples each batch on the host with numpy and calls a
+jitted step once per step, and this module
 is that host sampler: `sample_batch`'s generative process written in vectorised numpy over
 the same world (its arrays copied to the host once), with no Python loop over users.
 

@@ -17,17 +17,15 @@ before any work starts.
 from __future__ import annotations
 
 import math
-import sys
 
 from absl import app, flags
 import ml_collections
 from ml_collections import config_flags
 
-from experiments.cli import EXIT_BAD_INPUT, quiet_backend_search
+from experiments.cli import exit_on_run_errors, quiet_backend_search, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
 from phoenix_flax.training.schema import check_config
-from phoenix_flax.training.checkpoint import CheckpointError
-from phoenix_flax.training.runner import RunInterrupted, RunInUseError, finished_seeds
+from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -111,8 +109,7 @@ def _finished_before(config, workdir: str) -> list[int]:
 
 
 def _fail(message: str) -> None:
-  sys.stderr.write(f"error: {message}\n")
-  sys.exit(EXIT_BAD_INPUT)
+  usage_error(message, flags_hint=False)
 
 
 def _key_error_message(e: BaseException) -> str:
@@ -124,15 +121,16 @@ def _key_error_message(e: BaseException) -> str:
   return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing that turns every bad flag or override into a message + exit 2."""
+def parse_config_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that turns every bad flag or `--config` override into a message
+  and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     lines = [line for line in str(e).splitlines() if line.strip()]
     if any(line.startswith("Traceback") for line in lines):
       lines = [lines[0], lines[-1]]
-    _fail("\n".join(lines) + "\nRun with --helpfull to see every flag.")
+    usage_error("\n".join(lines))
   except (AttributeError, KeyError) as e:
     _fail("a --config.* override names a field the config does not have:\n  "
           + _key_error_message(e).replace("\n", "\n  ")
@@ -170,15 +168,9 @@ def main(argv: list[str]) -> None:
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
-  try:
+  with exit_on_run_errors():
     done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report)
-  except (ConfigError, RunInUseError, NotADirectoryError, PermissionError,
-          CheckpointError) as e:
-    _fail(str(e))
-  except RunInterrupted as e:
-    sys.stderr.write(f"{e}\n")
-    sys.exit(128 + e.signum)    # the shell's status for a process ended by that signal
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():
     final = r["final"]
@@ -193,4 +185,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   quiet_backend_search()
-  app.run(main, flags_parser=parse_flags)
+  app.run(main, flags_parser=parse_config_flags)

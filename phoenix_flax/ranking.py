@@ -101,7 +101,7 @@ class PhoenixModel(eqx.Module):
       raise TypeError(f"config must be a PhoenixModelConfig, got {type(config).__name__}")
     self.config = c = config
     hc, D, A = c.hash_config, c.emb_size, c.num_actions
-    ks = jax.random.split(key, 12)
+    ks = jax.random.split(key, 12)   # 11 used; splitting into 12 keeps every init as it was
     hist_in = (hc.num_item_hashes + hc.num_author_hashes + 2 + (c.dwell_time_norm is not None)) * D
     cand_in = (hc.num_item_hashes + hc.num_author_hashes + 1
                + (c.post_age_granularity_mins is not None)) * D

@@ -54,7 +54,7 @@ def _check_tokens(config: TransformerConfig, what: str, x_BTD: Array, mask_BT: A
     raise ValueError(f"{what} must be float embeddings, got dtype {x_BTD.dtype}")
   B, T = x_BTD.shape[:2]
   if batch_size is not None and B != batch_size:
-    raise ValueError(f"{what} holds {B} users, {batch_of} {batch_size}")
+    raise ValueError(f"{what} holds {B} users but {batch_of} holds {batch_size}")
   for name, x in (("padding_mask", mask_BT), ("positions", positions_BT)):
     if x is not None and tuple(getattr(x, "shape", ())) != (B, T):
       raise ValueError(f"{what}: {name} has shape {tuple(getattr(x, 'shape', ()))}, "
@@ -143,9 +143,9 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   `[B,T,KV,G,d]` (before the output projection) and the max |logit| over kept entries.
 
   A query with no kept key at all (a padded user or history token with no valid key
-  before it, or a padded candidate whose context is entirely padding) averages the values
-  it can see, where the release's dense softmax averages every value of the row, other
-  candidates' included: its output differs from the dense path's, but it is a padding
+  before it, or a padded candidate whose context is entirely padding) averages every
+  context value (a candidate: and its own value too), where the release's dense softmax
+  averages every value of its row, other candidates' included: its output differs from the dense path's, but it is a padding
   position, which no kept query reads and no logit comes from.
   """
   B, T, KV, G, d = q_BTKGd.shape

@@ -267,11 +267,11 @@ def test_every_entry_point_checks_its_tokens():
     tr(x, PADDING, OFFSET, positions()[:, :-1])
   with pytest.raises(ValueError, match="context must be"):
     tr.encode_context(ctx[0], PADDING[0, :OFFSET])
-  with pytest.raises(ValueError, match="candidates holds 1 users, the cache 2"):
+  with pytest.raises(ValueError, match="candidates holds 1 users but the cache holds 2"):
     tr.score_candidates(cand[:1], PADDING[:1, OFFSET:], cache)
   with pytest.raises(ValueError, match="candidates: padding_mask"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, :OFFSET])
-  with pytest.raises(ValueError, match="candidates holds 1 users, the context 2"):
+  with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand[:1], PADDING[:1, OFFSET:])
   with pytest.raises(ValueError, match="embeddings must be float embeddings, got dtype int32"):
     tr(x.astype(jnp.int32), PADDING)

@@ -89,7 +89,7 @@ def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
 
 def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array, Array]:
   """Per valid candidate, under a uniformly random order of tied scores: the chance that
-  it ranks in the top k, and its expected discount `[rank < k] / log2(rank + 2)` (both 0
+  it ranks in the top k, and its expected discount `[rank < k] / log2(rank + 2)` (rank counted from 0; both 0
   for padding). Without ties: the indicator of the top k and the discount of its rank."""
   C = scores_BC.shape[-1]
   above_BC, tied_BC = _rank_spans(scores_BC, mask_BC)
@@ -104,7 +104,7 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
 
 
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
-  """NDCG@k with linear gains and 1/log2(rank+1) discounts, averaged over the lists
+  """NDCG@k with linear gains and 1/log2(rank+1) discounts (rank counted from 1), averaged over the lists
   whose ideal DCG is positive (0 when there is none). Tied scores count at their expected
   value over a random order of the tie (as scikit-learn's `ndcg_score` does), so neither
   the candidates' slots nor their order decide a tie."""
@@ -160,7 +160,7 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   are valid depends on the labels only, so the Bayes figures never depend on the model.
   A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
   (null in JSON), never a number computed over the rest; `auc/<action>` is NaN where that
-  action's logits hold the NaN. The AUCs pool every valid candidate of every list given
+  action is valid and its logits hold the NaN (0.5 where the action is not valid). The AUCs pool every valid candidate of every list given
   (the runner passes all its evaluation batches at once): a global AUC, which compares
   candidates across users, not a mean of per-list AUCs.
   """
@@ -187,9 +187,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   undefined = jnp.any(jnp.isnan(logits_BCA) & mask_BC[..., None])
   model = lambda x: jnp.where(undefined, jnp.nan, x)
   out = {
-      "auc_mean": auc_mean,
+      "auc_mean": model(auc_mean),
       "bayes_auc_mean": bayes_mean,
-      "auc_gap": bayes_mean - auc_mean,
+      "auc_gap": model(bayes_mean - auc_mean),
       "logloss": model(log_loss(logits_BCA, labels_BCA, mask_BC)),
       "bayes_logloss": log_loss(bayes_logits_BCA, labels_BCA, mask_BC),
       "calibration_error": model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
