@@ -163,6 +163,20 @@ def test_chunked_scoring_equals_scoring_at_once(ranker):
   assert dict(ranker.trace_counts) == compiled
 
 
+def test_chunked_scoring_keeps_the_continuous_head_in_candidate_order():
+  """The continuous head's outputs are stitched back from the chunks like the scores."""
+  config = PhoenixModelConfig(model=TRANSFORMER, emb_size=32, history_seq_len=8,
+                              candidate_seq_len=6, num_continuous_actions=2)
+  runner = RankingRunner.from_config(config, key=jax.random.key(0))
+  batch, emb = example_batch(config, 2, jax.random.key(1))
+  whole = runner.rank(batch, emb)
+  assert whole.continuous.shape == (2, 6, 2)
+  for chunk_size in (1, 4):
+    chunked = runner.rank_chunked(batch, emb, chunk_size)
+    np.testing.assert_allclose(chunked.scores, whole.scores, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(chunked.continuous, whole.continuous, atol=1e-5, rtol=0)
+
+
 def test_right_anchored_positions_need_left_aligned_history(anchored_ranker, ranker):
   """Right-aligned history would put the newest item after the candidates' position."""
   batch, emb = _batch(batch_size=2, history_lengths=[3, 8])

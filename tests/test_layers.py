@@ -156,7 +156,7 @@ def _split_qkv(attn, cfg):
 @pytest.mark.parametrize("num_kv_heads, cap", [(4, 30.0), (4, None), (2, 1.0)])
 def test_attention_matches_per_head_loop(num_kv_heads, cap):
   cfg = transformer_config(num_kv_heads=num_kv_heads, attn_logit_cap=cap,
-                           attn_output_multiplier=1.0)
+                           attn_output_multiplier=0.5)   # != 1: the multiplier is applied
   attn = attention(cfg, 3)
   B, T = 2, 5
   rng = np.random.default_rng(7)

@@ -467,6 +467,45 @@ def test_divergence_guard_freezes_a_seed_for_good():
   same(after.opt_state, healed.opt_state)
 
 
+def test_a_nan_gradient_with_a_finite_loss_diverges_the_seed():
+  """The guard checks the gradient norm too: a step whose loss is finite but whose
+  gradient is not (a `where` over a NaN branch, a bfloat16 overflow) stops the seed there,
+  before AdamW writes NaN into its parameters."""
+  trainer = Trainer(parse_config(smoke_config()))
+  state = unstack(trainer.init([0]), 0)
+  sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
+  original = trainer._loss
+
+  def loss_with_nan_gradient(params, sb):
+    loss, aux = original(params, sb)
+    x = jax.tree.leaves(params)[0]
+    trap = jnp.where(True, 0.0, jnp.sqrt(-1.0 - jnp.sum(jnp.abs(x))))  # 0, gradient NaN
+    return loss + trap, aux
+
+  trainer._loss = loss_with_nan_gradient
+  new, stats = eqx.filter_jit(trainer.update)(state, sb)
+  assert np.isfinite(float(stats["loss"])) and not np.isfinite(float(stats["grad_norm"]))
+  assert bool(new.diverged) and int(new.diverged_step) == 1
+  jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+
+
+def test_a_step_logs_the_rate_it_applies_and_each_step_draws_a_new_batch():
+  trainer = Trainer(parse_config(smoke_config()))
+  state = unstack(trainer.init([0]), 0)
+  sample, update = eqx.filter_jit(trainer.sample_train_batch), eqx.filter_jit(trainer.update)
+  sb0 = sample(trainer.world, state)
+  after, stats = update(state, sb0)
+  assert float(stats["learning_rate"]) == float(trainer.schedule(0)) == 0.0
+  jax.tree.map(np.testing.assert_array_equal, after.params, state.params)  # rate 0 applied
+  _, stats1 = update(after, sb0)
+  assert 0.0 < float(trainer.schedule(1)) != float(trainer.schedule(2))
+  np.testing.assert_allclose(float(stats1["learning_rate"]), float(trainer.schedule(1)),
+                             rtol=1e-5)   # jit and eager schedules differ by an ulp
+  sb1 = sample(trainer.world, after)
+  assert not np.array_equal(np.asarray(sb0.batch.candidate_post_hashes),
+                            np.asarray(sb1.batch.candidate_post_hashes))
+
+
 def test_resume_steps_are_those_every_seed_has(tmp_path):
   """A kill between two seeds' checkpoint writes leaves them at different steps; the run
   resumes from the newest step all seeds have (then the ones before it, newest first, if
