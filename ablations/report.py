@@ -241,7 +241,7 @@ def preset_note(preset: str, seeds: Optional[int] = None) -> list[str]:
     return []
   n = "two seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
   return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
-          f"runs train for a few steps (AUC near 0.5) with {n}; use `--preset=cpu` "
+          f"runs train for a few steps (near chance) with {n}; use `--preset=cpu` "
           "for results.", ""]
 
 
@@ -333,7 +333,8 @@ HOW_TO_READ = (
     "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
     "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
     "many remained). In TensorBoard (`tensorboard --logdir` on this folder) the primary "
-    "evaluation's metrics are tagged `eval/<metric>` (`auc_mean` here is `eval/auc_mean`), "
+    "evaluation's metrics are tagged `eval/<metric>` (`auc_mean` is `eval/auc_mean`; "
+    "characters TensorBoard rejects become `_`: `recall@5` is `eval/recall_5`), "
     "the extra splits' `<split>/<metric>`, and probe and derived metrics keep their names, "
     "at each run's last step; the HParams view groups each variant's seeds.")
 

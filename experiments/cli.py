@@ -36,12 +36,17 @@ def usage_error(message: str, flags_hint: bool = True) -> NoReturn:
 def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
   the script with its message, `resume_hint`, and the shell's status for that signal
-  (130, 143); one of `RUN_ERRORS` ends it with its message and status 2."""
+  (130, 143); a Ctrl-C anywhere else in the block with a one-line message and 130; one of
+  `RUN_ERRORS` with its message and status 2."""
   try:
     yield
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
     sys.exit(128 + e.signum)
+  except KeyboardInterrupt:   # Ctrl-C outside a training loop (setup, compiling, probes)
+    sys.stderr.write("interrupted by SIGINT before a checkpoint could be written; finished "
+                     "runs and checkpoints are kept: run the same command again\n")
+    sys.exit(130)
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
 

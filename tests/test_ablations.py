@@ -563,6 +563,11 @@ def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
   assert "go on with the sweep" in err
   with sweep.exit_on_interrupt():   # nothing raised: nothing happens
     pass
+  with pytest.raises(SystemExit) as e:   # Ctrl-C outside a training loop: one line too
+    with sweep.exit_on_interrupt():
+      raise KeyboardInterrupt
+  assert e.value.code == 130
+  assert capsys.readouterr().err.startswith("interrupted by SIGINT before a checkpoint")
 
 
 def test_exact_counts_are_printed_whole():

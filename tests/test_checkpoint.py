@@ -470,6 +470,13 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
     assert got["final"] == want["final"] and got["steps"] == 40
     assert [r["step"] for r in writers.read_metrics(run_dir)] == [10, 20, 30, 40]
 
+    # During the last chunk: the run finishes, and its caller (a sweep) still stops.
+    last = str(tmp_path / "last")
+    with pytest.raises(RunInterrupted, match=r"after the last step \(40\): the run in .*last "
+                                             r"finished") as e:
+      run_experiment(config, last, progress=_stop_at({40: [signal.SIGINT]}))
+    assert json.load(open(os.path.join(last, "result.json")))["final"] == want["final"]
+
     # Ctrl-C twice: the second raises KeyboardInterrupt where it lands, with no checkpoint.
     again = str(tmp_path / "twice")
     with pytest.raises(KeyboardInterrupt) as e:

@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from phoenix_flax.training import runner
-from phoenix_flax.training.schema import RUNTIME_SECTIONS, flatten
+from phoenix_flax.training import schema
 from phoenix_flax.training.writers import RunWriter, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +68,8 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
       content["_hparams_/session_start_info"]).session_start_info
   assert start.hparams["model.num_layers"].number_value == 1
   assert start.hparams["model.norm_layout"].string_value == "sandwich"
+  assert "ranking.top_k" in start.hparams and "mesh.num_devices" not in start.hparams
+  assert not any(name.startswith("retrieval.") for name in start.hparams)  # never read
   assert start.group_name == ""   # one seed in the workdir itself: a group of its own
 
 
@@ -97,8 +99,7 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   for step in (10, 20, 30):
     writer.log(step, {"train/loss": float(step), "eval/recall@5": 0.5}, step / 10)
   writer.close(finished=False)
-  time.sleep(1.1)   # event file names carry the second they were opened in
-  writer = RunWriter(run_dir, hparams, resume_step=20)
+  writer = RunWriter(run_dir, hparams, resume_step=20)   # within the same second too
   assert [r["step"] for r in read_metrics(run_dir)] == [10, 20]
   writer.log(30, {"train/loss": 33.0, "eval/recall@5": float("nan")}, 3.5)
   writer.close(finished=True)
@@ -117,6 +118,25 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   assert read_metrics(run_dir) == []
   assert len([f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents.")]) == 1
   assert "train/loss" not in _accumulator(run_dir).Tags()["scalars"]
+
+
+def test_a_flush_puts_every_logged_event_on_disk(tmp_path):
+  """The runner flushes before each checkpoint and a resumed run does not log the steps
+  before it again: a process killed right after a flush must have written them all."""
+  script = (
+      "import os, signal\n"
+      "from phoenix_flax.training.writers import RunWriter\n"
+      f"w = RunWriter({str(tmp_path)!r}, {{'model.num_layers': 2}}, None)\n"
+      "for step in (10, 20, 30):\n"
+      "  w.log(step, {f'eval/m{i}': float(i) for i in range(60)}, 1.0)\n"
+      "w.flush()\n"
+      "os.kill(os.getpid(), signal.SIGKILL)\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  acc = _accumulator(str(tmp_path))
+  assert len(acc.Tags()["scalars"]) == 60
+  assert all([e.step for e in acc.Scalars(f"eval/m{i}")] == [10, 20, 30] for i in range(60))
 
 
 def _free_port() -> int:
@@ -140,7 +160,7 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
   port = _free_port()
   logdir = os.path.dirname(run_dir)
   with open(os.path.join(run_dir, "config.json")) as f:
-    hparams = flatten(json.load(f), skip=RUNTIME_SECTIONS)
+    hparams = schema.hparams(json.load(f))
   hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in hparams.items()}  # as run
   other = RunWriter(os.path.join(logdir, "other_run"),
                     {**hparams, "model.attn_logit_cap": None, "model.num_layers": 3}, None)

@@ -37,7 +37,7 @@ def get_config(preset: str = "cpu") -> ml_collections.ConfigDict:
     c.retrieval.recall_k = (5, 20)
   elif preset == "full":
     c.train.update(dict(num_steps=20_000, batch_size=1024, steps_per_call=200,
-                        eval_every=2000, checkpoint_every=2000, eval_batch_size=512,
-                        eval_batches=8))
+                        eval_every=2000, checkpoint_every=2000, eval_batch_size=1024,
+                        eval_batches=4))
     c.retrieval.recall_k = (10, 100, 1000)
   return c

@@ -245,13 +245,34 @@ class Trainer:
   def _retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
     """In-batch softmax loss of the user and candidate vectors, and which users have a
     positive."""
-    idx_B, has_B = first_positive(sb.labels, sb.candidate_mask,
+    return self._in_batch_loss(sb.labels, sb.candidate_mask, sb.candidate_post_ids,
+                               user_BD, cand_BCD)
+
+  def _in_batch_loss(self, labels_BCA: Array, mask_BC: Array, post_ids_BC: Array,
+                     user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+    idx_B, has_B = first_positive(labels_BCA, mask_BC,
                                   self.spec.config.retrieval.positive_action)
     rows = jnp.arange(idx_B.shape[0])
     loss = in_batch_softmax_loss(user_BD, cand_BCD[rows, idx_B], has_B,
                                  self.spec.config.retrieval.temperature,
-                                 sb.candidate_post_ids[rows, idx_B])
+                                 post_ids_BC[rows, idx_B])
     return loss, has_B
+
+  def _eval_retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array) -> Array:
+    """The in-batch loss of an evaluation batch, on the training loss's scale: its users
+    are split into groups of `train.batch_size` (where that divides the evaluation batch)
+    and each group is its own batch of negatives, since the loss grows with the number of
+    users it contrasts (about log B for a model that knows nothing). Mean over the users
+    with a positive."""
+    B, G = user_BD.shape[0], self.spec.config.train.batch_size
+    if G >= B or B % G:
+      return self._retrieval_loss(sb, user_BD, cand_BCD)[0]
+    split = lambda x: x.reshape((B // G, G) + x.shape[1:])
+    parts = jax.tree.map(split, (sb.labels, sb.candidate_mask, sb.candidate_post_ids,
+                                 user_BD, cand_BCD))
+    loss_g, has_gB = jax.vmap(self._in_batch_loss)(*parts)
+    count_g = jnp.sum(has_gB, axis=1).astype(jnp.float32)
+    return jnp.sum(loss_g * count_g) / jnp.maximum(jnp.sum(count_g), 1.0)
 
   def sample_train_batch(self, world: World, state: TrainState):
     """The training batch of the state's next step (drawn from the seed's data key)."""
@@ -339,7 +360,7 @@ class Trainer:
       sb = self._sample_eval(world, split, key)
       user_BD, diag = system.user_forward(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
-      loss, _ = self._retrieval_loss(sb, user_BD, cand_BCD)
+      loss = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
       model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
       bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,

@@ -9,9 +9,6 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array
 
-NEG_INF = -1e9
-
-
 def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
                  action_weights_A: Optional[Array] = None) -> Array:
   """Weighted mean binary cross-entropy over valid candidates and actions.
@@ -44,7 +41,10 @@ def in_batch_softmax_loss(user_BD: Array, positive_BD: Array, valid_B: Array,
   Row b scores user b against all positives of the batch (`u @ p.T / temperature`) and
   is trained to pick its own. Users without a positive (`valid_B` false) contribute no
   row and no negative column; when `positive_ids_B` is given, another user's positive
-  that is the same post is not counted as a negative. Mean over valid rows.
+  that is the same post is not counted as a negative (other collisions stay: a post the
+  user engaged with elsewhere in its list is a negative when it is another user's
+  positive, and there is no correction for how often a post is sampled). Mean over valid
+  rows. Every row keeps its own positive, so the excluded columns can be -inf.
   """
   logits_BB = (user_BD.astype(jnp.float32) @ positive_BD.astype(jnp.float32).T) / temperature
   B = logits_BB.shape[0]
@@ -52,7 +52,7 @@ def in_batch_softmax_loss(user_BD: Array, positive_BD: Array, valid_B: Array,
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:
     keep_BB &= positive_ids_B[None, :] != positive_ids_B[:, None]
-  logits_BB = jnp.where(keep_BB | eye_BB, logits_BB, NEG_INF)
+  logits_BB = jnp.where(keep_BB | eye_BB, logits_BB, -jnp.inf)
   per_B = jax.nn.logsumexp(logits_BB, axis=1) - jnp.diagonal(logits_BB)
   v_B = valid_B.astype(jnp.float32)
   return jnp.sum(per_B * v_B) / jnp.maximum(jnp.sum(v_B), 1.0)

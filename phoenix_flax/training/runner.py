@@ -59,7 +59,7 @@ import numpy as np
 from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
-                                          check_config, default_fprop_dtype, flatten,
+                                          check_config, default_fprop_dtype, flatten, hparams,
                                           parse_config, seed_config, with_defaults)
 from phoenix_flax.training.sharding import (Placement, initialize_distributed,
                                             make_placement, to_host)
@@ -88,10 +88,15 @@ class RunInterrupted(KeyboardInterrupt):
   checkpoint of `step`; running the same config again resumes from it. A
   `KeyboardInterrupt`, so code that stops on Ctrl-C (a sweep over runs) stops on it too."""
 
-  def __init__(self, signum: int, step: int, dirs: list[str]):
+  def __init__(self, signum: int, step: int, dirs: list[str], finished: bool = False):
     name = signal.Signals(signum).name
-    super().__init__(f"stopped by {name} after step {step}, with a checkpoint in "
-                     f"{', '.join(dirs)}; run the same command again to resume")
+    if finished:   # the signal came during the last chunk: the run ended, then stopped
+      message = (f"stopped by {name} after the last step ({step}): the run in "
+                 f"{', '.join(dirs)} finished (result.json written)")
+    else:
+      message = (f"stopped by {name} after step {step}, with a checkpoint in "
+                 f"{', '.join(dirs)}; run the same command again to resume")
+    super().__init__(message)
     self.signum, self.step = signum, step
 
 
@@ -429,7 +434,7 @@ class _Group:
         cfg_k = seed_config(self.config, k)
         cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
         write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
-        self.writers[k] = RunWriter(dirs[k], flatten(cfg_k, skip=RUNTIME_SECTIONS),
+        self.writers[k] = RunWriter(dirs[k], hparams(cfg_k),
                                     self.step or None, _hparams_group(dirs[k], k))
 
   def release(self) -> None:
@@ -512,9 +517,12 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   g = _Group(trainer, config, seeds, dirs)
   try:
     with _StopRequests() as stop:
-      return _train_group(g, trainer, progress, stop)
+      results = _train_group(g, trainer, progress, stop)
   finally:
     g.release()
+  if stop.signum is not None:   # during the last chunk: the run finished; its caller stops
+    raise RunInterrupted(stop.signum, g.step, [g.dirs[k] for k in seeds], finished=True)
+  return results
 
 
 def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progress], None]],

@@ -33,10 +33,14 @@ command line as `--config.<section>.<field>=value`):
   train.*             `num_steps`, `batch_size` (per seed, global over devices),
                       `steps_per_call` (steps scanned per host call; divides num_steps,
                       eval_every and checkpoint_every), `eval_every` (0 = at the end only),
-                      `checkpoint_every` (0 = never), `eval_batch_size`, `eval_batches`,
-                      `action_weights` (None or one weight >= 0 per action, for the loss),
-                      `score_consistency` (re-score the primary eval split's lists with
-                      new companions).
+                      `checkpoint_every` (0 = never), `eval_batch_size`, `eval_batches`
+                      (retrieval's evaluation loss contrasts each user with the others of
+                      its group of `batch_size` users, as training does, where
+                      `batch_size` divides `eval_batch_size`; with the whole evaluation
+                      batch otherwise), `action_weights` (ranking: None or one weight
+                      >= 0 per action, for the loss), `score_consistency` (ranking:
+                      re-score the primary eval split's lists with new companions;
+                      retrieval runs ignore it).
   ranking.*           `top_k`: the K of ndcg@K, recall@K and bayes_recall@K of the favorite
                       ranking of each evaluation list (one or more; a K at or above a
                       list's size ranks the whole list, where recall is 1.0).
@@ -339,6 +343,9 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   _check(isinstance(t.score_consistency, bool), "train.score_consistency",
          t.score_consistency, "must be a bool")
   weights = None
+  _check(t.action_weights is None or c.task == "ranking", "train.action_weights",
+         t.action_weights, "weighs the ranking loss's actions; retrieval trains on "
+         "retrieval.positive_action alone, so leave it None")
   if t.action_weights is not None:
     weights = tuple(t.action_weights) if isinstance(t.action_weights, (tuple, list)) else ()
     _check(len(weights) == world.num_actions and all(_is_num(w) and w >= 0 for w in weights)
@@ -358,9 +365,9 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "retrieval.positive_action", r.positive_action,
          f"must be an action index in [0, {world.num_actions})")
   ks = tuple(r.recall_k) if isinstance(r.recall_k, (tuple, list)) else ()
-  _check(len(ks) >= 1 and all(_is_int(k) and 1 <= k <= world.num_posts for k in ks),
-         "retrieval.recall_k", r.recall_k,
-         f"give one or more integers in [1, world.num_posts={world.num_posts}]")
+  _check(len(ks) >= 1 and all(_is_int(k) and 1 <= k <= world.num_posts for k in ks)
+         and len(set(ks)) == len(ks), "retrieval.recall_k", r.recall_k,
+         f"give one or more distinct integers in [1, world.num_posts={world.num_posts}]")
   _check_other_task(c)
 
   m = c.mesh
@@ -431,6 +438,13 @@ def seed_config(config: ml_collections.ConfigDict, seed: int) -> ml_collections.
   single.seed = seed
   single.num_seeds = 1
   return single
+
+
+def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The settings a run logs as its TensorBoard hparams: every leaf of the config but the
+  runtime sections and the other task's section, which the run never reads."""
+  other = "retrieval" if config["task"] == "ranking" else "ranking"
+  return flatten(config, skip=RUNTIME_SECTIONS + (other,))
 
 
 def flatten(config: Mapping[str, Any], skip: tuple = ()) -> dict[str, Any]:

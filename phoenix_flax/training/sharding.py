@@ -40,6 +40,11 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id)
   except (ValueError, RuntimeError) as e:
+    if "must be called before" in str(e):
+      raise ConfigError(
+          f"config.mesh.distributed=True: jax.distributed.initialize came after this "
+          f"process had started its JAX backend ({e}); initialize_distributed must run "
+          "before anything else touches JAX") from e
     raise ConfigError(
         f"config.mesh.distributed=True: jax.distributed.initialize failed ({e}). Set "
         "config.mesh.coordinator_address, num_processes and process_id, or run where JAX "
@@ -89,12 +94,17 @@ class Placement:
             x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=False))), tree)
 
   def constrain_batch(self, tree: Any) -> Any:
-    """Inside jit (per seed): shards every array's leading (batch) axis over "data"."""
+    """Inside jit (per seed): shards every array's leading (batch) axis over "data".
+
+    For a batch sampled inside the program: every device samples the whole (cheap) batch
+    and keeps its rows, since the sampler slices its blocks out of one flat vector of
+    uniforms, which, left to the partitioner, is sharded and re-laid out with a
+    collective-permute per block at every step."""
     if self.mesh is None:
       return tree
-    sharding = NamedSharding(self.mesh, P(DATA_AXIS))
-    return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, sharding) if x.ndim >= 1 else x, tree)
+    pin = lambda spec: lambda x: (jax.lax.with_sharding_constraint(
+        x, NamedSharding(self.mesh, spec)) if x.ndim >= 1 else x)
+    return jax.tree.map(pin(P(DATA_AXIS)), jax.tree.map(pin(P()), tree))
 
 
 def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
@@ -104,6 +114,10 @@ def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
   if n > len(devices):
     raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid: only "
                       f"{len(devices)} devices are visible")
+  if jax.process_count() > 1 and n != len(devices):
+    raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid with "
+                      f"{jax.process_count()} processes (mesh.distributed): the mesh must "
+                      f"hold every process's devices; use -1 (all {len(devices)})")
   if n == 1:
     return Placement(None, False)
   return Placement(Mesh(np.asarray(devices[:n]), (DATA_AXIS,)), shard_hash_tables)

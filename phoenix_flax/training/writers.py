@@ -12,12 +12,16 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 from tensorboardX.summary import hparams as hparams_summary
+from tensorboardX.summary import scalar as scalar_summary
 
 _LOG = logging.getLogger(__name__)
 # tensorboardX warns at every non-finite scalar; a diverged run logs NaN on purpose (and
@@ -182,6 +186,9 @@ class RunWriter:
   cap of 30.0 in one run and None in another is a string column), marks the hparams that
   differ between runs and lists them first, and offers every scalar as a metric. A summary
   per run would make it take one run's, in which nothing differs.
+  Events are written in the calling thread (no background queue), so that `flush` puts
+  every event logged so far on disk before the checkpoint that follows it: a resumed run
+  drops the events after its checkpoint and does not log them again.
   `resume_step` None starts afresh (old events and rows are removed); an int keeps the rows
   up to that step and tells TensorBoard to drop the events logged after it. `group` names
   the session group of the HParams view: the seeds of one config share it, so that view
@@ -201,34 +208,43 @@ class RunWriter:
       rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
     with atomic_file(self.metrics_path) as f:
       f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
-    purge = None if resume_step is None else resume_step + 1
-    self.tb = SummaryWriter(run_dir, purge_step=purge, flush_secs=10)
-    if resume_step is None:
+    # The file name's timestamp has whole seconds; the suffix keeps two writers of one run
+    # that start within a second apart, and in the order they started.
+    self._events = EventsWriter(os.path.join(run_dir, "events"), f".{time.time_ns()}")
+    if resume_step is not None:   # as SummaryWriter(purge_step=...) marks a restart
+      purge = resume_step + 1
+      self._write(Event(step=purge, file_version="brain.Event:2"))
+      self._write(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
+    else:
       _, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()}, {})
       if group:
         data = HParamsPluginData.FromString(ssi.value[0].metadata.plugin_data.content)
         data.session_start_info.group_name = group
         ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
-      self.tb.file_writer.add_summary(ssi)
+      self._write(Event(summary=ssi))
     self._hparams = dict(hparams)
+
+  def _write(self, event: Event) -> None:
+    event.wall_time = time.time()
+    self._events.write_event(event)
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
     """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
     for name, value in scalars.items():
-      self.tb.add_scalar(tensorboard_tag(name), float(value), step)
+      self._write(Event(step=step, summary=scalar_summary(tensorboard_tag(name),
+                                                          float(value))))
     row = {"step": step, "wall_seconds": wall_seconds, **scalars}
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(jsonable(row), sort_keys=True) + "\n")
 
   def flush(self) -> None:
-    """Writes the pending TensorBoard events to disk (metrics.jsonl rows are written as
+    """Puts every event logged so far on disk (fsynced; metrics.jsonl rows are written as
     they are logged)."""
-    self.tb.flush()
+    self._events.flush()
 
   def close(self, finished: bool) -> None:
     """Flushes; on a finished run also records the HParams session end."""
     if finished:
       _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
-      self.tb.file_writer.add_summary(sei)
-    self.tb.flush()
-    self.tb.close()
+      self._write(Event(summary=sei))
+    self._events.close()
