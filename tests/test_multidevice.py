@@ -19,7 +19,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
-import json, sys
+import json, re, sys
 import equinox as eqx
 import jax
 import numpy as np
@@ -53,6 +53,11 @@ batch = eqx.filter_jit(mesh_trainer.sample_train_batch)(mesh_trainer.world, one_
 out["batch_axes"] = sorted({str(x.sharding.spec[0] if len(x.sharding.spec) else None)
                             for x in jax.tree.leaves(batch) if x.ndim >= 1})
 out["table_devices_replicated"] = len(state.params.tables.post_table.sharding.device_set)
+# The chunk's collectives: the gradients' all-reduce only; sampling the batch moves no data
+# between devices (each samples the whole batch and keeps its rows).
+hlo = mesh_trainer._chunk.lower(mesh_trainer.world, state).lowered.compile().as_text()
+out["collectives"] = sorted(set(re.findall(r"\\b(all-gather|all-to-all|collective-permute|"
+                                           r"reduce-scatter)\\(", hlo)))
 
 cfg.mesh.num_devices, cfg.mesh.shard_hash_tables = 8, True
 results = run_experiment(cfg, sys.argv[1])
@@ -86,6 +91,7 @@ def test_eight_devices_match_one_device(tmp_path):
   # and a sampled batch is split over the mesh's "data" axis.
   np.testing.assert_allclose(out["replicated_loss"], single, rtol=2e-5, atol=1e-6)
   assert out["batch_axes"] == ["data"]
+  assert out["collectives"] == []   # no collective-permute per step for the sampled batch
   assert out["table_devices_replicated"] == 8
   # run_experiment on 8 devices (batch sharded, hash tables sharded by rows): the same
   # loss curve (chunk means of the per-step losses) and final AUC as one device.
