@@ -668,3 +668,51 @@ def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs):
     got, want = run.system(sb.batch), system32(sb.batch)
     diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
     assert 0 < diff < 0.1, diff
+
+
+def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
+  """`bayes_corpus_top_k` is the top k of the true favorite logit over the whole corpus,
+  in user chunks of any size. Its recall is not a ceiling: recall counts favorites among
+  the candidates the sampler drew, and ranking by the chance of being drawn (the sampler's
+  topic softmax) times the favorite probability scores above it, on the cpu preset's
+  first 40 evaluation batches of 128 lists (README, "Training on the synthetic world")."""
+  from phoenix_flax.synthetic import true_logits
+  from phoenix_flax.training.loop import bayes_corpus_top_k
+  spec = parse_config(retrieval_configs.get_config("cpu"))
+  world = make_world(spec.world, jax.random.PRNGKey(spec.config.world_seed))   # the run's
+  split, wc = spec.eval_splits["eval"], spec.world
+  N, T, K = wc.num_posts, wc.num_topics, 100
+  topic_N = np.arange(N) % T
+  per_topic_N = np.bincount(topic_N, minlength=T)[topic_N]
+  sample = jax.jit(sample_batch, static_argnums=(1, 2))
+  oracle, draw_aware = [], []
+  for i in range(40):
+    key = jax.random.fold_in(jax.random.PRNGKey(spec.config.eval_seed), i)
+    sb = sample(world, split, 128, key)
+    bias_B = world.user_bias_U[sb.user_ids]
+    logit_BN = np.asarray(true_logits(world, sb.interest[:, None, :], jnp.arange(N)[None],
+                                      jnp.zeros((1, N), jnp.int32), jnp.zeros((1, N)),
+                                      bias_B[:, None])[..., 0])
+    if i == 0:   # the oracle's own top k (in chunks of 16 users) is the true one
+      top = np.asarray(bayes_corpus_top_k(world, sb.interest, bias_B, 0, K,
+                                          budget=16 * N * (wc.latent_dim + wc.num_actions)))
+      np.testing.assert_array_equal(np.sort(top, 1),
+                                    np.sort(np.argsort(-logit_BN, 1)[:, :K], 1))
+    topic_logits_BT = wc.retrieval_sharpness * np.asarray(sb.interest) @ np.asarray(
+        world.topic_vecs_TL).T
+    topic_BT = np.exp(topic_logits_BT - topic_logits_BT.max(1, keepdims=True))
+    topic_BT /= topic_BT.sum(1, keepdims=True)
+    drawn_BN = (split.relevant_fraction * topic_BT[:, topic_N] / per_topic_N
+                + (1 - split.relevant_fraction) / N)
+    favored_BC = (np.asarray(sb.labels)[..., 0] > 0) & np.asarray(sb.candidate_mask)
+    ids_BC = np.asarray(sb.candidate_post_ids)
+    favorite_BN = 1 / (1 + np.exp(-logit_BN))
+    for scores_BN, out in ((logit_BN, oracle), (drawn_BN * favorite_BN, draw_aware)):
+      kth_B = -np.partition(-scores_BN, K - 1, axis=1)[:, K - 1]
+      in_top_BC = np.take_along_axis(scores_BN, ids_BC, 1) >= kth_B[:, None]
+      has_B = favored_BC.any(1)
+      out.extend((in_top_BC & favored_BC).sum(1)[has_B] / favored_BC.sum(1)[has_B])
+  gain = np.asarray(draw_aware) - np.asarray(oracle)
+  assert len(gain) > 4000
+  assert gain.mean() > 3 * gain.std(ddof=1) / np.sqrt(len(gain)), (
+      np.mean(oracle), np.mean(draw_aware), len(gain))
