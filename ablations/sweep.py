@@ -62,6 +62,7 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import difflib
 import functools
 import itertools
 import json
@@ -86,10 +87,10 @@ from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
-from phoenix_flax.training.schema import check_config
+from phoenix_flax.training.schema import ExperimentSpec, check_config
 from phoenix_flax.training.sharding import initialize_distributed
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
-                                          finished_seeds, seed_dir)
+                                          final_metric_names, finished_seeds, seed_dir)
 from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
@@ -162,7 +163,8 @@ class Ablation:
     arms: arm -> config overrides (dotted paths, e.g. "model.attn_logit_cap").
     baseline: the arm with the released setting; every other arm is compared with it.
     metrics: every reported metric (result.json finals such as "auc_mean" or
-      "long/auc_mean", probe outputs, "diverged"), in report order.
+      "long/auc_mean", probe outputs, "diverged"), in report order. Without probes or
+      `derived`, each must be a final of the runs (checked before training).
     primary_metric: the metric of the main table (default: the first of `metrics`).
     headline: metrics whose comparisons the verdict spells out (default: primary and
       "diverged").
@@ -375,10 +377,31 @@ class Sweep:
         check_config(self.config(variant))
       m = self.base.mesh
       initialize_distributed(m.coordinator_address, m.num_processes, m.process_id)
+    specs = []
     for variant in self.variants:
       cfg = self.config(variant)
-      check_placement(parse_config(cfg))
+      specs.append(parse_config(cfg))
+      check_placement(specs[-1])
       check_run_dirs(cfg, self.variant_dir(variant))
+    if (runner is None and ablation.probe is None and ablation.joint_probe is None
+        and ablation.derived is None):   # (another runner may report other finals)
+      self._check_metric_names(specs)
+
+  def _check_metric_names(self, specs: Sequence[ExperimentSpec]) -> None:
+    """Every metric of an ablation without probes is a final of its runs (found by
+    tracing their evaluation), so that a misnamed one is refused before training, not
+    after it."""
+    finals = set().union(*(final_metric_names(spec) for spec in specs))
+    missing = [m for m in self.ablation.metrics if m != "diverged" and m not in finals]
+    if missing:
+      near = {m: difflib.get_close_matches(m, sorted(finals), n=1) for m in missing}
+      hints = ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
+                        for m in missing)
+      raise ValueError(f"{self.ablation.name}: metrics {hints} are not among its runs' "
+                       f"final metrics at preset {self.preset!r} (the {self.ablation.experiment} "
+                       f"experiment's: {', '.join(sorted(m for m in finals if '/' not in m))}; "
+                       "plus train/loss, train/grad_norm and the per-action, per-layer and "
+                       "per-split ones)")
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
     """The full config of a variant (all seeds)."""

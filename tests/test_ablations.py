@@ -2,6 +2,7 @@
 training), plus checks that every ablation script builds valid configs."""
 
 import ast
+import dataclasses
 import glob
 import json
 import logging
@@ -40,7 +41,8 @@ def fake_runner(diverge=(), code=None):
       auc = 0.7 + EFFECT[arm] + 0.002 * math.sin(3 * seed + ord(arm))
       diverged = (variant, seed) in diverge
       result = {"final": {"auc_mean": None if diverged else auc, "logloss": 0.3 - auc / 10,
-                          "calibration_error": 0.01, "residual_rms": [1.0, 2.0]},
+                          "calibration_error": 0.01, "residual_rms/layer_0": 1.0,
+                          "residual_rms/layer_1": 2.0},
                 "diverged": diverged, "diverged_at_step": 7 if diverged else None,
                 "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
       if code is not None:
@@ -59,7 +61,7 @@ def toy_ablation(**kwargs):
   fields = dict(name="toy", doc="Toy hypothesis.\n\nMore text.",
                 arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2},
                       "c": {"model.num_layers": 3}},
-                baseline="a", metrics=("auc_mean", "logloss", "residual_rms/1", "diverged"))
+                baseline="a", metrics=("auc_mean", "logloss", "residual_rms/layer_1", "diverged"))
   fields.update(kwargs)
   return sweep.Ablation(**fields)
 
@@ -129,7 +131,7 @@ def test_sweep_results_stats_and_report(tmp_path):
   auc = b["metrics"]["auc_mean"]
   assert set(auc) >= {"mean", "std", "ci95", "per_seed"}
   assert auc["ci95"][0] < auc["mean"] < auc["ci95"][1]
-  assert b["metrics"]["residual_rms/1"]["mean"] == 2.0
+  assert b["metrics"]["residual_rms/layer_1"]["mean"] == 2.0
 
   c = on_disk["variants"]["c_hi"]
   assert c["diverged"] == 1 and c["diverged_at_step"] == [None, 7, None, None]
@@ -196,7 +198,7 @@ def test_sweep_results_stats_and_report(tmp_path):
   differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
   b_row = next(line for line in differences.splitlines() if line.startswith("| b |"))
   assert b_row.startswith("| b | -0.003 [") and b_row.split(" | ")[1].endswith(" *")
-  assert "| vs baseline | Δ `logloss` | Δ `residual_rms/1` |" in differences
+  assert "| vs baseline | Δ `logloss` | Δ `residual_rms/layer_1` |" in differences
   for png in ("curves.png", "effects.png"):
     assert (tmp_path / png).stat().st_size > 1000
     assert f"({png})" in text
@@ -508,6 +510,22 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
     assert proc.stderr.startswith("error: ") and "Hypothesis:" not in proc.stderr
     assert "Traceback" not in proc.stderr
   assert sorted(os.listdir(tmp_path)) == ["a_file"]
+
+
+def test_a_misnamed_metric_is_refused_before_training(tmp_path):
+  """An ablation without probes names finals only; a name its runs will not report (here
+  a K that the smoke preset's retrieval config does not evaluate) is refused up front."""
+  ablation = sweep.Ablation(
+      name="temperature", doc="x", arms={"t05": {"retrieval.temperature": 0.05},
+                                         "t20": {"retrieval.temperature": 0.2}},
+      baseline="t05", experiment="retrieval", metrics=("recall@10", "loss", "diverged"))
+  with pytest.raises(ValueError, match=r"metrics 'recall@10' \(did you mean 'recall@20'\?\) "
+                                       r"are not among its runs' final metrics"):
+    sweep.Sweep(ablation, "smoke", str(tmp_path / "sweep"))
+  assert not os.path.exists(tmp_path / "sweep")
+  fixed = dataclasses.replace(ablation, metrics=("recall@20", "loss", "diverged"),
+                              primary_metric=None, headline=())
+  sweep.Sweep(fixed, "smoke", str(tmp_path / "sweep"))
 
 
 def test_a_run_error_ends_the_sweep_with_its_message(capsys):

@@ -22,7 +22,8 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
-from phoenix_flax.training.runner import _resume_steps, _train_scalars, load_run
+from phoenix_flax.training.runner import (_resume_steps, _train_scalars, final_metric_names,
+                                          load_run)
 from phoenix_flax.training.schema import base_config, split_config, with_defaults
 from phoenix_flax.training.writers import read_metrics
 
@@ -653,6 +654,7 @@ def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs):
   result = run_experiment(config, str(tmp_path))[0]
   assert result["fprop_dtype"] == "bfloat16" and result["steps"] == config.train.num_steps
   assert all(v is not None and np.isfinite(v) for v in result["final"].values())
+  assert set(result["final"]) == final_metric_names(parse_config(config))  # traced, not run
   assert json.load(open(tmp_path / "config.json"))["model"]["fprop_dtype"] == "bfloat16"
   run = load_run(str(tmp_path))
   assert run.trainer.spec.model.fprop_dtype == "bfloat16"

@@ -322,12 +322,27 @@ def _train_scalars(stats: dict, i: int) -> dict[str, float]:
   return out
 
 
+FINAL_TRAIN_METRICS = ("train/loss", "train/grad_norm")
+
+
+def final_metric_names(spec: ExperimentSpec) -> set[str]:
+  """The keys of `result.json`'s `final` for a run of `spec`, found by tracing its
+  evaluation (shapes only: nothing is computed) instead of training it."""
+  trainer = Trainer(spec)
+  keys = jax.random.PRNGKey(0)[None]
+  params = eqx.filter_eval_shape(lambda k: trainer._init(k).params, keys)
+  evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, params)
+  return {_final_key(key) for key in evaluated} | set(FINAL_TRAIN_METRICS)
+
+
+def _final_key(key: str) -> str:
+  split, metric = key.split("/", 1)
+  return metric if split == "eval" else key
+
+
 def _final_metrics(evaluated: dict, i: int, train: dict) -> dict[str, float]:
-  final = {}
-  for key, values in evaluated.items():
-    split, metric = key.split("/", 1)
-    final[metric if split == "eval" else key] = float(values[i])
-  for key in ("train/loss", "train/grad_norm"):
+  final = {_final_key(key): float(values[i]) for key, values in evaluated.items()}
+  for key in FINAL_TRAIN_METRICS:
     if key in train:
       final[key] = train[key]
   return final
