@@ -146,6 +146,14 @@ def condition_matrix(results: Mapping, metric: str) -> list[str]:
                                              for cell in cells) + " |" for arm in arms]
 
 
+def _variant_cell(variant: Mapping, metric: str) -> str:
+  """A variant's value of `metric`: the count of diverged runs for `diverged` (a 0/1
+  metric whose t-interval over a few seeds would read "0 ± 0"), else mean ± CI."""
+  if metric == "diverged":
+    return f"{variant['diverged']}/{len(variant['seeds'])}"
+  return _cell(variant["metrics"].get(metric))
+
+
 def _cell(summary: Optional[Mapping]) -> str:
   if not summary or summary.get("mean") is None:
     return "n/a"
@@ -179,7 +187,7 @@ def metric_table(results: Mapping, metric: str) -> list[str]:
           "[95% CI] | p | Holm p | verdict |",
           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, v in results["variants"].items():
-    head = f"| {name} | {len(v['seeds'])} | {v['diverged']} | {_cell(v['metrics'].get(metric))}"
+    head = f"| {name} | {len(v['seeds'])} | {v['diverged']} | {_variant_cell(v, metric)}"
     c = comps.get(name)
     if v["arm"] == results["baseline"]:
       rows.append(f"{head} | baseline | | | |")
@@ -209,7 +217,7 @@ def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
   """Means of `metrics` per variant (a narrow table)."""
   variants = results["variants"]
   return _narrow_table(list(variants), metrics,
-                       lambda name, m: _cell(variants[name]["metrics"].get(m)),
+                       lambda name, m: _variant_cell(variants[name], m),
                        ("variant", "metric"))
 
 
@@ -320,10 +328,12 @@ HOW_TO_READ = (
     "seeds. Each variant is compared with the baseline run of the same seed (and the "
     "same condition): a paired t-test on the differences, or the exact McNemar test "
     "for `diverged` (which needs at least 6 pairs that disagree, all in one "
-    "direction, to reach p < 0.05: read the divergence counts directly when there "
-    "are fewer; no CI is given when every pair agrees). A pooled comparison first "
-    "averages each seed's values over the conditions, then pairs those means by seed, "
-    "because every condition trains with the same seeds: it has as many pairs as seeds. "
+    "direction, to reach p < 0.05 before the Holm correction: read the divergence "
+    "counts directly when there are fewer; no CI is given for `diverged`). A pooled "
+    "comparison first averages each seed's values over the conditions, then pairs those "
+    "means by seed, because every condition trains with the same seeds: it has as many "
+    "pairs as seeds (`diverged` becomes a per-seed rate, compared by an exact sign-flip "
+    "test: with three seeds its p is at least 0.25). "
     "`Holm p` corrects for the number of comparisons of one metric in one table (the "
     "per-condition rows, or the pooled rows), not across metrics; "
     "a verdict says *significant* only when it is below 0.05, so a real but small "
@@ -484,7 +494,8 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   out += sorted(envs) + ([""] if envs else [])
   out += ["Each row: a variant against the released setting, paired over seeds (where the "
           "sweep has several conditions, pooled: each seed's values averaged over them "
-          "first); significant means Holm-adjusted p < 0.05.", "",
+          "first); significant means Holm-adjusted p < 0.05, Holm over the comparisons of "
+          "one metric within one ablation (not across metrics or ablations).", "",
           "| ablation | variant vs baseline | metric | Δ [95% CI] | p | Holm p | verdict |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
   for rel, results in entries:

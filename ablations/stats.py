@@ -173,24 +173,47 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   return out
 
 
+SIGN_FLIP_MAX_PAIRS = 16
+
+
+def sign_flip_p(diff: Sequence[float]) -> float:
+  """Exact two-sided p of a paired permutation test: the share of the 2**n sign flips of
+  the differences whose mean is at least as far from 0 as the observed one. Unlike a
+  t-test it cannot reach p = 0 from a handful of pairs (three pairs: p >= 0.25)."""
+  d = np.asarray(diff, np.float64)
+  observed = abs(float(np.mean(d))) if d.size else 0.0
+  if observed == 0.0:
+    return 1.0
+  if d.size > SIGN_FLIP_MAX_PAIRS:
+    raise ValueError(f"sign_flip_p enumerates 2**n flips; n={d.size} > {SIGN_FLIP_MAX_PAIRS}")
+  signs = 1.0 - 2.0 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)
+  return float(np.mean(np.abs(signs @ d) / d.size >= observed * (1.0 - 1e-12)))
+
+
 def rate_difference(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]
                     ) -> dict:
-  """`paired_t` of event rates in [0, 1] (e.g. the share of a seed's runs that diverged),
-  without a CI when every pair differs by the same amount: equal observed rates (say,
-  no divergence on either side in three pairs) do not pin the true rates down."""
+  """Paired comparison of event rates in [0, 1] (e.g. the share of a seed's runs that
+  diverged): the mean difference, and the exact sign-flip p (`sign_flip_p`; a t-test on a
+  few rates reads p = 0 whenever every pair differs by the same amount) for up to
+  `SIGN_FLIP_MAX_PAIRS` pairs, the t-test's beyond. No CI: a t-interval of rates can leave
+  [-1, 1], and equal observed rates (say, no divergence on either side in three pairs) do
+  not pin the true rates down."""
   out = paired_t(baseline, variant)
-  if out["ci95"] is not None and out["ci95"][0] == out["ci95"][1]:
-    out["ci95"] = None
+  out["ci95"] = None
+  if 2 <= out["n"] <= SIGN_FLIP_MAX_PAIRS:
+    b, v = _pairs(baseline, variant)
+    out["p_value"] = sign_flip_p(v - b)
+    out["test"] = "sign-flip permutation"
   return out
 
 
 def mcnemar_exact(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]
                   ) -> dict:
   """Exact McNemar test for paired 0/1 outcomes (a two-sided sign test on the pairs that
-  disagree). "delta" is the difference in rates; "ci95" the t-interval of the paired
-  differences, None when they are all equal (`rate_difference`)."""
+  disagree). "delta" is the difference in rates; no CI (the divergence counts say more)."""
   b, v = _pairs(baseline, variant)
-  out = rate_difference(b.tolist(), v.tolist())
+  out = paired_t(b.tolist(), v.tolist())
+  out["ci95"] = None
   up = int(np.sum((v > 0.5) & (b < 0.5)))
   down = int(np.sum((v < 0.5) & (b > 0.5)))
   discordant = up + down

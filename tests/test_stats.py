@@ -88,8 +88,14 @@ def test_mcnemar_exact():
 
 def test_rate_difference_and_zero_spread():
   rates = stats.rate_difference([0.0, 0.0, 0.0], [0.5, 0.0, 0.0])
-  assert rates["delta"] == pytest.approx(1 / 6) and rates["ci95"][0] < 0 < rates["ci95"][1]
-  assert stats.rate_difference([0.0, 0.0], [0.0, 0.0])["ci95"] is None
+  assert rates["delta"] == pytest.approx(1 / 6) and rates["ci95"] is None
+  assert rates["test"] == "sign-flip permutation" and rates["p_value"] == pytest.approx(1.0)
+  assert stats.rate_difference([0.0, 0.0], [0.0, 0.0])["p_value"] == 1.0
+  # Every seed diverging more often: a t-test would read p = 0 (zero spread) or 0.02;
+  # three pairs cannot do better than 2 of 8 sign flips.
+  assert stats.rate_difference([0.0] * 3, [1 / 3] * 3)["p_value"] == pytest.approx(0.25)
+  assert stats.rate_difference([0.0] * 3, [2 / 3, 2 / 3, 1.0])["p_value"] == pytest.approx(0.25)
+  assert stats.rate_difference([0.0] * 6, [0.5] * 6)["p_value"] == pytest.approx(2 / 64)
   # A deterministic quantity (every seed differs by the same amount) keeps its exact CI.
   fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])
   assert fixed["ci95"] == [-40.0, -40.0] and fixed["p_value"] == 0.0
