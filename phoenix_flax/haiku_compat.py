@@ -251,7 +251,8 @@ def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
     array = slot.get(model)
     for layer, module, param, _, start, stop in _expanded(slot, array.shape):
       value = array if layer is None else array[layer]
-      entries.append((-1 if layer is None else layer, module, param, value[..., start:stop]))
+      entries.append((-1 if layer is None else layer, module, param,
+                      value[..., start:stop].astype(jnp.float32)))   # as the release stores
   tree: Params = {}
   for _, module, param, value in sorted(entries, key=lambda e: e[0]):
     tree.setdefault(module, {})[param] = value

@@ -145,8 +145,10 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   A query with no kept key at all (a padded user or history token with no valid key
   before it, or a padded candidate whose context is entirely padding) averages every
   context value (a candidate: and its own value too), where the release's dense softmax
-  averages every value of its row, other candidates' included: its output differs from the dense path's, but it is a padding
-  position, which no kept query reads and no logit comes from.
+  averages every value of its row, other candidates' included. Its output then differs
+  from the dense path's. No kept query reads it, so every valid candidate's logits are
+  unaffected; only such a padded candidate's own logits differ (a padded candidate in the
+  row of a user with no valid user token and no valid history), which a ranking puts last.
   """
   B, T, KV, G, d = q_BTKGd.shape
   N = ctx_k_BNKd.shape[1]

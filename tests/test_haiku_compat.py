@@ -422,6 +422,31 @@ def test_ranking_logits_match_reference(inputs, ranking_params, ranking_referenc
   np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL)
 
 
+@pytest.mark.parametrize("attention_impl", ["isolated", "dense"])
+def test_a_user_with_no_valid_context_matches_on_valid_candidates(inputs, ranking_params,
+                                                                  ranking_reference,
+                                                                  attention_impl):
+  """A cold row (user token and every history item padded): its valid candidates attend
+  to their own key alone and match the release on both paths. A padded candidate there
+  has no key at all; the dense path averages the whole row as the release does, the fast
+  path the row's context and its own value (`_isolated_attention`), so only the dense path
+  matches it."""
+  _, tree = ranking_params
+  batch, emb = inputs
+  batch = batch._replace(user_hashes=batch.user_hashes.at[1, 0].set(0),
+                         history_post_hashes=batch.history_post_hashes.at[1, :, 0].set(0),
+                         candidate_post_hashes=batch.candidate_post_hashes.at[1, 2, 0].set(0))
+  expected = np.asarray(ranking_reference(tree, batch, emb))
+  model = haiku_compat.ranking_model_from_haiku(
+      tree, _ranking_config(attention_impl=attention_impl))
+  logits = np.asarray(eqx.filter_jit(model)(batch, emb).logits)
+  valid = np.asarray(batch.candidate_post_hashes[..., 0] != 0)
+  assert valid[1].sum() == C - 1
+  np.testing.assert_allclose(logits[valid], expected[valid], rtol=0, atol=PARITY_ATOL)
+  if attention_impl == "dense":
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL)
+
+
 def test_parity_is_sensitive_to_the_soft_cap(inputs, ranking_params, ranking_reference):
   _, tree = ranking_params
   expected = ranking_reference(tree, *inputs)
