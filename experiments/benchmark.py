@@ -30,7 +30,6 @@ ratios are more trustworthy than absolute times on a busy host.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import resource
 import statistics
@@ -44,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import train_throughput
-from experiments.cli import parse_flags, quiet_backend_search, usage_error
+from experiments.cli import check_output_file, parse_flags, quiet_backend_search, usage_error
 from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
@@ -115,7 +114,8 @@ def model_config(case: Case, attention_impl: str = "isolated",
                  layers: Optional[int] = None) -> pf.PhoenixModelConfig:
   """The release's model shape (key 64, widening 2, multiplier 1/8) at the case's size."""
   tc = pf.TransformerConfig(emb_size=case.emb, key_size=KEY_SIZE, num_q_heads=case.q_heads,
-                            num_kv_heads=case.kv_heads, num_layers=layers or case.layers,
+                            num_kv_heads=case.kv_heads,
+                            num_layers=case.layers if layers is None else layers,
                             widening_factor=WIDENING_FACTOR,
                             attn_output_multiplier=ATTN_OUTPUT_MULTIPLIER)
   return pf.PhoenixModelConfig(model=tc, emb_size=case.emb, history_seq_len=case.history,
@@ -236,14 +236,16 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
   model = pf.PhoenixModel(model_config(case), key=jax.random.key(seed))
   batch, emb = make_inputs(model.config, 1, seed + 1)
   runner = pf.RankingRunner(model)
-  calls = {"fast": lambda: runner.rank_chunked(batch, emb, case.chunk).scores,
-           "one_call": lambda: runner.rank(batch, emb).scores}
+  # Whole outputs, so that timing waits for the ranking order too (dispatched after scores).
+  calls = {"fast": lambda: runner.rank_chunked(batch, emb, case.chunk),
+           "one_call": lambda: runner.rank(batch, emb)}
   result = {}
   for name, call in calls.items():
     start = time.perf_counter()
     jax.block_until_ready(call())
     result[name] = {"first_call_s": time.perf_counter() - start}
-  result["max_abs_prob_diff"] = _max_abs_diff(calls["fast"](), calls["one_call"]())
+  result["max_abs_prob_diff"] = _max_abs_diff(calls["fast"]().scores,
+                                              calls["one_call"]().scores)
   medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
   for name in calls:
     result[name]["median_s"] = medians[name]
@@ -268,7 +270,8 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
   dense_params, dense_static = eqx.partition(dense, eqx.is_array)
   exe, seconds, peak = compile_fn(_logits_fn(dense_static), dense_params, batch, emb)
   logits = jax.block_until_ready(exe(dense_params, batch, emb))
-  result["max_abs_prob_diff_dense"] = _max_abs_diff(jax.nn.sigmoid(logits), calls["fast"]())
+  result["max_abs_prob_diff_dense"] = _max_abs_diff(jax.nn.sigmoid(logits),
+                                                    calls["fast"]().scores)
   times = []
   for _ in range(dense_iters):
     start = time.perf_counter()
@@ -326,7 +329,7 @@ def compile_scaling(case: Case, layer_counts: Sequence[int], seed: int) -> dict:
                                for _ in range(2))
   shallow, deep = (str(n) for n in layer_counts)
   return {"layers": list(layer_counts), "seconds": seconds,
-          "ratio": seconds[deep] / seconds[shallow]}
+          "ratio": seconds[deep] / seconds[shallow], "case": dataclasses.asdict(case)}
 
 
 def training_throughput(preset: str, num_seeds: int, rounds: int, chunks: int) -> dict:
@@ -344,6 +347,8 @@ def check_args(names: Sequence[str], cases: dict[str, Case], compile_layers: Seq
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
   if len(compile_layers) != 2:
     raise ValueError(f"compile_layers={list(compile_layers)} must name two layer counts")
+  if any(n < 1 for n in compile_layers):
+    raise ValueError(f"compile_layers={list(compile_layers)}: layer counts must be >= 1")
   if dense_iters < 1:
     raise ValueError(f"dense_iters={dense_iters}: the chunked case's dense reference needs "
                      "at least 1 timed call")
@@ -369,7 +374,10 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
                                       matmul_size, dense_iters) for n in names}}
-  report["kv_cache"] = kv_cache_table(cases["serve"] if "serve" in cases else cases[names[0]])
+  kv_name = "serve" if "serve" in cases else names[0]
+  report["kv_cache"] = kv_cache_table(cases[kv_name])
+  report["kv_cache_config"] = {"name": kv_name, "layers": cases[kv_name].layers,
+                               "key_size": KEY_SIZE}
   if compile_case is not None:
     report["compile_scaling"] = compile_scaling(compile_case, compile_layers, seed)
   if train:
@@ -382,8 +390,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
 def save_report(report: dict, path: str) -> None:
   """Writes `report` to `path` atomically (`writers.atomic_file`), creating its folder."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with writers.atomic_file(path) as f:
-    json.dump(report, f, indent=2)
+  writers.write_json(path, report)   # NaN and inf become null
 
 
 def format_table(report: dict) -> str:
@@ -393,11 +400,11 @@ def format_table(report: dict) -> str:
       f"{report['device']}, jax {report['jax_version']}, float32, compiler options "
       f"{report['compiler_options']}, median over at least "
       f"{report['iters']} rounds and {report['min_seconds']:g} s; MFU = achieved GFLOP/s / "
-      f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds; ref/fast "
+      f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds; dense/fast "
       f"FLOPs = matmul FLOPs the dense reference executes over the fast path's useful FLOPs",
       "",
-      "| config | fast ms | ref ms | ref/fast | ref/fast FLOPs | cand/s "
-      "| compile s fast / ref | peak MiB fast / ref | useful GFLOP | GFLOP/s "
+      "| config | fast ms | dense ms | dense/fast | dense/fast FLOPs | cand/s "
+      "| compile s fast / dense | peak MiB fast / dense | useful GFLOP | GFLOP/s "
       "| matmul GFLOP/s | MFU |",
       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, r in report["configs"].items():
@@ -416,8 +423,10 @@ def format_table(report: dict) -> str:
     if "one_call" in r:
       lines.append(f"{name}: {r['one_call']['kind']} {1e3 * r['one_call']['median_s']:.1f} ms "
                    f"= {r['speedup_vs_one_call']:.2f}x the chunked time; dense timed over "
-                   f"{r['reference']['iters']} calls")
-  lines += ["", "| q heads | kv heads | KV cache per user context, fp32 | bf16 |",
+                   f"{r['reference']['iters']} call{'s' * (r['reference']['iters'] != 1)}")
+  kv = report.get("kv_cache_config")
+  where = f" ({kv['name']}: {kv['layers']} layers, key {kv['key_size']})" if kv else ""
+  lines += ["", f"| q heads | kv heads | KV cache per user context{where}, fp32 | bf16 |",
             "|---|---|---|---|"]
   for row in report["kv_cache"]:
     lines.append(f"| {row['q_heads']} | {row['kv_heads']} "
@@ -426,7 +435,8 @@ def format_table(report: dict) -> str:
   if "compile_scaling" in report:
     cs = report["compile_scaling"]
     shallow, deep = (str(n) for n in cs["layers"])
-    lines += ["", f"compile time, {deep} vs {shallow} layers: {cs['seconds'][deep]:.2f} s vs "
+    lines += ["", f"compile time of the fast forward, {deep} vs {shallow} layers: "
+              f"{cs['seconds'][deep]:.2f} s vs "
               f"{cs['seconds'][shallow]:.2f} s = {cs['ratio']:.2f}x"]
   if report.get("training"):
     lines += ["", "| training preset | seeds | scanned loop ex/s | plain loop, numpy sampler "
@@ -438,7 +448,7 @@ def format_table(report: dict) -> str:
                    f"| {r['plain_examples_per_second']:,.0f} | {r['speedup']:.2f}x "
                    f"| {r['plain_device_sampled_examples_per_second']:,.0f} "
                    f"| {r['speedup_vs_device_sampled']:.2f}x |")
-  lines.append(f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB")
+  lines += ["", f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB"]
   return "\n".join(lines)
 
 
@@ -447,15 +457,6 @@ def _ints(name: str) -> list[int]:
     return [int(n) for n in FLAGS[name].value]
   except ValueError:
     usage_error(f"--{name}={','.join(FLAGS[name].value)}: give integers, comma-separated")
-
-
-def _check_out(path: str) -> None:
-  """The JSON file can be written, checked before minutes of timing."""
-  if os.path.isdir(path):
-    usage_error(f"--out={path} is a directory; name a file")
-  folder = writers.nearest_existing(os.path.dirname(os.path.abspath(path)))
-  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-    usage_error(f"--out={path} cannot be written: {folder} is not a writable directory")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -467,11 +468,14 @@ def main(argv: Sequence[str]) -> None:
              for n, c in cases.items()}
   compile_layers = _ints("compile_layers")
   train = [(p, n) for p in FLAGS.train_presets for n in _ints("train_seeds")]
+  if FLAGS.train_presets and not train:
+    usage_error(f"--train_presets={','.join(FLAGS.train_presets)} with no --train_seeds: "
+                "give seed counts, or --train_presets= to skip the training loops")
   try:
     check_args(FLAGS.configs, cases, compile_layers, train, FLAGS.dense_iters)
   except ValueError as e:
     usage_error(str(e))
-  _check_out(FLAGS.out)
+  check_output_file("out", FLAGS.out)
   report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
                          FLAGS.seed, FLAGS.matmul_size,
                          cases["serve"] if FLAGS.compile_check else None,

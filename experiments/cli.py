@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Iterator, NoReturn
 
@@ -13,6 +14,7 @@ from absl import flags
 
 from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError
 from phoenix_flax.training.checkpoint import CheckpointError
+from phoenix_flax.training.writers import nearest_existing
 
 EXIT_BAD_INPUT = 2
 
@@ -30,6 +32,18 @@ def usage_error(message: str, flags_hint: bool = True) -> NoReturn:
   hint = "Run with --helpfull to see every flag.\n" if flags_hint else ""
   sys.stderr.write(f"error: {message}\n{hint}")
   sys.exit(EXIT_BAD_INPUT)
+
+
+def check_output_file(flag: str, path: str) -> None:
+  """A `usage_error` unless `--<flag>=path` names a file that can be written: checked
+  before minutes of work, not after."""
+  if not os.path.basename(path):
+    usage_error(f"--{flag}={path!r} names no file")
+  if os.path.isdir(path):
+    usage_error(f"--{flag}={path} is a directory; name a file")
+  folder = nearest_existing(os.path.dirname(os.path.abspath(path)))
+  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    usage_error(f"--{flag}={path} cannot be written: {folder} is not a writable directory")
 
 
 @contextlib.contextmanager

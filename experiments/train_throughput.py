@@ -39,6 +39,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
+from experiments.cli import check_output_file, parse_flags, quiet_backend_search, usage_error
 from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
@@ -131,16 +132,20 @@ def _define_flags() -> dict:
           "Experiment config (with optional ':preset'); --config.<field>=... overrides "
           "apply."),
       "rounds": flags.DEFINE_integer("rounds", 3,
-                                     "Alternating timing rounds (median reported)."),
+                                     "Alternating timing rounds (median reported).",
+                                     lower_bound=1),
       "chunks": flags.DEFINE_integer("chunks_per_round", 2,
                                      "Scanned host calls per round; each plain loop runs as "
-                                     "many steps."),
+                                     "many steps.", lower_bound=1),
       "out": flags.DEFINE_string("out", None, "Optional JSON file for the measurement."),
   }
 
 
 def main(argv: list[str], flag_values: dict) -> None:
-  del argv
+  if len(argv) > 1:
+    usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  if flag_values["out"].value is not None:
+    check_output_file("out", flag_values["out"].value)
   result = measure(flag_values["config"].value, flag_values["rounds"].value,
                    flag_values["chunks"].value)
   text = json.dumps(result, indent=2)
@@ -151,4 +156,5 @@ def main(argv: list[str], flag_values: dict) -> None:
 
 if __name__ == "__main__":
   _flags = _define_flags()
-  app.run(lambda argv: main(argv, _flags))
+  quiet_backend_search()
+  app.run(lambda argv: main(argv, _flags), flags_parser=parse_flags)
