@@ -84,6 +84,12 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
                  resources={"metadata": {"path": NOTEBOOKS}}).execute()
   text = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
                    for out in cell.outputs)
+  if name == "flax_nnx":
+    for claim in ("same arrays: True | same config: True",
+                  "restored model == trained model: True",
+                  "restored optimizer == optimizer: True", "| equal: True",
+                  "same logits through Equinox and NNX: True"):
+      assert claim in text, claim
   if name == "inside_phoenix":
     assert "isolated  slot 0: max |logit change| when the companions change = 0" in text
     assert "identity: True" in text
@@ -97,6 +103,13 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
     code = results["environment"]["code"]
     assert code.endswith("+notebooks/new_idea.ipynb")
     assert results["environment"]["run_codes"] == {code: 4}
+    # Its last cell prints the edits as a patch that applies to this checkout.
+    patch = "".join(out.get("text", "") for out in nb.cells[-1].outputs)
+    assert "--- /dev/null\n+++ b/ablations/no_rope.py" in patch
+    if os.path.isdir(os.path.join(ROOT, ".git")):
+      proc = subprocess.run(["git", "apply", "--check", "-"], input=patch, cwd=ROOT,
+                            text=True, capture_output=True)
+      assert proc.returncode == 0, proc.stderr
 
 
 def test_compare_variants_reads_a_results_file_without_its_runs(tmp_path, monkeypatch):
