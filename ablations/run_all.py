@@ -55,11 +55,11 @@ def main(argv):
     sweep.usage_error("--variants selects variants of one ablation; run that "
                          "ablation's script instead")
   workdir = FLAGS.workdir or os.path.join("/tmp/phoenix_ablations", FLAGS.preset)
-  try:
-    sweeps = make_sweeps(FLAGS.ablations, workdir)
-  except (ValueError,) + sweep.RUN_ERRORS as e:
-    sweep.usage_error(str(e))
-  with sweep.exit_on_interrupt():
+  with sweep.exit_on_interrupt():   # a Ctrl-C while it checks the sweeps, too
+    try:
+      sweeps = make_sweeps(FLAGS.ablations, workdir)
+    except (ValueError,) + sweep.RUN_ERRORS as e:
+      sweep.usage_error(str(e))
     path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 

@@ -87,7 +87,7 @@ from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
-from phoenix_flax.training.schema import ExperimentSpec, check_config
+from phoenix_flax.training.schema import ExperimentSpec, check_config, flatten
 from phoenix_flax.training.sharding import initialize_distributed
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           final_metric_names, finished_seeds, seed_dir)
@@ -391,7 +391,9 @@ class Sweep:
     """Every metric of an ablation without probes is a final of its runs (found by
     tracing their evaluation), so that a misnamed one is refused before training, not
     after it."""
-    finals = set().union(*(final_metric_names(spec) for spec in specs))
+    distinct = {json.dumps(jsonable(flatten(spec.config, skip=("optim",))), sort_keys=True): spec
+                for spec in specs}   # (the optimizer changes no metric's name)
+    finals = set().union(*(final_metric_names(spec) for spec in distinct.values()))
     missing = [m for m in self.ablation.metrics if m != "diverged" and m not in finals]
     if missing:
       near = {m: difflib.get_close_matches(m, sorted(finals), n=1) for m in missing}
@@ -747,11 +749,11 @@ def main(ablation: Ablation) -> None:
   def _main(argv):
     if len(argv) > 1:
       usage_error(f"unexpected arguments: {argv[1:]}")
-    try:
-      sweep = sweep_from_flags(ablation)
-    except (ValueError,) + RUN_ERRORS as e:
-      usage_error(str(e))
-    with exit_on_interrupt():
+    with exit_on_interrupt():   # a Ctrl-C while it checks the variants, too
+      try:
+        sweep = sweep_from_flags(ablation)
+      except (ValueError,) + RUN_ERRORS as e:
+        usage_error(str(e))
       sweep.run()
     print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
           f"Curves: tensorboard --logdir {sweep.workdir}")

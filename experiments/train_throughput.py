@@ -144,7 +144,7 @@ def _define_flags() -> dict:
 def main(argv: list[str], flag_values: dict) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
-  if flag_values["out"].value is not None:
+  if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
   result = measure(flag_values["config"].value, flag_values["rounds"].value,
                    flag_values["chunks"].value)

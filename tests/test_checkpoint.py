@@ -336,6 +336,17 @@ def test_make_placement_uses_the_visible_devices():
     make_placement(n + 1, False)
 
 
+def test_a_multi_process_mesh_holds_every_device(monkeypatch):
+  """With several processes a mesh over some devices would leave a process without its
+  shards (or train the whole run on each process alone): refused, -1 accepted."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert make_placement(-1, False).num_devices == jax.device_count()
+  monkeypatch.setattr(jax, "devices", lambda: jax.local_devices() * 2)   # one per process
+  with pytest.raises(ConfigError, match=r"num_devices=1 is invalid with 2 processes .*use -1 "
+                                        r"\(all 2\)"):
+    make_placement(1, False)
+
+
 def test_constrain_batch_shards_arrays_and_leaves_scalars():
   placement = Placement(Mesh(np.asarray(jax.devices()[:1]), (DATA_AXIS,)))
   tree = {"ids": jnp.arange(8).reshape(4, 2), "temperature": jnp.float32(0.5)}
@@ -472,7 +483,7 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
 
     # During the last chunk: the run finishes, and its caller (a sweep) still stops.
     last = str(tmp_path / "last")
-    with pytest.raises(RunInterrupted, match=r"after the last step \(40\): the run in .*last "
+    with pytest.raises(RunInterrupted, match=r"after step 40: the run in .*last had "
                                              r"finished") as e:
       run_experiment(config, last, progress=_stop_at({40: [signal.SIGINT]}))
     assert json.load(open(os.path.join(last, "result.json")))["final"] == want["final"]

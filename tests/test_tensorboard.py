@@ -139,6 +139,18 @@ def test_a_flush_puts_every_logged_event_on_disk(tmp_path):
   assert all([e.step for e in acc.Scalars(f"eval/m{i}")] == [10, 20, 30] for i in range(60))
 
 
+def test_events_reach_disk_while_a_run_trains(tmp_path, monkeypatch):
+  """A live TensorBoard sees a run's events within `FLUSH_SECONDS` of their logging, not
+  only at checkpoints."""
+  from phoenix_flax.training import writers
+  writer = RunWriter(str(tmp_path), {"model.num_layers": 2}, None)
+  writer.log(10, {"train/loss": 1.0}, 1.0)   # within the interval: may wait in a buffer
+  monkeypatch.setattr(writers, "FLUSH_SECONDS", 0.0)
+  writer.log(20, {"train/loss": 2.0}, 2.0)
+  assert [e.step for e in _accumulator(str(tmp_path)).Scalars("train/loss")] == [10, 20]
+  writer.close(finished=False)
+
+
 def _free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))

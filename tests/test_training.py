@@ -95,6 +95,11 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
     expected.append(np.log(np.exp(logits[b, cols]).sum()) - logits[b, b])
   got = in_batch_softmax_loss(user, pos, valid, t, ids)
   np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
+  # Excluded columns stay out at any temperature: a user scoring its own positive below
+  # an excluded one still has loss 0 when nothing else is left.
+  u, p = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([[-1.0, 0.0], [-1.0, 0.0]])
+  for temperature in (0.05, 1e-10):
+    assert float(in_batch_softmax_loss(u, p, np.array([True, False]), temperature)) == 0.0
   labels = np.zeros((2, 3, 2), np.float32)
   labels[0, 2, 1] = labels[0, 1, 1] = 1
   idx, has = first_positive(labels, np.ones((2, 3), bool), action=1)
@@ -102,6 +107,29 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   labels[1, 0, 1] = 1                                   # engaged, but a padded slot
   idx, has = first_positive(labels, np.array([[True, False, True], [False, True, True]]), 1)
   assert idx.tolist()[0] == 2 and has.tolist() == [True, False]
+
+
+def test_retrieval_evaluation_loss_groups_users_as_training_does():
+  """At the smoke preset (batch 8, evaluation batches of 16) `eval/loss` is the mean, over
+  users with a positive, of the in-batch loss within each group of 8 users, not over 16."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  trainer = Trainer(spec)
+  system = trainer.system(unstack(trainer.init([0]), 0).params)
+  sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], jax.random.PRNGKey(3))
+  user_BD, _ = system.user_forward(sb.batch)
+  cand_BCD, _ = system.candidate_representation(sb.batch)
+  got = float(trainer._eval_retrieval_loss(sb, user_BD, cand_BCD))
+  total = count = 0.0
+  for g in (slice(0, 8), slice(8, 16)):
+    part = jax.tree.map(lambda x: x[g], sb)
+    loss, has = trainer._retrieval_loss(part, user_BD[g], cand_BCD[g])
+    total, count = total + float(loss) * float(has.sum()), count + float(has.sum())
+  np.testing.assert_allclose(got, total / count, rtol=1e-5)
+  whole = float(trainer._retrieval_loss(sb, user_BD, cand_BCD)[0])
+  assert whole > got   # more users to contrast: a higher loss
+  spec.config.train.batch_size = 6   # no whole number of groups: the whole batch
+  np.testing.assert_allclose(float(trainer._eval_retrieval_loss(sb, user_BD, cand_BCD)), whole,
+                             rtol=1e-6)
 
 
 def test_weight_decay_skips_hash_tables_and_norms():
@@ -173,6 +201,13 @@ def test_bad_config_values_name_the_field():
                              ("eval_split.max_history", 99, "config.eval_split"),
                              ("model.norm_layout", "middle", "norm_layout")):
     c = smoke_config()
+    section, field = path.split(".")
+    c[section][field] = value
+    with pytest.raises(ConfigError, match=match):
+      parse_config(c)
+  for path, value, match in (("train.action_weights", (1.0,) * 19, "leave it None"),
+                             ("retrieval.recall_k", (5, 5), "distinct integers")):
+    c = retrieval_configs.get_config("smoke")
     section, field = path.split(".")
     c[section][field] = value
     with pytest.raises(ConfigError, match=match):

@@ -10,7 +10,7 @@ are donated. A step whose loss or gradient norm is not finite marks its seed div
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
@@ -192,12 +192,16 @@ def eval_keys(config) -> Array:
 class Trainer:
   """Builds the world, optimizer and jitted functions of one experiment spec."""
 
-  def __init__(self, spec: ExperimentSpec, placement: Placement = Placement()):
+  def __init__(self, spec: ExperimentSpec, placement: Placement = Placement(),
+               world: Optional[World] = None):
+    """`world`: the spec's world when it is at hand (an abstract one, of
+    `jax.ShapeDtypeStruct`s, serves to trace); built from `world_seed` otherwise."""
     self.spec = spec
     self.placement = placement
     c = spec.config
-    self.world: World = placement.replicate(
-        eqx.filter_jit(make_world)(spec.world, jax.random.PRNGKey(c.world_seed)))
+    if world is None:
+      world = eqx.filter_jit(make_world)(spec.world, jax.random.PRNGKey(c.world_seed))
+    self.world: World = placement.replicate(world)
     self.optimizer = make_optimizer(spec)
     self.schedule = make_schedule(spec)
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from phoenix_flax.synthetic import make_world
 from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
@@ -85,14 +86,16 @@ class RunInUseError(RuntimeError):
 
 class RunInterrupted(KeyboardInterrupt):
   """Training stopped on SIGINT or SIGTERM (`signum`) at the end of a chunk, after writing a
-  checkpoint of `step`; running the same config again resumes from it. A
-  `KeyboardInterrupt`, so code that stops on Ctrl-C (a sweep over runs) stops on it too."""
+  checkpoint of `step`; running the same config again resumes from it. With `finished`,
+  the signal came during the run's last chunk: the run ended (result.json written; running
+  again skips it) and only its caller stops. A `KeyboardInterrupt`, so code that stops on
+  Ctrl-C (a sweep over runs) stops on it too."""
 
   def __init__(self, signum: int, step: int, dirs: list[str], finished: bool = False):
     name = signal.Signals(signum).name
     if finished:   # the signal came during the last chunk: the run ended, then stopped
-      message = (f"stopped by {name} after the last step ({step}): the run in "
-                 f"{', '.join(dirs)} finished (result.json written)")
+      message = (f"stopped by {name} after step {step}: the run in {', '.join(dirs)} "
+                 "had finished (result.json written)")
     else:
       message = (f"stopped by {name} after step {step}, with a checkpoint in "
                  f"{', '.join(dirs)}; run the same command again to resume")
@@ -328,7 +331,8 @@ FINAL_TRAIN_METRICS = ("train/loss", "train/grad_norm")
 def final_metric_names(spec: ExperimentSpec) -> set[str]:
   """The keys of `result.json`'s `final` for a run of `spec`, found by tracing its
   evaluation (shapes only: nothing is computed) instead of training it."""
-  trainer = Trainer(spec)
+  world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
+  trainer = Trainer(spec, world=world)
   keys = jax.random.PRNGKey(0)[None]
   params = eqx.filter_eval_shape(lambda k: trainer._init(k).params, keys)
   evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, params)

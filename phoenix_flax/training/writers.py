@@ -175,6 +175,9 @@ def read_metrics(run_dir: str) -> list[dict]:
   return rows
 
 
+FLUSH_SECONDS = 10   # the longest a logged event waits before a live TensorBoard sees it
+
+
 class RunWriter:
   """Scalars of one run to TensorBoard and metrics.jsonl.
 
@@ -223,6 +226,7 @@ class RunWriter:
         ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
       self._write(Event(summary=ssi))
     self._hparams = dict(hparams)
+    self._flushed = time.monotonic()
 
   def _write(self, event: Event) -> None:
     event.wall_time = time.time()
@@ -236,11 +240,14 @@ class RunWriter:
     row = {"step": step, "wall_seconds": wall_seconds, **scalars}
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(jsonable(row), sort_keys=True) + "\n")
+    if time.monotonic() - self._flushed > FLUSH_SECONDS:   # for a TensorBoard watching
+      self.flush()
 
   def flush(self) -> None:
     """Puts every event logged so far on disk (fsynced; metrics.jsonl rows are written as
     they are logged)."""
     self._events.flush()
+    self._flushed = time.monotonic()
 
   def close(self, finished: bool) -> None:
     """Flushes; on a finished run also records the HParams session end."""
