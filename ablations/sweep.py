@@ -372,14 +372,14 @@ class Sweep:
       raise ValueError(f"override of {ignored} would change nothing: every variant of "
                        f"{ablation.name!r} sets it itself (its arms or conditions)")
     check_workdir(workdir)
+    configs = [self.config(variant) for variant in self.variants]
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
-      for variant in self.variants:
-        check_config(self.config(variant))
+      for cfg in configs:
+        check_config(cfg)
       m = self.base.mesh
       initialize_distributed(m.coordinator_address, m.num_processes, m.process_id)
     specs = []
-    for variant in self.variants:
-      cfg = self.config(variant)
+    for variant, cfg in zip(self.variants, configs):
       specs.append(parse_config(cfg))
       check_placement(specs[-1])
       check_run_dirs(cfg, self.variant_dir(variant))

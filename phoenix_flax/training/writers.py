@@ -16,7 +16,6 @@ import time
 from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
-from tensorboardX import SummaryWriter
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
@@ -116,11 +115,11 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
     shutil.rmtree(stale, ignore_errors=True)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir)
   try:
-    writer = SummaryWriter(tmp, filename_suffix=f".{name}")
+    events = EventsWriter(os.path.join(tmp, "events"), f".{name}")
     for key, value in scalars.items():
       if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        writer.add_scalar(tensorboard_tag(key), float(value), step)
-    writer.close()
+        events.write_event(_scalar_event(key, value, step))
+    events.close()
     (written,) = glob.glob(os.path.join(tmp, "events.out.tfevents.*"))
     old = event_file_name(run_dir, name)
     path = os.path.join(run_dir, os.path.basename(written))
@@ -130,6 +129,15 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
     return path
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _event(**fields) -> Event:
+  """A TensorBoard event stamped with the current time."""
+  return Event(wall_time=time.time(), **fields)
+
+
+def _scalar_event(name: str, value: float, step: int) -> Event:
+  return _event(step=step, summary=scalar_summary(tensorboard_tag(name), float(value)))
 
 
 def read_json(path: str) -> Any:
@@ -216,27 +224,23 @@ class RunWriter:
     self._events = EventsWriter(os.path.join(run_dir, "events"), f".{time.time_ns()}")
     if resume_step is not None:   # as SummaryWriter(purge_step=...) marks a restart
       purge = resume_step + 1
-      self._write(Event(step=purge, file_version="brain.Event:2"))
-      self._write(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
+      self._events.write_event(_event(step=purge, file_version="brain.Event:2"))
+      self._events.write_event(_event(step=purge,
+                                      session_log=SessionLog(status=SessionLog.START)))
     else:
       _, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()}, {})
       if group:
         data = HParamsPluginData.FromString(ssi.value[0].metadata.plugin_data.content)
         data.session_start_info.group_name = group
         ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
-      self._write(Event(summary=ssi))
+      self._events.write_event(_event(summary=ssi))
     self._hparams = dict(hparams)
     self._flushed = time.monotonic()
-
-  def _write(self, event: Event) -> None:
-    event.wall_time = time.time()
-    self._events.write_event(event)
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
     """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
     for name, value in scalars.items():
-      self._write(Event(step=step, summary=scalar_summary(tensorboard_tag(name),
-                                                          float(value))))
+      self._events.write_event(_scalar_event(name, value, step))
     row = {"step": step, "wall_seconds": wall_seconds, **scalars}
     with open(self.metrics_path, "a", encoding="utf-8") as f:
       f.write(json.dumps(jsonable(row), sort_keys=True) + "\n")
@@ -253,5 +257,5 @@ class RunWriter:
     """Flushes; on a finished run also records the HParams session end."""
     if finished:
       _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
-      self._write(Event(summary=sei))
+      self._events.write_event(_event(summary=sei))
     self._events.close()
