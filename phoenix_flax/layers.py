@@ -4,12 +4,12 @@ Parameters are float32; computation runs in the dtype of the input (the forward 
 Linear weights are stored `[in, out]` as in the release. The attention projections q|k|v
 and the two GeGLU input branches are stored fused (one matmul each); `haiku_compat`
 splits them into the release's separate parameters and back. Rotary embedding has no
-parameters, so it is a function (`apply_rope`) rather than a module.
+parameters, so it is a pair of functions (`rope_table`, `rotate`) rather than a module.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -62,25 +62,46 @@ def rms_norm(x: Array, scale: Array) -> Array:
   return (scale.astype(jnp.float32) * normed).astype(x.dtype)
 
 
-def apply_rope(x_BTHd: Array, positions_BT: Array) -> Array:
-  """Rotary embedding on `[B, T, heads, d]` with explicit float positions `[B, T]`.
+class RopeTable(NamedTuple):
+  """Cosine and sine of each token's rotation angles, `[B, T, 1, d/2]` float32."""
 
-  Rotates halves (not interleaved pairs), base 10000, as the release does: the pair
-  `(x_i, x_{i+d/2})` turns by `position * inv_freq_i`, `inv_freq_i = 1 / 10000^(2i/d)`
-  computed in float32 in that form (the form `10000^(-2i/d)` differs from it by an ulp in
-  some frequencies). Written per half, which equals
-  the release's `x * cos + rotate_half(x) * sin` bit for bit and takes the cosine and sine
-  of `d/2` angles, not `d`.
-  """
-  d = x_BTHd.shape[-1]
-  half = d // 2
-  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  phase_BT1f = (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
-  cos, sin = jnp.cos(phase_BT1f), jnp.sin(phase_BT1f)
+  cos: Array
+  sin: Array
+
+
+def rope_phase(positions_BT: Array, key_size: int) -> Array:
+  """Rotation angles `[B, T, 1, d/2]` for explicit float positions `[B, T]`, base 10000,
+  as the release computes them: the pair `(x_i, x_{i+d/2})` turns by
+  `position * inv_freq_i`, `inv_freq_i = 1 / 10000^(2i/d)` in float32 in that form (the
+  form `10000^(-2i/d)` differs from it by an ulp in some frequencies)."""
+  inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, key_size, 2, dtype=jnp.float32) / key_size))
+  return (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+
+
+def rope_table(positions_BT: Array, key_size: int) -> RopeTable:
+  """The cosines and sines of `rope_phase`. Positions are the same in every layer, so
+  the transformer builds one table per forward pass."""
+  phase_BT1f = rope_phase(positions_BT, key_size)
+  return RopeTable(jnp.cos(phase_BT1f), jnp.sin(phase_BT1f))
+
+
+def rotate(x_BTHd: Array, table: RopeTable) -> Array:
+  """Rotary embedding of `[B, T, heads, d]` by a `rope_table`: rotates halves (not
+  interleaved pairs), as the release does. Written per half, which equals the release's
+  `x * cos + rotate_half(x) * sin` bit for bit and takes the cosine and sine of `d/2`
+  angles, not `d`."""
+  half = x_BTHd.shape[-1] // 2
   x32 = x_BTHd.astype(jnp.float32)
   first, second = x32[..., :half], x32[..., half:]
+  cos, sin = table
   return jnp.concatenate([first * cos - second * sin, second * cos + first * sin],
                          axis=-1).astype(x_BTHd.dtype)
+
+
+def apply_rope(x_BTHd: Array, positions_BT: Array) -> Array:
+  """Rotary embedding on `[B, T, heads, d]` with explicit float positions `[B, T]`:
+  `rotate(x, rope_table(positions, d))`."""
+  return rotate(x_BTHd, rope_table(positions_BT, x_BTHd.shape[-1]))
 
 
 def soft_cap(logits: Array, cap: Optional[float]) -> Array:
@@ -111,8 +132,9 @@ class MultiHeadAttention(eqx.Module):
     self.out = Linear(cfg.num_q_heads * cfg.key_size, cfg.emb_size, key=k2, zero=zero)
     self.config = cfg
 
-  def project(self, x_BTD: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
-    """Returns rotated queries `[B,T,KV,G,d]`, rotated keys and values `[B,T,KV,d]`."""
+  def project(self, x_BTD: Array, rope: RopeTable) -> tuple[Array, Array, Array]:
+    """Returns rotated queries `[B,T,KV,G,d]`, rotated keys and values `[B,T,KV,d]`;
+    `rope` is the tokens' `rope_table`."""
     cfg = self.config
     B, T, _ = x_BTD.shape
     H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
@@ -120,8 +142,8 @@ class MultiHeadAttention(eqx.Module):
     q_BTHd = qkv[..., : H * d].reshape(B, T, H, d)
     k_BTKd = qkv[..., H * d: (H + KV) * d].reshape(B, T, KV, d)
     v_BTKd = qkv[..., (H + KV) * d:].reshape(B, T, KV, d)
-    q_BTHd = apply_rope(q_BTHd, positions_BT)
-    k_BTKd = apply_rope(k_BTKd, positions_BT)
+    q_BTHd = rotate(q_BTHd, rope)
+    k_BTKd = rotate(k_BTKd, rope)
     return q_BTHd.reshape(B, T, KV, H // KV, d), k_BTKd, v_BTKd
 
   def output(self, attn_BTKGd: Array) -> Array:
@@ -142,7 +164,8 @@ class MultiHeadAttention(eqx.Module):
   def __call__(self, x_BTD: Array, mask_B1TT: Array, positions_BT: Array,
                ) -> tuple[Array, Array]:
     """Dense masked self-attention (mask `[B,1,T,T]`, 1 = may attend)."""
-    return self.attend(*self.project(x_BTD, positions_BT), mask_B1TT)
+    rope = rope_table(positions_BT, self.config.key_size)
+    return self.attend(*self.project(x_BTD, rope), mask_B1TT)
 
 
 class DenseBlock(eqx.Module):

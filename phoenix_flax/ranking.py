@@ -256,4 +256,14 @@ class PhoenixModel(eqx.Module):
             Diagnostics(out.max_abs_attn_logit, out.residual_rms))
 
   def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RecsysModelOutput:
-    return self.forward(batch, embeddings)[0]
+    """The logits of `forward`. The isolated path skips what only the diagnostics need:
+    the context's outputs in the last layer (`Transformer.isolated_candidates`)."""
+    c = self.config
+    if not (c.candidate_isolation and c.attention_impl == "isolated"):
+      return self.forward(batch, embeddings)[0]
+    self._check(batch, embeddings)
+    ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
+    cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
+    return self._head(self.transformer.isolated_candidates(
+        ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC, self.context_positions(ctx_mask_BN),
+        self.candidate_positions(cand_mask_BC)))

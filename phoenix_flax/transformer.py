@@ -8,6 +8,10 @@
   (one q|k|v, output and GeGLU matmul per layer over all tokens); `encode_context` leaves
   the context's per-layer keys/values in a `ContextCache` and `score_candidates` scores
   any number of candidates against it, so a runner can score candidates in chunks.
+  `isolated_candidates` returns the candidates' outputs alone and skips the context's
+  last-layer outputs, which only the diagnostics read (`PhoenixModel.__call__` uses it).
+
+Every path builds one RoPE table per forward pass and shares it between layers.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax.config import TransformerConfig
-from phoenix_flax.layers import DenseBlock, MultiHeadAttention, RMSNorm, masked_logits
+from phoenix_flax.layers import (DenseBlock, MultiHeadAttention, RMSNorm, RopeTable,
+                                 masked_logits, rope_phase)
 from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 
 
@@ -92,14 +97,21 @@ class DecoderLayer(eqx.Module):
     self.norm_dense_in = make(has_in, in_value)
     self.norm_dense_out = make(has_out, out_value)
 
-  def _sublayer(self, h, fn, norm_in, norm_out):
+  def _sublayer(self, h, fn, norm_in, norm_out, out_from: int = 0):
+    rest = h[:, out_from:] if out_from else h
     if self.layout == "post":
-      return norm_out(h + fn(h))
+      return norm_out(rest + fn(h))
     y = fn(norm_in(h))
-    return h + (norm_out(y) if self.layout == "sandwich" else y)
+    return rest + (norm_out(y) if self.layout == "sandwich" else y)
 
-  def __call__(self, h_BTD: Array, attend: AttendFn) -> tuple[Array, Array]:
-    """Applies the layer; `attend(attention, x)` returns (output, max |logit|)."""
+  def __call__(self, h_BTD: Array, attend: AttendFn, out_from: int = 0
+               ) -> tuple[Array, Array]:
+    """Applies the layer; `attend(attention, x)` returns (output, max |logit|).
+
+    With `out_from`, attention still reads every token of `h` (its keys and values), but
+    `attend` returns outputs for tokens `out_from:` only and the rest of the layer runs on
+    those tokens alone: the result is `[B, T - out_from, D]`.
+    """
     stat = []
 
     def attn_fn(x):
@@ -107,7 +119,7 @@ class DecoderLayer(eqx.Module):
       stat.append(max_logit)
       return out
 
-    h = self._sublayer(h_BTD, attn_fn, self.norm_attn_in, self.norm_attn_out)
+    h = self._sublayer(h_BTD, attn_fn, self.norm_attn_in, self.norm_attn_out, out_from)
     h = self._sublayer(h, self.dense, self.norm_dense_in, self.norm_dense_out)
     return h, stat[0]
 
@@ -122,6 +134,22 @@ def _rms(h_BTD: Array, keep_BT: Array) -> Array:
 def _default_positions(batch: int, length: int, offset: int = 0) -> Array:
   return jnp.broadcast_to(jnp.arange(offset, offset + length, dtype=jnp.float32),
                           (batch, length))
+
+
+def _shared_rope(config: TransformerConfig, positions_BT: Array) -> RopeTable:
+  """One RoPE table for every layer of a forward pass, its cosines and sines built in a
+  loop of two steps (a `lax.switch` picks the function).
+
+  The loop is there for XLA:CPU, which fuses elementwise producers into their consumers
+  and drops `optimization_barrier`: with the layers unrolled (`scan_unroll` > 1, or the
+  last layer run on its own) it fused the cosines and sines into every rotation and
+  recomputed them for each head of each layer (16 ms of a 104 ms forward at the
+  benchmark's `1k` size). A loop's results are buffers that its consumers read. The
+  values are those of `rope_table`.
+  """
+  phase = rope_phase(positions_BT, config.key_size)
+  both = jax.lax.map(lambda i: jax.lax.switch(i, (jnp.cos, jnp.sin), phase), jnp.arange(2))
+  return RopeTable(both[0], both[1])
 
 
 def _swap_time_heads(x: Array) -> Array:
@@ -200,20 +228,26 @@ class Transformer(eqx.Module):
     keys = jax.random.split(key, config.num_layers)
     self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(keys)
 
-  @property
-  def _unroll(self) -> int:
-    return min(self.config.scan_unroll, self.config.num_layers)
-
-  def _scan(self, h: Array, keep: Array, attend, extra_per_layer=None):
-    """Runs every layer. `attend(attention, x, extra)` gets this layer's slice of
-    `extra_per_layer` and returns (output, max |logit|, kept), where `kept` is any pytree
-    (None for nothing) that comes back stacked over layers. `keep` `[B, T]` marks the
-    tokens the residual RMS counts. Returns (h, max logits, RMS, kept), each per layer."""
+  def _layer(self, index) -> DecoderLayer:
+    """Layer `index` (an int or a traced scalar) of the stacked parameters."""
     params, static = eqx.partition(self.layers, eqx.is_array)
+    return eqx.combine(jax.tree.map(lambda p: p[index], params), static)
+
+  def _scan(self, h: Array, keep: Array, attend, extra_per_layer=None,
+            num_layers: Optional[int] = None):
+    """Runs the first `num_layers` layers (default: all). `attend(attention, x, extra)`
+    gets this layer's slice of `extra_per_layer` and returns (output, max |logit|, kept),
+    where `kept` is any pytree (None for nothing) that comes back stacked over layers.
+    `keep` `[B, T]` marks the tokens the residual RMS counts. Returns (h, max logits, RMS,
+    kept), each per layer.
+
+    The loop runs over layer indices and indexes the stacked parameters in place, as
+    `lax.scan` does with its inputs, so that running fewer layers copies no parameters.
+    """
+    count = self.config.num_layers if num_layers is None else num_layers
 
     def body(carry, xs):
-      layer_params, extra = xs
-      layer = eqx.combine(layer_params, static)
+      index, extra = xs
       kept = []
 
       def layer_attend(attention, x):
@@ -221,11 +255,12 @@ class Transformer(eqx.Module):
         kept.append(this)
         return out, max_logit
 
-      out, max_logit = layer(carry, layer_attend)
+      out, max_logit = self._layer(index)(carry, layer_attend)
       return out, (max_logit, _rms(out, keep), kept[0])
 
-    h, (max_logits, rms, kept) = jax.lax.scan(body, h, (params, extra_per_layer),
-                                              unroll=self._unroll)
+    unroll = max(1, min(self.config.scan_unroll, count))
+    h, (max_logits, rms, kept) = jax.lax.scan(body, h, (jnp.arange(count), extra_per_layer),
+                                              unroll=unroll)
     return h, max_logits, rms, kept
 
   def __call__(self, embeddings: Array, padding_mask: Array,
@@ -242,9 +277,11 @@ class Transformer(eqx.Module):
     else:
       structure = make_recsys_attn_mask(T, candidate_start_offset, embeddings.dtype)
     mask_B1TT = padding_mask[:, None, None, :].astype(embeddings.dtype) * structure
-    pos = _default_positions(B, T) if positions is None else positions
+    rope = _shared_rope(self.config, _default_positions(B, T) if positions is None
+                        else positions)
     h, max_logits, rms, _ = self._scan(
-        embeddings, padding_mask, lambda attn, x, _: (*attn(x, mask_B1TT, pos), None))
+        embeddings, padding_mask,
+        lambda attn, x, _: (*attn.attend(*attn.project(x, rope), mask_B1TT), None))
     return TransformerOutput(h, max_logits, rms)
 
   def encode_context(self, embeddings_BND: Array, padding_mask_BN: Array,
@@ -254,10 +291,11 @@ class Transformer(eqx.Module):
     _check_tokens(self.config, "context", embeddings_BND, padding_mask_BN, positions_BN)
     B, N, _ = embeddings_BND.shape
     padding_mask_BN = padding_mask_BN.astype(bool)
-    pos = _default_positions(B, N) if positions_BN is None else positions_BN
+    rope = _shared_rope(self.config,
+                        _default_positions(B, N) if positions_BN is None else positions_BN)
 
     def attend(attention, x, _):
-      q, k, v = attention.project(x, pos)
+      q, k, v = attention.project(x, rope)
       attn, max_logit = _isolated_attention(self.config, q, k, v, padding_mask_BN)
       return attention.output(attn), max_logit, (k, v)
 
@@ -273,11 +311,12 @@ class Transformer(eqx.Module):
                   cache.padding_mask.shape[0])
     B, C, _ = embeddings_BCD.shape
     N = cache.padding_mask.shape[1]
-    pos = _default_positions(B, C, N) if positions_BC is None else positions_BC
+    rope = _shared_rope(self.config, _default_positions(B, C, N) if positions_BC is None
+                        else positions_BC)
     cand_mask = padding_mask_BC.astype(bool)
 
     def attend(attention, x, kv):
-      q, k, v = attention.project(x, pos)
+      q, k, v = attention.project(x, rope)
       attn, max_logit = _isolated_attention(self.config, q, kv[0], kv[1], cache.padding_mask,
                                             (k, v, cand_mask))
       return attention.output(attn), max_logit, None
@@ -285,6 +324,36 @@ class Transformer(eqx.Module):
     h, max_logits, rms, _ = self._scan(embeddings_BCD, cand_mask, attend,
                                        (cache.keys, cache.values))
     return TransformerOutput(h, max_logits, rms)
+
+  def _isolated_setup(self, context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+                      context_positions_BN, candidate_positions_BC):
+    """Checks the inputs of `isolated`; returns the tokens `[B, N+C, D]`, their padding
+    mask, and `attend(attention, x, out_from)`, which runs both attention calls (context
+    and candidates) or, with `out_from=N`, the candidates' only."""
+    _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
+    _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
+                  candidate_positions_BC, context_BND.shape[0], "the context")
+    B, N, _ = context_BND.shape
+    C = candidates_BCD.shape[1]
+    ctx_pos = _default_positions(B, N) if context_positions_BN is None else context_positions_BN
+    cand_pos = (_default_positions(B, C, N) if candidate_positions_BC is None
+                else candidate_positions_BC)
+    rope = _shared_rope(self.config, jnp.concatenate([ctx_pos, cand_pos], axis=1))
+    ctx_mask, cand_mask = context_mask_BN.astype(bool), candidate_mask_BC.astype(bool)
+
+    def attend(attention, x, out_from=0):
+      q, k, v = attention.project(x, rope)
+      ctx_k, ctx_v = k[:, :N], v[:, :N]
+      attn, max_logit = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
+                                            (k[:, N:], v[:, N:], cand_mask))
+      if not out_from:
+        attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
+        attn = jnp.concatenate([attn_ctx, attn], axis=1)
+        max_logit = jnp.maximum(max_ctx, max_logit)
+      return attention.output(attn), max_logit
+
+    tokens = jnp.concatenate([context_BND, candidates_BCD], axis=1)
+    return tokens, jnp.concatenate([ctx_mask, cand_mask], axis=1), attend
 
   def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
                candidate_mask_BC: Array, context_positions_BN: Optional[Array] = None,
@@ -294,26 +363,28 @@ class Transformer(eqx.Module):
     Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
     output and GeGLU matmul over all tokens, and only attention is split in two.
     """
-    _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
-    _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
-                  candidate_positions_BC, context_BND.shape[0], "the context")
-    B, N, _ = context_BND.shape
-    C = candidates_BCD.shape[1]
-    ctx_pos = _default_positions(B, N) if context_positions_BN is None else context_positions_BN
-    cand_pos = (_default_positions(B, C, N) if candidate_positions_BC is None
-                else candidate_positions_BC)
-    pos = jnp.concatenate([ctx_pos, cand_pos], axis=1)
-    ctx_mask, cand_mask = context_mask_BN.astype(bool), candidate_mask_BC.astype(bool)
-
-    def attend(attention, x, _):
-      q, k, v = attention.project(x, pos)
-      ctx_k, ctx_v = k[:, :N], v[:, :N]
-      attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
-      attn_cand, max_cand = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
-                                                (k[:, N:], v[:, N:], cand_mask))
-      attn = jnp.concatenate([attn_ctx, attn_cand], axis=1)
-      return attention.output(attn), jnp.maximum(max_ctx, max_cand), None
-
-    h, max_logits, rms, _ = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
-                                       jnp.concatenate([ctx_mask, cand_mask], axis=1), attend)
+    tokens, mask, attend = self._isolated_setup(
+        context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+        context_positions_BN, candidate_positions_BC)
+    h, max_logits, rms, _ = self._scan(tokens, mask,
+                                       lambda attn, x, _: (*attend(attn, x), None))
     return TransformerOutput(h, max_logits, rms)
+
+  def isolated_candidates(self, context_BND: Array, context_mask_BN: Array,
+                          candidates_BCD: Array, candidate_mask_BC: Array,
+                          context_positions_BN: Optional[Array] = None,
+                          candidate_positions_BC: Optional[Array] = None) -> Array:
+    """The candidates' outputs `[B, C, D]` of `isolated`, without its diagnostics.
+
+    The context's outputs of the last layer feed nothing but the diagnostics, so that
+    layer projects every token (the candidates need the context's keys and values) and
+    runs attention, the output projection and the GeGLU for the candidates only.
+    """
+    tokens, mask, attend = self._isolated_setup(
+        context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+        context_positions_BN, candidate_positions_BC)
+    L, N = self.config.num_layers, context_BND.shape[1]
+    h, _, _, _ = self._scan(tokens, mask, lambda attn, x, _: (*attend(attn, x), None),
+                            num_layers=L - 1)
+    out, _ = self._layer(L - 1)(h, lambda attn, x: attend(attn, x, N), out_from=N)
+    return out

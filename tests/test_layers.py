@@ -8,7 +8,7 @@ import pytest
 
 import phoenix_flax as pf
 from conftest import call, layer, max_abs_diff, transformer_config
-from phoenix_flax.layers import Linear, RMSNorm, apply_rope, rms_norm, soft_cap
+from phoenix_flax.layers import Linear, RMSNorm, apply_rope, rms_norm, rope_table, soft_cap
 from phoenix_flax.masks import causal_mask
 
 
@@ -175,7 +175,7 @@ def test_attention_has_no_hidden_sqrt_d_factor():
   attn = attention(cfg, 4)
   x = jnp.asarray(np.random.default_rng(8).standard_normal((1, 3, cfg.emb_size)), jnp.float32)
   pos = jnp.arange(3.0)[None]
-  q, k, _ = call(attn.project, x, pos)
+  q, k, _ = call(attn.project, x, rope_table(pos, cfg.key_size))
   _, max_logit = call(attn, x, causal_mask(3), pos)
   raw = jnp.einsum("btkgd,bskd->bkgts", q, k) * np.tril(np.ones((3, 3)))
   np.testing.assert_allclose(max_logit, jnp.max(jnp.abs(raw)), rtol=1e-5)

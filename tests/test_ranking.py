@@ -370,7 +370,9 @@ GRID = {
     "C1_right_anchored_pre_4q1kv_capoff_empty_history": dict(
         candidates=1, right_anchored_rope=True, norm_layout="pre", num_kv_heads=1,
         attn_logit_cap=None, history_valid=[0, 3]),
-    "S16_C2_4q1kv": dict(history=16, candidates=2, num_kv_heads=1, history_valid=[16, 5]),
+    "S16_C2_4q1kv_1layer": dict(history=16, candidates=2, num_kv_heads=1, num_layers=1,
+                                history_valid=[16, 5]),
+    "3layers_unrolled": dict(num_layers=3, scan_unroll=3),
 }
 # A case's keys go to the config that has a field of that name (a new switch needs no edit
 # here); `history`, `candidates` and `history_valid` shape the batch. Anything else is a
@@ -434,6 +436,10 @@ def test_isolated_equals_dense(name):
   (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
   assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
   assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
+  # `model(...)`, the serving path, skips the context's last-layer outputs.
+  served = call(lambda m, b, e: m(b, e), model_for(cfgs["isolated"]), batch, emb)
+  assert max_abs_diff(served.logits, iso.logits) <= 1e-6
+  assert max_abs_diff(served.logits, dense.logits) <= 1e-5
   np.testing.assert_allclose(iso_diag.max_abs_attn_logit, dense_diag.max_abs_attn_logit,
                              rtol=1e-5)
   np.testing.assert_allclose(iso_diag.residual_rms, dense_diag.residual_rms, rtol=1e-5)
@@ -479,7 +485,7 @@ def test_isolated_path_never_builds_a_candidate_by_candidate_array():
     model = model_for(cfg)
     batch, emb = padded_batch(cfg, candidate_mask=np.ones((2, C), bool))
     loss = lambda m: jnp.sum(m.forward(batch, emb)[0].logits)
-    closed = jax.make_jaxpr(lambda m: (loss(m), eqx.filter_grad(loss)(m)))(model)
+    closed = jax.make_jaxpr(lambda m: (loss(m), eqx.filter_grad(loss)(m), m(batch, emb)))(model)
     shapes[impl] = {s for s in _intermediate_shapes(closed.jaxpr)
                     if sum(n in (C, T) for n in s) >= 2}
   assert not shapes["isolated"], shapes["isolated"]
