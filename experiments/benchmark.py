@@ -138,32 +138,41 @@ def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int,
   With context length `N = 1 + S`, `H` query and `KV` key/value heads of size `d`, GeGLU
   width `F`, `A` actions, `U` user hashes and `L` layers, per user:
 
-    tokens = (N + C) * L * (2*D*(H + 2*KV)*d + 2*H*d*D + 2*D*2F + 2*F*D)
-               q|k|v projection, output projection, GeGLU (both branches + output)
-    attend = L * 4*H*d * (N*(N+1)/2 + C*(N+1))
-               QK and AV over allowed keys only: the causal context, and each
-               candidate over the context plus itself
+    kv     = (N + C) * L * 2*D*2*KV*d
+               key and value projections of every token in every layer
+    rows   = ((N + C) * (L - 1) + C) * (2*D*H*d + 2*H*d*D + 2*D*2F + 2*F*D)
+               query and output projections and GeGLU (both branches + output) of
+               every token in all but the last layer, and of the candidates in the last:
+               the context's last-layer outputs feed no logit
+    attend = 4*H*d * ((L - 1) * N*(N+1)/2 + L * C*(N+1))
+               QK and AV over allowed keys only: the causal context (all but the last
+               layer), and each candidate over the context plus itself
     inputs = 2*D * (U*D + S*(hist_in + A) + C*cand_in)
                user, history and candidate input projections, action projection
     head   = 2*D*A * C
                unembedding
 
-  Masked work, norms, RoPE, softmax, soft-cap, gelu and the one-hot surface lookup get no
-  credit. The total is `batch` times the per-user count.
+  Masked work, the context's last-layer queries (computed in the fused q|k|v matmul),
+  norms, RoPE, softmax, soft-cap, gelu and the one-hot surface lookup get no credit. The
+  total is `batch` times the per-user count.
 
-  `dense=True` counts instead the matmul work the dense reference executes: its attention
-  products cover all `T = N + C` keys for every token, `L * 4*H*d * T*T`, masked or not.
+  `dense=True` counts instead the matmul work the dense reference executes: every token's
+  projections and GeGLU in every layer, and attention products over all `T = N + C` keys
+  for every token, `L * 4*H*d * T*T`, masked or not.
   """
   c, tc = model.config, model.config.model
   D, d, H, KV = tc.emb_size, tc.key_size, tc.num_q_heads, tc.num_kv_heads
   L, F = tc.num_layers, tc.ffn_size
   S, A, U, C = c.history_seq_len, c.num_actions, c.hash_config.num_user_hashes, candidates
   N = 1 + S
-  tokens = (N + C) * L * (2 * D * (H + 2 * KV) * d + 2 * H * d * D + 2 * D * 2 * F
-                          + 2 * F * D)
-  attend = L * 4 * H * d * (N * (N + 1) // 2 + C * (N + 1))
+  kv = 2 * D * 2 * KV * d
+  per_row = 2 * D * H * d + 2 * H * d * D + 2 * D * 2 * F + 2 * F * D
   if dense:
+    tokens = (N + C) * L * (kv + per_row)
     attend = L * 4 * H * d * (N + C) ** 2
+  else:
+    tokens = (N + C) * L * kv + ((N + C) * (L - 1) + C) * per_row
+    attend = 4 * H * d * ((L - 1) * N * (N + 1) // 2 + L * C * (N + 1))
   hist_in, cand_in = model.proj_mat_3.shape[0], model.proj_mat_2.shape[0]
   inputs = 2 * D * (U * D + S * (hist_in + A) + C * cand_in)
   head = 2 * D * A * C

@@ -33,16 +33,24 @@ def test_useful_flops_counts_the_isolated_computation():
   model = eqx.filter_eval_shape(pf.PhoenixModel, benchmark.model_config(case),
                                 key=jax.random.key(0))
   D, d, H, KV, F, N, C, A = 32, 64, 2, 1, model.config.model.ffn_size, 5, 3, 19
-  per_token = 2 * D * (H + 2 * KV) * d + 2 * H * d * D + 6 * D * F
-  attend = 4 * H * d * (N * (N + 1) // 2 + C * (N + 1))
+  kv = 2 * D * 2 * KV * d                              # key and value projections
+  per_row = 2 * D * H * d + 2 * H * d * D + 6 * D * F  # query, output, GeGLU
+  context = N * (N + 1) // 2                           # causal (query, key) pairs
+  candidate = N + 1                                    # the context plus its own key
+  first = (N + C) * (kv + per_row) + 4 * H * d * (context + C * candidate)
+  # The last layer: keys and values of every token, the rest for the candidates only.
+  last = (N + C) * kv + C * per_row + 4 * H * d * C * candidate
   inputs = 2 * D * (2 * D + 4 * (6 * D + A) + C * 5 * D)
-  expected = 2 * (2 * ((N + C) * per_token + attend) + inputs + 2 * D * A * C)
+  expected = 2 * (first + last + inputs + 2 * D * A * C)
   assert benchmark.useful_flops(model, 2, C) == expected
-  # One more candidate costs its tokens, its attention row (N + 1 keys) and its head.
+  # One more candidate costs its rows in both layers, its attention rows (N + 1 keys in
+  # each layer) and its input projection and head.
   extra = benchmark.useful_flops(model, 1, C + 1) - benchmark.useful_flops(model, 1, C)
-  assert extra == 2 * (per_token + 4 * H * d * (N + 1)) + 2 * D * (5 * D + A)
-  # The dense reference's matmuls cover every (query, key) pair of the N + C tokens.
-  dense = 2 * (2 * ((N + C) * per_token + 4 * H * d * (N + C) ** 2) + inputs + 2 * D * A * C)
+  assert extra == 2 * (kv + per_row + 4 * H * d * candidate) + 2 * D * (5 * D + A)
+  # The dense reference's matmuls cover every token in every layer and every (query,
+  # key) pair of the N + C tokens.
+  dense = 2 * (2 * ((N + C) * (kv + per_row) + 4 * H * d * (N + C) ** 2) + inputs
+               + 2 * D * A * C)
   assert benchmark.useful_flops(model, 2, C, dense=True) == dense
 
 

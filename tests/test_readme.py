@@ -1,8 +1,10 @@
-"""The README's usage example and the quickstart demo run as written."""
+"""The README's usage example and the quickstart demo run as written, and its Performance
+table reads the committed benchmark JSON."""
 
 import ast
 import contextlib
 import io
+import json
 import pathlib
 import re
 import subprocess
@@ -102,3 +104,32 @@ def test_quick_start_install_covers_the_main_job_imports():
              if DISTRIBUTIONS.get(mod) not in allowed}
   assert not missing, (f"imported but not installed by `pip install -e {install}`: "
                        f"{missing}")
+
+
+def _shown(cell: str) -> tuple[float, int]:
+  """A table cell's leading number ("12,765", "1.16×", "32%", "145 (456)") and its
+  count of decimals."""
+  text = re.sub(r"[,×%]", "", cell.split("(")[0].strip())
+  return float(text), len(text.split(".")[1]) if "." in text else 0
+
+
+def test_performance_table_matches_the_committed_benchmark_json():
+  """Every row of the README's Performance table reads the figures of
+  docs/results/benchmark_cpu.json (times, ratios, candidates/s, GFLOP/s, MFU), so the
+  table cannot drift from the run it cites."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  section = readme.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
+  report = json.loads((ROOT / "docs/results/benchmark_cpu.json").read_text())
+  rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in section.splitlines()
+          if line.startswith("| ") and line.split("|")[1].split()[0] in report["configs"]]
+  assert sorted(row[0].split()[0] for row in rows) == sorted(report["configs"])
+  for name, fast, dense, ratio, flops, cand, _, _, gflops, mfu in rows:
+    r = report["configs"][name.split()[0]]
+    for cell, value in ((fast, 1e3 * r["fast"]["median_s"]),
+                        (dense, 1e3 * r["reference"]["median_s"]),
+                        (ratio, r["speedup"]), (flops, r["flop_ratio"]),
+                        (cand, r["candidates_per_s"]), (gflops, r["achieved_gflops"]),
+                        (gflops.split("(")[1].rstrip(")"), r["matmul_gflops"]),
+                        (mfu, 100 * r["mfu"])):
+      shown, digits = _shown(cell)
+      assert shown == round(value, digits), (name, cell, value)
