@@ -75,7 +75,8 @@ class TransformerConfig:
     param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, which
       cannot train), "rezero" (variance-scaled weights, zero post-block norm scales).
     scan_unroll: layers per iteration of the layer scan. 1 (default) compiles one layer
-      whatever the depth; values >= num_layers unroll the stack fully, which makes
+      whatever the depth (the ranking model's logits-only `__call__` compiles its last
+      layer on its own too); values >= num_layers unroll the stack fully, which makes
       small models' backward passes much cheaper on CPU (no per-layer stacking of
       residuals) at the cost of compile time growing with depth. Numerics do not depend
       on it beyond float reassociation.

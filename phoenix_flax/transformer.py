@@ -99,9 +99,12 @@ class DecoderLayer(eqx.Module):
 
   def _sublayer(self, h, fn, norm_in, norm_out, out_from: int = 0):
     rest = h[:, out_from:] if out_from else h
+    y = fn(h if self.layout == "post" else norm_in(h))
+    if y.shape != rest.shape:   # `attend` must return the rows `out_from:` exactly
+      raise ValueError(f"the layer's block returned shape {y.shape} for rows {out_from}: "
+                       f"of {h.shape}")
     if self.layout == "post":
-      return norm_out(rest + fn(h))
-    y = fn(norm_in(h))
+      return norm_out(rest + y)
     return rest + (norm_out(y) if self.layout == "sandwich" else y)
 
   def __call__(self, h_BTD: Array, attend: AttendFn, out_from: int = 0
@@ -328,8 +331,8 @@ class Transformer(eqx.Module):
   def _isolated_setup(self, context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
                       context_positions_BN, candidate_positions_BC):
     """Checks the inputs of `isolated`; returns the tokens `[B, N+C, D]`, their padding
-    mask, and `attend(attention, x, out_from)`, which runs both attention calls (context
-    and candidates) or, with `out_from=N`, the candidates' only."""
+    mask, and `attend(attention, x, candidates_only)`, which runs both attention calls
+    (context and candidates) or the candidates' only (their `C` rows)."""
     _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
     _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
                   candidate_positions_BC, context_BND.shape[0], "the context")
@@ -341,12 +344,12 @@ class Transformer(eqx.Module):
     rope = _shared_rope(self.config, jnp.concatenate([ctx_pos, cand_pos], axis=1))
     ctx_mask, cand_mask = context_mask_BN.astype(bool), candidate_mask_BC.astype(bool)
 
-    def attend(attention, x, out_from=0):
+    def attend(attention, x, candidates_only=False):
       q, k, v = attention.project(x, rope)
       ctx_k, ctx_v = k[:, :N], v[:, :N]
       attn, max_logit = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
                                             (k[:, N:], v[:, N:], cand_mask))
-      if not out_from:
+      if not candidates_only:
         attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
         attn = jnp.concatenate([attn_ctx, attn], axis=1)
         max_logit = jnp.maximum(max_ctx, max_logit)
@@ -386,5 +389,5 @@ class Transformer(eqx.Module):
     L, N = self.config.num_layers, context_BND.shape[1]
     h, _, _, _ = self._scan(tokens, mask, lambda attn, x, _: (*attend(attn, x), None),
                             num_layers=L - 1)
-    out, _ = self._layer(L - 1)(h, lambda attn, x: attend(attn, x, N), out_from=N)
+    out, _ = self._layer(L - 1)(h, lambda attn, x: attend(attn, x, True), out_from=N)
     return out

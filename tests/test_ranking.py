@@ -462,15 +462,23 @@ def test_isolated_gradients_equal_dense(name):
     assert max_abs_diff(iso, dense) <= 1e-5 * max(scale, 1.0), (iso.shape, scale)
 
 
-def _intermediate_shapes(jaxpr):
-  """Shapes of every value a jaxpr computes, inside scans, jits and other sub-jaxprs too."""
+def _equations(jaxpr, into_loops=True):
+  """Every equation of a jaxpr and of its sub-jaxprs (jits, calls, and scans and loops
+  unless `into_loops` is False)."""
   for eqn in jaxpr.eqns:
-    yield from (v.aval.shape for v in eqn.outvars)
+    yield eqn
+    if not into_loops and eqn.primitive.name in ("scan", "while"):
+      continue
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else [param]:
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          yield from _intermediate_shapes(sub)
+          yield from _equations(sub, into_loops)
+
+
+def _intermediate_shapes(jaxpr):
+  """Shapes of every value a jaxpr computes, inside scans, jits and other sub-jaxprs too."""
+  return (v.aval.shape for eqn in _equations(jaxpr) for v in eqn.outvars)
 
 
 def test_isolated_path_never_builds_a_candidate_by_candidate_array():
@@ -490,3 +498,20 @@ def test_isolated_path_never_builds_a_candidate_by_candidate_array():
                     if sum(n in (C, T) for n in s) >= 2}
   assert not shapes["isolated"], shapes["isolated"]
   assert any(s[-2:] == (T, T) for s in shapes["dense"]), shapes["dense"]
+
+
+def test_serving_call_runs_the_last_layer_for_the_candidates_only():
+  """`model(...)` runs the layer loop for all but the last layer and that layer's GeGLU
+  on the candidates' rows alone; `forward` (diagnostics over every row) runs every layer
+  in the loop."""
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  width = 2 * cfg.model.ffn_size                    # the GeGLU's gate|value product
+  assert width != (cfg.model.num_q_heads + 2 * cfg.model.num_kv_heads) * cfg.model.key_size
+  # Products outside the layer loop whose output has the GeGLU's width.
+  geglu = lambda fn: [e.outvars[0].aval.shape
+                      for e in _equations(jax.make_jaxpr(fn)(model).jaxpr, into_loops=False)
+                      if e.primitive.name == "dot_general"
+                      and e.outvars[0].aval.shape[-1] == width]
+  assert geglu(lambda m: m(batch, emb)) == [(2, cfg.candidate_seq_len, width)]
+  assert geglu(lambda m: m.forward(batch, emb)) == []

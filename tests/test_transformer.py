@@ -229,6 +229,15 @@ def test_isolated_candidates_equal_isolated(layers):
     tr.isolated_candidates(ctx[0], ctx[1], cand[0][:1], cand[1][:1])
 
 
+def test_layer_refuses_an_attention_output_of_the_wrong_rows():
+  """With `out_from`, the attention block must return exactly the rows `out_from:`; a
+  block that returns every row is an error, not a silent broadcast (here C = 1)."""
+  lyr, x = decoder_layer(transformer_config()), inputs()
+  full = lambda a, y: a(y, dense_mask(), positions())
+  with pytest.raises(ValueError, match=r"returned shape \(2, 7, 32\) for rows 6:"):
+    lyr(x, full, out_from=T - 1)
+
+
 def test_score_candidates_default_positions_follow_the_context():
   """Without explicit positions, cached scoring numbers candidates N, N+1, ... after an
   N-token context, as the dense path's default positions 0..T-1 do."""
