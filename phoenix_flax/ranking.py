@@ -209,8 +209,7 @@ class PhoenixModel(eqx.Module):
   def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:
     """Per-layer keys/values of the user + history context (candidate fields unused)."""
     ctx, ctx_mask = self.build_context_tokens(batch, embeddings)
-    _, cache = self.transformer.encode_context(ctx, ctx_mask, self.context_positions(ctx_mask))
-    return cache
+    return self.transformer.context_cache(ctx, ctx_mask, self.context_positions(ctx_mask))
 
   def score_candidates(self, cache: ContextCache, batch: RecsysBatch,
                        embeddings: RecsysEmbeddings, first_index: int = 0,

@@ -9,7 +9,8 @@
   the context's per-layer keys/values in a `ContextCache` and `score_candidates` scores
   any number of candidates against it, so a runner can score candidates in chunks.
   `isolated_candidates` returns the candidates' outputs alone and skips the context's
-  last-layer outputs, which only the diagnostics read (`PhoenixModel.__call__` uses it).
+  last-layer outputs, which only the diagnostics read (`PhoenixModel.__call__` uses it);
+  `context_cache` likewise builds the cache alone (`PhoenixModel.encode_context`).
 
 Every path builds one RoPE table per forward pass and shares it between layers.
 """
@@ -106,6 +107,13 @@ class DecoderLayer(eqx.Module):
     if self.layout == "post":
       return norm_out(rest + y)
     return rest + (norm_out(y) if self.layout == "sandwich" else y)
+
+  def keys_values(self, h_BTD: Array, rope: RopeTable) -> tuple[Array, Array]:
+    """The rotated keys and values `[B, T, KV, d]` this layer's attention takes from
+    `h` (the queries come out of the same fused matmul and are dropped)."""
+    x = h_BTD if self.layout == "post" else self.norm_attn_in(h_BTD)
+    _, k, v = self.attention.project(x, rope)
+    return k, v
 
   def __call__(self, h_BTD: Array, attend: AttendFn, out_from: int = 0
                ) -> tuple[Array, Array]:
@@ -287,10 +295,9 @@ class Transformer(eqx.Module):
         lambda attn, x, _: (*attn.attend(*attn.project(x, rope), mask_B1TT), None))
     return TransformerOutput(h, max_logits, rms)
 
-  def encode_context(self, embeddings_BND: Array, padding_mask_BN: Array,
-                     positions_BN: Optional[Array] = None,
-                     ) -> tuple[TransformerOutput, ContextCache]:
-    """Runs the context (user + history) causally and caches each layer's keys/values."""
+  def _context_setup(self, embeddings_BND, padding_mask_BN, positions_BN):
+    """Checks a context; returns its bool mask, its RoPE table and the layers' `attend`
+    (causal attention that keeps each layer's keys and values)."""
     _check_tokens(self.config, "context", embeddings_BND, padding_mask_BN, positions_BN)
     B, N, _ = embeddings_BND.shape
     padding_mask_BN = padding_mask_BN.astype(bool)
@@ -302,9 +309,27 @@ class Transformer(eqx.Module):
       attn, max_logit = _isolated_attention(self.config, q, k, v, padding_mask_BN)
       return attention.output(attn), max_logit, (k, v)
 
-    h, max_logits, rms, (keys, values) = self._scan(embeddings_BND, padding_mask_BN, attend)
-    cache = ContextCache(keys, values, padding_mask_BN)
+    return padding_mask_BN, rope, attend
+
+  def encode_context(self, embeddings_BND: Array, padding_mask_BN: Array,
+                     positions_BN: Optional[Array] = None,
+                     ) -> tuple[TransformerOutput, ContextCache]:
+    """Runs the context (user + history) causally and caches each layer's keys/values."""
+    mask, _, attend = self._context_setup(embeddings_BND, padding_mask_BN, positions_BN)
+    h, max_logits, rms, (keys, values) = self._scan(embeddings_BND, mask, attend)
+    cache = ContextCache(keys, values, mask)
     return TransformerOutput(h, max_logits, rms), cache
+
+  def context_cache(self, embeddings_BND: Array, padding_mask_BN: Array,
+                    positions_BN: Optional[Array] = None) -> ContextCache:
+    """The `ContextCache` of `encode_context` alone. The last layer stops after its
+    key/value projection: its attention and GeGLU feed only the context's outputs."""
+    mask, rope, attend = self._context_setup(embeddings_BND, padding_mask_BN, positions_BN)
+    L = self.config.num_layers
+    h, _, _, (keys, values) = self._scan(embeddings_BND, mask, attend, num_layers=L - 1)
+    k, v = self._layer(L - 1).keys_values(h, rope)
+    return ContextCache(jnp.concatenate([keys, k[None]]), jnp.concatenate([values, v[None]]),
+                        mask)
 
   def score_candidates(self, embeddings_BCD: Array, padding_mask_BC: Array,
                        cache: ContextCache, positions_BC: Optional[Array] = None,

@@ -229,6 +229,24 @@ def test_isolated_candidates_equal_isolated(layers):
     tr.isolated_candidates(ctx[0], ctx[1], cand[0][:1], cand[1][:1])
 
 
+@pytest.mark.parametrize("layers,layout", [(1, "sandwich"), (3, "post")])
+def test_context_cache_equals_encode_contexts_cache(layers, layout):
+  """`context_cache` (the last layer stops after its key/value projection) gives the
+  keys, values and mask of `encode_context`."""
+  tr = pf.Transformer(transformer_config(num_layers=layers, norm_layout=layout),
+                      key=jax.random.key(10))
+  ctx, mask, pos = inputs()[:, :OFFSET], PADDING[:, :OFFSET], positions()[:, :OFFSET] + 2
+
+  def caches(t, x):
+    return t.encode_context(x, mask, pos)[1], t.context_cache(x, mask, pos)
+
+  full, alone = call(caches, tr, ctx)
+  assert alone.keys.shape == full.keys.shape == (layers, B, OFFSET, 2, 8)
+  assert float(jnp.max(jnp.abs(full.values[-1]))) > 0.1
+  for got, want in zip(alone, full):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_layer_refuses_an_attention_output_of_the_wrong_rows():
   """With `out_from`, the attention block must return exactly the rows `out_from:`; a
   block that returns every row is an error, not a silent broadcast (here C = 1)."""
