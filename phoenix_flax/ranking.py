@@ -232,18 +232,27 @@ class PhoenixModel(eqx.Module):
       continuous = jax.nn.sigmoid(normed_BCD.astype(jnp.float32) @ self.continuous_unembeddings)
     return RecsysModelOutput(logits_BCA, continuous)
 
+  @property
+  def _isolated_path(self) -> bool:
+    return self.config.candidate_isolation and self.config.attention_impl == "isolated"
+
+  def _isolated_args(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> tuple:
+    """Context and candidate tokens, masks and RoPE positions, as `Transformer.isolated`
+    and `isolated_candidates` take them."""
+    ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
+    cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
+    return (ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC, self.context_positions(ctx_mask_BN),
+            self.candidate_positions(cand_mask_BC))
+
   def forward(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
               ) -> tuple[RecsysModelOutput, Diagnostics]:
     """Logits plus per-layer diagnostics (max |attention logit|, residual RMS)."""
     c = self.config
     self._check(batch, embeddings)
-    if c.candidate_isolation and c.attention_impl == "isolated":
-      ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
-      cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
-      out = self.transformer.isolated(ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC,
-                                      self.context_positions(ctx_mask_BN),
-                                      self.candidate_positions(cand_mask_BC))
-      return (self._head(out.embeddings[:, ctx_BND.shape[1]:]),
+    if self._isolated_path:
+      args = self._isolated_args(batch, embeddings)
+      out = self.transformer.isolated(*args)
+      return (self._head(out.embeddings[:, args[0].shape[1]:]),
               Diagnostics(out.max_abs_attn_logit, out.residual_rms))
     tokens_BTD, mask_BT, offset = self._inputs(batch, embeddings)
     positions = None
@@ -257,12 +266,8 @@ class PhoenixModel(eqx.Module):
   def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RecsysModelOutput:
     """The logits of `forward`. The isolated path skips what only the diagnostics need:
     the context's outputs in the last layer (`Transformer.isolated_candidates`)."""
-    c = self.config
-    if not (c.candidate_isolation and c.attention_impl == "isolated"):
+    if not self._isolated_path:
       return self.forward(batch, embeddings)[0]
     self._check(batch, embeddings)
-    ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
-    cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     return self._head(self.transformer.isolated_candidates(
-        ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC, self.context_positions(ctx_mask_BN),
-        self.candidate_positions(cand_mask_BC)))
+        *self._isolated_args(batch, embeddings)))

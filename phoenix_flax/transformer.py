@@ -98,9 +98,13 @@ class DecoderLayer(eqx.Module):
     self.norm_dense_in = make(has_in, in_value)
     self.norm_dense_out = make(has_out, out_value)
 
+  def _block_input(self, h, norm_in):
+    """What a block (attention or GeGLU) reads: `h` in the post layout, else `norm_in(h)`."""
+    return h if self.layout == "post" else norm_in(h)
+
   def _sublayer(self, h, fn, norm_in, norm_out, out_from: int = 0):
     rest = h[:, out_from:] if out_from else h
-    y = fn(h if self.layout == "post" else norm_in(h))
+    y = fn(self._block_input(h, norm_in))
     if y.shape != rest.shape:   # `attend` must return the rows `out_from:` exactly
       raise ValueError(f"the layer's block returned shape {y.shape} for rows {out_from}: "
                        f"of {h.shape}")
@@ -111,8 +115,7 @@ class DecoderLayer(eqx.Module):
   def keys_values(self, h_BTD: Array, rope: RopeTable) -> tuple[Array, Array]:
     """The rotated keys and values `[B, T, KV, d]` this layer's attention takes from
     `h` (the queries come out of the same fused matmul and are dropped)."""
-    x = h_BTD if self.layout == "post" else self.norm_attn_in(h_BTD)
-    _, k, v = self.attention.project(x, rope)
+    _, k, v = self.attention.project(self._block_input(h_BTD, self.norm_attn_in), rope)
     return k, v
 
   def __call__(self, h_BTD: Array, attend: AttendFn, out_from: int = 0
