@@ -28,6 +28,24 @@ def block_user_reduce(user_hashes: Array, user_embeddings: Array, num_user_hashe
   return token_B1D, (user_hashes[:, 0] != 0)[:, None]
 
 
+def project_parts(parts: list[Array], proj: Array) -> Array:
+  """`concatenate(parts, axis=-1) @ proj`, computed as the sum of each part times its rows
+  of `proj`: the same products, without copying the parts into one array (at the
+  benchmark's `1k` size the candidates' concatenated inputs are 21 MB, and copying them
+  took about 4 ms of a 90 ms forward pass). The sum is rounded in another order than the
+  one long product."""
+  widths = [part.shape[-1] for part in parts]
+  if sum(widths) != proj.shape[0]:
+    raise ValueError(f"the parts have {sum(widths)} features in all; the projection takes "
+                     f"{proj.shape[0]}")
+  out, start = None, 0
+  for part, width in zip(parts, widths):
+    term = part.astype(proj.dtype) @ proj[start:start + width]
+    out = term if out is None else out + term
+    start += width
+  return out
+
+
 def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Array,
                          history_author_embeddings: Array, product_surface_embeddings: Array,
                          action_embeddings: Array, proj_mat_3: Array,
@@ -37,7 +55,7 @@ def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Ar
   parts = [history_post_embeddings.reshape(B, S, -1),
            history_author_embeddings.reshape(B, S, -1),
            action_embeddings, product_surface_embeddings, *extra_features]
-  tokens_BSD = jnp.concatenate([p.astype(proj_mat_3.dtype) for p in parts], axis=-1) @ proj_mat_3
+  tokens_BSD = project_parts(parts, proj_mat_3)
   return tokens_BSD, history_post_hashes[:, :, 0] != 0
 
 
@@ -50,7 +68,7 @@ def block_candidate_reduce(candidate_post_hashes: Array, candidate_post_embeddin
   parts = [candidate_post_embeddings.reshape(B, C, -1),
            candidate_author_embeddings.reshape(B, C, -1),
            product_surface_embeddings, *extra_features]
-  tokens_BCD = jnp.concatenate([p.astype(proj_mat_2.dtype) for p in parts], axis=-1) @ proj_mat_2
+  tokens_BCD = project_parts(parts, proj_mat_2)
   return tokens_BCD, candidate_post_hashes[:, :, 0] != 0
 
 

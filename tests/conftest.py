@@ -118,3 +118,17 @@ def layer(transformer: pf.Transformer, index: int):
 
 def max_abs_diff(a, b) -> float:
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def jaxpr_equations(jaxpr, into_loops=True):
+  """Every equation of a jaxpr and of its sub-jaxprs (jits, calls, and scans and loops
+  unless `into_loops` is False)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    if not into_loops and eqn.primitive.name in ("scan", "while"):
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from jaxpr_equations(sub, into_loops)

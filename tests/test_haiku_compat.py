@@ -429,8 +429,8 @@ def test_a_user_with_no_valid_context_matches_on_valid_candidates(inputs, rankin
   """A cold row (user token and every history item padded): its valid candidates attend
   to their own key alone and match the release on both paths. A padded candidate there
   has no key at all; the dense path averages the whole row as the release does, the fast
-  path the row's context and its own value (`_isolated_attention`), so only the dense path
-  matches it."""
+  path gives it zeros (at the release's cap; `_isolated_attention`), so only the dense
+  path matches it."""
   _, tree = ranking_params
   batch, emb = inputs
   batch = batch._replace(user_hashes=batch.user_hashes.at[1, 0].set(0),

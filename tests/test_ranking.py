@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import (EMB, NUM_ACTIONS, call, forward, index_candidates, layer, make_batch,
-                      max_abs_diff, ranking_config, transformer_config)
+from conftest import (EMB, NUM_ACTIONS, call, forward, index_candidates, jaxpr_equations,
+                      layer, make_batch, max_abs_diff, ranking_config, transformer_config)
 from phoenix_flax.layers import apply_rope
 
 HISTORY_VALID = [4, 2]
@@ -260,6 +260,20 @@ def test_diagnostics_match_direct_computation():
   np.testing.assert_allclose(diag.residual_rms, rms, rtol=1e-5)
 
 
+def test_project_parts_equals_the_concatenated_product():
+  rng = np.random.default_rng(0)
+  parts = [jnp.asarray(rng.standard_normal((2, 3, w)), jnp.float32) for w in (8, 8, 4)]
+  proj = jnp.asarray(rng.standard_normal((20, 5)), jnp.float32)
+  got = jax.jit(pf.ranking.project_parts)(parts, proj)
+  np.testing.assert_allclose(got, jnp.concatenate(parts, axis=-1) @ proj, rtol=1e-6,
+                             atol=1e-5)
+  with pytest.raises(ValueError, match="the parts have 16 features in all; the projection "
+                                       "takes 20"):
+    pf.ranking.project_parts(parts[:2], proj)
+  with pytest.raises(ValueError, match="have 24 features"):
+    pf.ranking.project_parts(parts + parts[2:], proj)
+
+
 def test_later_release_features():
   cfg = ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(),
                        num_continuous_actions=2)
@@ -462,23 +476,9 @@ def test_isolated_gradients_equal_dense(name):
     assert max_abs_diff(iso, dense) <= 1e-5 * max(scale, 1.0), (iso.shape, scale)
 
 
-def _equations(jaxpr, into_loops=True):
-  """Every equation of a jaxpr and of its sub-jaxprs (jits, calls, and scans and loops
-  unless `into_loops` is False)."""
-  for eqn in jaxpr.eqns:
-    yield eqn
-    if not into_loops and eqn.primitive.name in ("scan", "while"):
-      continue
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          yield from _equations(sub, into_loops)
-
-
 def _intermediate_shapes(jaxpr):
   """Shapes of every value a jaxpr computes, inside scans, jits and other sub-jaxprs too."""
-  return (v.aval.shape for eqn in _equations(jaxpr) for v in eqn.outvars)
+  return (v.aval.shape for eqn in jaxpr_equations(jaxpr) for v in eqn.outvars)
 
 
 def test_isolated_path_never_builds_a_candidate_by_candidate_array():
@@ -510,7 +510,7 @@ def test_serving_call_runs_the_last_layer_for_the_candidates_only():
   assert width != (cfg.model.num_q_heads + 2 * cfg.model.num_kv_heads) * cfg.model.key_size
   # Products outside the layer loop whose output has the GeGLU's width.
   geglu = lambda fn: [e.outvars[0].aval.shape
-                      for e in _equations(jax.make_jaxpr(fn)(model).jaxpr, into_loops=False)
+                      for e in jaxpr_equations(jax.make_jaxpr(fn)(model).jaxpr, into_loops=False)
                       if e.primitive.name == "dot_general"
                       and e.outvars[0].aval.shape[-1] == width]
   assert geglu(lambda m: m(batch, emb)) == [(2, cfg.candidate_seq_len, width)]

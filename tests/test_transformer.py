@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import call, layer, max_abs_diff, transformer_config
+from conftest import call, jaxpr_equations, layer, max_abs_diff, transformer_config
 from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 
 B, T, OFFSET = 2, 7, 4
@@ -203,6 +203,75 @@ def test_isolated_path_matches_dense_and_chunks():
                              jnp.where(valid[:, :OFFSET], dense[:, :OFFSET], 0), atol=1e-5)
   np.testing.assert_allclose(whole.embeddings, dense[:, OFFSET:], atol=1e-5)
   np.testing.assert_allclose(chunked, whole.embeddings, atol=1e-6)
+
+
+def test_softmax_skips_the_row_max_only_where_the_cap_allows():
+  shift_free = pf.transformer._exp_without_shift
+  assert shift_free(30.0, jnp.float32, 130) and shift_free(30.0, jnp.bfloat16, 10**6)
+  assert not shift_free(30.0, jnp.float32, 2 * 10**6)      # exp(30) * keys too large
+  assert shift_free(39.0, jnp.float32, 130) and not shift_free(40.0, jnp.float32, 130)
+  assert not shift_free(None, jnp.float32, 130)
+  assert not shift_free(30.0, jnp.float16, 130)
+
+
+def _isolated_attention_args(cfg, seed=0, context_mask=None, candidate_mask=None,
+                             queries=3):
+  """Arguments of `_isolated_attention` with 5 context tokens: `queries` candidates, or
+  (`queries=None`) the context's own queries."""
+  N, KV, G, d = 5, cfg.num_kv_heads, cfg.num_q_heads // cfg.num_kv_heads, cfg.key_size
+  rng = np.random.default_rng(seed)
+  f = lambda *shape: jnp.asarray(3 * rng.standard_normal(shape), jnp.float32)
+  ctx_mask = jnp.ones((B, N), bool) if context_mask is None else context_mask
+  args = (cfg, f(B, queries or N, KV, G, d), f(B, N, KV, d), f(B, N, KV, d), ctx_mask)
+  if queries is None:
+    return args
+  cand_mask = jnp.ones((B, queries), bool) if candidate_mask is None else candidate_mask
+  return (*args, (f(B, queries, KV, d), f(B, queries, KV, d), cand_mask))
+
+
+@pytest.mark.parametrize("cap", [30.0, 1.0])
+def test_isolated_softmax_without_row_max_equals_with_it(cap, monkeypatch):
+  """Both softmax forms of the fast path (exp of the capped logits themselves, and the
+  row max subtracted first) give the same attention, for candidates and for the causal
+  context; and only the capped form skips the row max (its one max reduction left is the
+  max |logit| diagnostic, over every axis)."""
+  cfg = transformer_config(attn_logit_cap=cap, attn_output_multiplier=1.0)
+  args = _isolated_attention_args(cfg)
+  ctx_args = _isolated_attention_args(cfg, 1, queries=None)
+
+  # Fresh functions each time: jit and make_jaxpr cache traces by function, and the
+  # branch is taken at trace time.
+  def run():
+    fresh = lambda cfg, *a: pf.transformer._isolated_attention(cfg, *a)
+    return (jax.jit(fresh, static_argnums=0)(*args),
+            jax.jit(lambda *a: fresh(*a), static_argnums=0)(*ctx_args))
+
+  def row_maxes():
+    fresh = lambda cfg, *a: pf.transformer._isolated_attention(cfg, *a)
+    jaxpr = jax.make_jaxpr(fresh, static_argnums=0)(*args)
+    return [e for e in jaxpr_equations(jaxpr.jaxpr) if e.primitive.name == "reduce_max"
+            and len(e.params["axes"]) < e.invars[0].aval.ndim]
+
+  assert not row_maxes()
+  shift_free = run()
+  monkeypatch.setattr(pf.transformer, "_exp_without_shift", lambda *a: False)
+  assert row_maxes()
+  with_max = run()
+  for a, b in zip(jax.tree.leaves(shift_free), jax.tree.leaves(with_max)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_isolated_query_with_no_kept_key_gets_zeros():
+  """A candidate whose own key and every context key are masked (padding): zeros with the
+  shift-free softmax, not NaN (0 / 0)."""
+  cfg = transformer_config()
+  ctx_mask = jnp.array([[False] * 5, [True] * 5])
+  cand_mask = jnp.array([[False, True, False], [True, True, True]])
+  attn, _ = jax.jit(pf.transformer._isolated_attention, static_argnums=0)(
+      *_isolated_attention_args(cfg, 1, ctx_mask, cand_mask))
+  assert np.all(np.isfinite(attn))
+  assert np.all(attn[0, [0, 2]] == 0) and np.all(np.abs(attn[0, 1]) > 0)
+  assert np.all(np.abs(attn[1]) > 0)
 
 
 @pytest.mark.parametrize("layers", [1, 3])
