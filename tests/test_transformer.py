@@ -244,7 +244,7 @@ def test_isolated_softmax_without_row_max_equals_with_it(cap, monkeypatch):
   def run():
     fresh = lambda cfg, *a: pf.transformer._isolated_attention(cfg, *a)
     return (jax.jit(fresh, static_argnums=0)(*args),
-            jax.jit(lambda *a: fresh(*a), static_argnums=0)(*ctx_args))
+            jax.jit(fresh, static_argnums=0)(*ctx_args))
 
   def row_maxes():
     fresh = lambda cfg, *a: pf.transformer._isolated_attention(cfg, *a)
