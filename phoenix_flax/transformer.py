@@ -256,9 +256,7 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   attn_BTKGd = _swap_time_heads(attn)
   total_BTKG = _swap_time_heads(jnp.where(total > 0, total, 1.0))[..., None]
   if candidates is not None:
-    own_BTKG = _swap_time_heads(exp_self)[..., None]
-    return ((attn_BTKGd + own_BTKG * v_BTKd[:, :, :, None]) / total_BTKG
-            ).astype(q_BTKGd.dtype), max_logit
+    attn_BTKGd = attn_BTKGd + _swap_time_heads(exp_self)[..., None] * v_BTKd[:, :, :, None]
   return (attn_BTKGd / total_BTKG).astype(q_BTKGd.dtype), max_logit
 
 
