@@ -12,7 +12,8 @@ over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked`
 serves one user through `RankingRunner.rank_chunked` (context encoded once, candidates
 scored in chunks); its reference is the dense model on all candidates in one call (timed
 `--dense_iters` times on its own: tens of seconds a call), and it also reports
-`RankingRunner.rank` on all candidates at once (`one_call`: the isolated path unchunked). Also
+`RankingRunner.rank` on all candidates in one call (`one_call`: the isolated path, whose
+candidates run in micro-batches of `candidate_micro_batch_rows`, as in every fast call). Also
 reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
 deep model relative to a shallow one.
 
@@ -203,6 +204,12 @@ def matmul_call(size: int) -> Callable[[], jax.Array]:
   return lambda: f(a, b)
 
 
+def _micro_batches(config: pf.PhoenixModelConfig, batch: int, candidates: int) -> int:
+  """How many micro-batches `PhoenixModel.__call__` scores the candidates in."""
+  rows = config.micro_batch_rows
+  return 1 if rows is None else -(-candidates // max(1, rows // batch))
+
+
 def _logits_fn(static) -> Callable:
   return lambda params, batch, emb: eqx.combine(params, static)(batch, emb).logits
 
@@ -222,6 +229,9 @@ def bench_full(case: Case, iters: int, warmup: int, min_seconds: float, seed: in
     exe, seconds, peak = compile_fn(_logits_fn(static), params, batch, emb)
     calls[name] = lambda exe=exe, params=params: exe(params, batch, emb)
     result[name] = {"compile_s": seconds, "peak_bytes": peak, "kind": impl}
+  result["fast"].update(micro_batch_rows=model_config(case).micro_batch_rows,
+                        micro_batches=_micro_batches(model_config(case), case.batch,
+                                                     case.candidates))
   result["max_abs_logit_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
   medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
   for name in calls:
@@ -234,7 +244,7 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
                   matmul: Callable, dense_iters: int = 3) -> dict:
   """One user through `RankingRunner.rank_chunked` (fast) vs the dense reference scoring
   every candidate in one call, and vs `rank` (`one_call`: the isolated path in one call,
-  the same useful work unchunked).
+  the same useful work, its candidates in the model's micro-batches).
 
   The dense call is timed on its own, `dense_iters` times after a first call, not in the
   rounds: at 10,000 candidates one call takes tens of seconds on 2 cores (its T x T
@@ -273,6 +283,7 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
   result["fast"].update(kind=f"rank_chunked({case.chunk})", peak_bytes=max(peaks),
                         num_chunks=-(-case.candidates // case.chunk))
   result["one_call"].update(kind="rank (isolated, one call)",
+                            micro_batches=_micro_batches(model.config, 1, case.candidates),
                             peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
 
   dense = pf.PhoenixModel(model_config(case, "dense"), key=jax.random.key(seed))
@@ -425,12 +436,18 @@ def format_table(report: dict) -> str:
         f"| {mib(fast['peak_bytes']):.1f} / {mib(ref['peak_bytes']):.1f} "
         f"| {r['useful_gflop']:.2f} | {r['achieved_gflops']:.0f} | {r['matmul_gflops']:.0f} "
         f"| {100 * r['mfu']:.0f}% |")
-  refs = "; ".join(f"{n}: {r['fast']['kind']} vs {r['reference']['kind']}"
+  def kind(r):
+    batches = r.get("micro_batches")
+    if not batches:
+      return r["kind"]
+    return r["kind"] + f" in {batches} candidate micro-batch{'es' * (batches != 1)}"
+
+  refs = "; ".join(f"{n}: {kind(r['fast'])} vs {r['reference']['kind']}"
                    for n, r in report["configs"].items())
   lines += ["", f"fast vs reference: {refs}."]
   for name, r in report["configs"].items():
     if "one_call" in r:
-      lines.append(f"{name}: {r['one_call']['kind']} {1e3 * r['one_call']['median_s']:.1f} ms "
+      lines.append(f"{name}: {kind(r['one_call'])} {1e3 * r['one_call']['median_s']:.1f} ms "
                    f"= {r['speedup_vs_one_call']:.2f}x the chunked time; dense timed over "
                    f"{r['reference']['iters']} call{'s' * (r['reference']['iters'] != 1)}")
   kv = report.get("kv_cache_config")

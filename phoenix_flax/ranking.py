@@ -14,8 +14,8 @@ from phoenix_flax.config import PhoenixModelConfig
 from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
 from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
-from phoenix_flax.types import (RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
-                                check_batch, check_candidate_embeddings,
+from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS,
+                                RecsysBatch, RecsysEmbeddings, RecsysModelOutput, check_batch, check_candidate_embeddings,
                                 check_candidate_fields, check_embeddings)
 
 
@@ -256,7 +256,7 @@ class PhoenixModel(eqx.Module):
 
   def _isolated_args(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> tuple:
     """Context and candidate tokens, masks and RoPE positions, as `Transformer.isolated`
-    and `isolated_candidates` take them."""
+    takes them."""
     ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
     cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     return (ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC, self.context_positions(ctx_mask_BN),
@@ -282,10 +282,42 @@ class PhoenixModel(eqx.Module):
             Diagnostics(out.max_abs_attn_logit, out.residual_rms))
 
   def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RecsysModelOutput:
-    """The logits of `forward`. The isolated path skips what only the diagnostics need:
-    the context's outputs in the last layer (`Transformer.isolated_candidates`)."""
+    """The logits of `forward`.
+
+    The isolated path runs as HSTU's M-FALCON does: the context once (`encode_context`,
+    which skips the context's last-layer outputs: only the diagnostics read them), then
+    the candidates against its cache (`score_candidates`, input projection and head
+    included) in micro-batches, one after another (`lax.map`). With `rows =
+    config.micro_batch_rows`, `C` splits into `ceil(C / max(1, rows // B))` equal
+    micro-batches, padded with fewer than one empty candidate each. Isolated candidates
+    never see one another, so micro-batches change no result beyond float rounding; they
+    bound the working set (`PhoenixModelConfig.candidate_micro_batch_rows`).
+    """
     if not self._isolated_path:
       return self.forward(batch, embeddings)[0]
-    self._check(batch, embeddings)
-    return self._head(self.transformer.isolated_candidates(
-        *self._isolated_args(batch, embeddings)))
+    B, C = self._check(batch, embeddings)
+    cache = self.encode_context(batch, embeddings)
+    rows = self.config.micro_batch_rows
+    chunks = 1 if rows is None else -(-C // max(1, rows // B))
+    if chunks == 1:
+      return self.score_candidates(cache, batch, embeddings)
+    size = -(-C // chunks)
+    pad = chunks * size - C
+
+    def padded(x):    # zero hashes: empty candidates
+      return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+
+    fields = [{f: padded(getattr(tree, f)) for f in names if getattr(tree, f) is not None}
+              for tree, names in ((batch, CANDIDATE_BATCH_FIELDS),
+                                  (embeddings, CANDIDATE_EMBEDDING_FIELDS))]
+
+    def score(start):
+      part = [{f: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for f, x in d.items()}
+              for d in fields]
+      return self.score_candidates(cache, batch._replace(**part[0]),
+                                   embeddings._replace(**part[1]), start)
+
+    outputs = jax.lax.map(score, jnp.arange(chunks) * size)
+    return jax.tree.map(
+        lambda x: jnp.moveaxis(x, 0, 1).reshape(B, chunks * size, *x.shape[3:])[:, :C],
+        outputs)

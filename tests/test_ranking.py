@@ -450,9 +450,21 @@ def test_isolated_equals_dense(name):
   (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
   assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
   assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
-  # `model(...)`, the serving path, skips the context's last-layer outputs.
-  served = call(lambda m, b, e: m(b, e), model_for(cfgs["isolated"]), batch, emb)
-  assert max_abs_diff(served.logits, iso.logits) <= 1e-6
+  # `model(...)`, the serving path: the context once (its last-layer outputs skipped),
+  # then the candidates against its cache, all at once, in two micro-batches (C=3: two
+  # of 2, one padded) and in micro-batches of one candidate (fewer rows than users).
+  C = cfgs["isolated"].candidate_seq_len
+  served, halves, singles = (
+      call(lambda m, b, e: m(b, e),
+           model_for(dataclasses.replace(cfgs["isolated"], candidate_micro_batch_rows=rows)),
+           batch, emb)
+      for rows in (None, 2 * ((C + 1) // 2), 1))
+  # Separate context and candidate matmuls, and other row counts, round differently: a
+  # few float32 ulps of the largest logit (up to 6 seen).
+  ulp = float(np.finfo(np.float32).eps * jnp.max(jnp.abs(iso.logits)))
+  assert max_abs_diff(served.logits, iso.logits) <= 8 * ulp
+  assert max_abs_diff(halves.logits, served.logits) <= 8 * ulp
+  assert max_abs_diff(singles.logits, served.logits) <= 8 * ulp
   assert max_abs_diff(served.logits, dense.logits) <= 1e-5
   np.testing.assert_allclose(iso_diag.max_abs_attn_logit, dense_diag.max_abs_attn_logit,
                              rtol=1e-5)
@@ -500,18 +512,48 @@ def test_isolated_path_never_builds_a_candidate_by_candidate_array():
   assert any(s[-2:] == (T, T) for s in shapes["dense"]), shapes["dense"]
 
 
-def test_serving_call_runs_the_last_layer_for_the_candidates_only():
-  """`model(...)` runs the layer loop for all but the last layer and that layer's GeGLU
-  on the candidates' rows alone; `forward` (diagnostics over every row) runs every layer
-  in the loop."""
-  cfg = ranking_config()
-  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+def _loops_with_geglu(jaxpr, width):
+  """`(lengths, shapes)` for each scan of `jaxpr` whose own body runs products of the
+  GeGLU's `width` (`lengths`: of the scans around it, outermost first, and its own;
+  innermost scans listed first), then `((), shapes)` for the products outside every scan."""
+  found = []
+
+  def walk(jaxpr, lengths):
+    shapes = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general" and eqn.outvars[0].aval.shape[-1] == width:
+        shapes.append(eqn.outvars[0].aval.shape)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else [param]:
+          sub = getattr(sub, "jaxpr", sub)
+          if not hasattr(sub, "eqns"):
+            continue
+          if eqn.primitive.name == "scan":
+            inner_lengths = lengths + (eqn.params["length"],)
+            inner = walk(sub, inner_lengths)
+            if inner:
+              found.append((inner_lengths, inner))
+          else:
+            shapes += walk(sub, lengths)
+    return shapes
+
+  found.append(((), walk(jaxpr, ())))
+  return found
+
+
+def test_serving_call_runs_the_context_once_and_candidates_in_micro_batches():
+  """`model(...)` runs the context's layer loop over all but the last layer (whose
+  context outputs feed only the diagnostics), then every layer for the candidates, in a
+  loop over micro-batches of `candidate_micro_batch_rows` (8 rows for 2 users: C=10 in
+  three of 4 per user, two padded); no GeGLU runs outside a loop. `forward` runs one
+  loop of every layer over all rows."""
+  cfg = ranking_config(candidates=10, candidate_micro_batch_rows=8)
+  model = model_for(cfg)
+  batch, emb = padded_batch(cfg, candidate_mask=np.arange(10) < np.array([[10], [7]]))
+  L, N, C = cfg.model.num_layers, 1 + cfg.history_seq_len, cfg.candidate_seq_len
   width = 2 * cfg.model.ffn_size                    # the GeGLU's gate|value product
   assert width != (cfg.model.num_q_heads + 2 * cfg.model.num_kv_heads) * cfg.model.key_size
-  # Products outside the layer loop whose output has the GeGLU's width.
-  geglu = lambda fn: [e.outvars[0].aval.shape
-                      for e in jaxpr_equations(jax.make_jaxpr(fn)(model).jaxpr, into_loops=False)
-                      if e.primitive.name == "dot_general"
-                      and e.outvars[0].aval.shape[-1] == width]
-  assert geglu(lambda m: m(batch, emb)) == [(2, cfg.candidate_seq_len, width)]
-  assert geglu(lambda m: m.forward(batch, emb)) == []
+  loops = lambda fn: _loops_with_geglu(jax.make_jaxpr(fn)(model).jaxpr, width)
+  assert loops(lambda m: m(batch, emb)) == [((L - 1,), [(2, N, width)]),
+                                            ((3, L), [(2, 4, width)]), ((), [])]
+  assert loops(lambda m: m.forward(batch, emb)) == [((L,), [(2, N + C, width)]), ((), [])]
