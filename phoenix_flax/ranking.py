@@ -256,7 +256,7 @@ class PhoenixModel(eqx.Module):
 
   def _isolated_args(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> tuple:
     """Context and candidate tokens, masks and RoPE positions, as `Transformer.isolated`
-    takes them."""
+    and `isolated_candidates` take them."""
     ctx_BND, ctx_mask_BN = self._context_tokens(batch, embeddings)
     cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     return (ctx_BND, ctx_mask_BN, cand_BCD, cand_mask_BC, self.context_positions(ctx_mask_BN),
@@ -282,25 +282,29 @@ class PhoenixModel(eqx.Module):
             Diagnostics(out.max_abs_attn_logit, out.residual_rms))
 
   def __call__(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RecsysModelOutput:
-    """The logits of `forward`.
+    """The logits of `forward`, skipping what only the diagnostics need: the context's
+    outputs in the last layer.
 
-    The isolated path runs as HSTU's M-FALCON does: the context once (`encode_context`,
-    which skips the context's last-layer outputs: only the diagnostics read them), then
-    the candidates against its cache (`score_candidates`, input projection and head
-    included) in micro-batches, one after another (`lax.map`). With `rows =
-    config.micro_batch_rows`, `C` splits into `ceil(C / max(1, rows // B))` equal
-    micro-batches, padded with fewer than one empty candidate each. Isolated candidates
-    never see one another, so micro-batches change no result beyond float rounding; they
-    bound the working set (`PhoenixModelConfig.candidate_micro_batch_rows`).
+    On the isolated path, with `rows = config.micro_batch_rows`, candidates go in
+    micro-batches of `max(1, rows // B)` per user. When they all fit one, a single pass
+    runs context and candidates together (`Transformer.isolated_candidates`: one q|k|v,
+    output and GeGLU matmul per layer over all tokens). Otherwise it runs as HSTU's
+    M-FALCON does: the context once (`encode_context`), then the candidates against its
+    cache (`score_candidates`, input projection and head included) in `ceil(C / chunk)`
+    equal micro-batches, one after another (`lax.map`), padded with fewer than one empty
+    candidate each. Isolated candidates never see one another, so micro-batches change
+    no result beyond float rounding; they bound the working set
+    (`PhoenixModelConfig.candidate_micro_batch_rows`).
     """
     if not self._isolated_path:
       return self.forward(batch, embeddings)[0]
     B, C = self._check(batch, embeddings)
-    cache = self.encode_context(batch, embeddings)
     rows = self.config.micro_batch_rows
     chunks = 1 if rows is None else -(-C // max(1, rows // B))
     if chunks == 1:
-      return self.score_candidates(cache, batch, embeddings)
+      return self._head(self.transformer.isolated_candidates(
+          *self._isolated_args(batch, embeddings)))
+    cache = self.encode_context(batch, embeddings)
     size = -(-C // chunks)
     pad = chunks * size - C
 

@@ -8,9 +8,10 @@
   (one q|k|v, output and GeGLU matmul per layer over all tokens); `encode_context` leaves
   the context's per-layer keys/values in a `ContextCache` and `score_candidates` scores
   any number of candidates against it, so a runner can score candidates in chunks.
-  `context_cache` builds the cache alone, skipping the context's last-layer outputs,
-  which only the diagnostics read (`PhoenixModel.encode_context`, which
-  `PhoenixModel.__call__` follows with `score_candidates` in micro-batches).
+  `isolated_candidates` returns the candidates' outputs alone and skips the context's
+  last-layer outputs, which only the diagnostics read (`PhoenixModel.__call__` uses it
+  when the candidates fit one micro-batch); `context_cache` likewise builds the cache
+  alone (`PhoenixModel.encode_context`, and `__call__` before scoring micro-batches).
 
 Every path builds one RoPE table per forward pass and shares it between layers.
 """
@@ -386,14 +387,11 @@ class Transformer(eqx.Module):
                                        (cache.keys, cache.values))
     return TransformerOutput(h, max_logits, rms)
 
-  def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
-               candidate_mask_BC: Array, context_positions_BN: Optional[Array] = None,
-               candidate_positions_BC: Optional[Array] = None) -> TransformerOutput:
-    """Context + isolated candidates in one pass over `[B, N+C, D]` (outputs in that order).
-
-    Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
-    output and GeGLU matmul over all tokens, and only attention is split in two.
-    """
+  def _isolated_setup(self, context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+                      context_positions_BN, candidate_positions_BC):
+    """Checks the inputs of `isolated`; returns the tokens `[B, N+C, D]`, their padding
+    mask, and `attend(attention, x, candidates_only)`, which runs both attention calls
+    (context and candidates) or the candidates' only (their `C` rows)."""
     _check_tokens(self.config, "context", context_BND, context_mask_BN, context_positions_BN)
     _check_tokens(self.config, "candidates", candidates_BCD, candidate_mask_BC,
                   candidate_positions_BC, context_BND.shape[0], "the context")
@@ -405,15 +403,50 @@ class Transformer(eqx.Module):
     rope = _shared_rope(self.config, jnp.concatenate([ctx_pos, cand_pos], axis=1))
     ctx_mask, cand_mask = context_mask_BN.astype(bool), candidate_mask_BC.astype(bool)
 
-    def attend(attention, x, _):
+    def attend(attention, x, candidates_only=False):
       q, k, v = attention.project(x, rope)
       ctx_k, ctx_v = k[:, :N], v[:, :N]
       attn, max_logit = _isolated_attention(self.config, q[:, N:], ctx_k, ctx_v, ctx_mask,
                                             (k[:, N:], v[:, N:], cand_mask))
-      attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
-      return (attention.output(jnp.concatenate([attn_ctx, attn], axis=1)),
-              jnp.maximum(max_ctx, max_logit), None)
+      if not candidates_only:
+        attn_ctx, max_ctx = _isolated_attention(self.config, q[:, :N], ctx_k, ctx_v, ctx_mask)
+        attn = jnp.concatenate([attn_ctx, attn], axis=1)
+        max_logit = jnp.maximum(max_ctx, max_logit)
+      return attention.output(attn), max_logit
 
-    h, max_logits, rms, _ = self._scan(jnp.concatenate([context_BND, candidates_BCD], axis=1),
-                                       jnp.concatenate([ctx_mask, cand_mask], axis=1), attend)
+    tokens = jnp.concatenate([context_BND, candidates_BCD], axis=1)
+    return tokens, jnp.concatenate([ctx_mask, cand_mask], axis=1), attend
+
+  def isolated(self, context_BND: Array, context_mask_BN: Array, candidates_BCD: Array,
+               candidate_mask_BC: Array, context_positions_BN: Optional[Array] = None,
+               candidate_positions_BC: Optional[Array] = None) -> TransformerOutput:
+    """Context + isolated candidates in one pass over `[B, N+C, D]` (outputs in that order).
+
+    Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
+    output and GeGLU matmul over all tokens, and only attention is split in two.
+    """
+    tokens, mask, attend = self._isolated_setup(
+        context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+        context_positions_BN, candidate_positions_BC)
+    h, max_logits, rms, _ = self._scan(tokens, mask,
+                                       lambda attn, x, _: (*attend(attn, x), None))
     return TransformerOutput(h, max_logits, rms)
+
+  def isolated_candidates(self, context_BND: Array, context_mask_BN: Array,
+                          candidates_BCD: Array, candidate_mask_BC: Array,
+                          context_positions_BN: Optional[Array] = None,
+                          candidate_positions_BC: Optional[Array] = None) -> Array:
+    """The candidates' outputs `[B, C, D]` of `isolated`, without its diagnostics.
+
+    The context's outputs of the last layer feed nothing but the diagnostics, so that
+    layer projects every token (the candidates need the context's keys and values) and
+    runs attention, the output projection and the GeGLU for the candidates only.
+    """
+    tokens, mask, attend = self._isolated_setup(
+        context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,
+        context_positions_BN, candidate_positions_BC)
+    L, N = self.config.num_layers, context_BND.shape[1]
+    h, _, _, _ = self._scan(tokens, mask, lambda attn, x, _: (*attend(attn, x), None),
+                            num_layers=L - 1)
+    out, _ = self._layer(L - 1)(h, lambda attn, x: attend(attn, x, True), out_from=N)
+    return out

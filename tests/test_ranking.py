@@ -541,19 +541,25 @@ def _loops_with_geglu(jaxpr, width):
   return found
 
 
-def test_serving_call_runs_the_context_once_and_candidates_in_micro_batches():
-  """`model(...)` runs the context's layer loop over all but the last layer (whose
-  context outputs feed only the diagnostics), then every layer for the candidates, in a
-  loop over micro-batches of `candidate_micro_batch_rows` (8 rows for 2 users: C=10 in
-  three of 4 per user, two padded); no GeGLU runs outside a loop. `forward` runs one
-  loop of every layer over all rows."""
+def test_serving_call_skips_the_contexts_last_layer_and_scores_micro_batches():
+  """`model(...)` never runs the GeGLU on the context's rows in the last layer (they feed
+  only the diagnostics). Candidates that fit one micro-batch share a layer loop with the
+  context for all but the last layer, whose GeGLU then runs on the candidates' rows
+  alone. With more (8 rows for 2 users: C=10 in three micro-batches of 4 per user, two
+  padded), the context's loop runs all but the last layer, and every layer runs for the
+  candidates in a loop over micro-batches. `forward` runs one loop of every layer over
+  all rows."""
   cfg = ranking_config(candidates=10, candidate_micro_batch_rows=8)
-  model = model_for(cfg)
   batch, emb = padded_batch(cfg, candidate_mask=np.arange(10) < np.array([[10], [7]]))
   L, N, C = cfg.model.num_layers, 1 + cfg.history_seq_len, cfg.candidate_seq_len
   width = 2 * cfg.model.ffn_size                    # the GeGLU's gate|value product
   assert width != (cfg.model.num_q_heads + 2 * cfg.model.num_kv_heads) * cfg.model.key_size
-  loops = lambda fn: _loops_with_geglu(jax.make_jaxpr(fn)(model).jaxpr, width)
-  assert loops(lambda m: m(batch, emb)) == [((L - 1,), [(2, N, width)]),
-                                            ((3, L), [(2, 4, width)]), ((), [])]
-  assert loops(lambda m: m.forward(batch, emb)) == [((L,), [(2, N + C, width)]), ((), [])]
+  loops = lambda model, fn: _loops_with_geglu(jax.make_jaxpr(fn)(model).jaxpr, width)
+  micro, whole = (model_for(dataclasses.replace(cfg, candidate_micro_batch_rows=rows))
+                  for rows in (8, 20))
+  assert loops(micro, lambda m: m(batch, emb)) == [((L - 1,), [(2, N, width)]),
+                                                   ((3, L), [(2, 4, width)]), ((), [])]
+  assert loops(whole, lambda m: m(batch, emb)) == [((L - 1,), [(2, N + C, width)]),
+                                                   ((), [(2, C, width)])]
+  assert loops(whole, lambda m: m.forward(batch, emb)) == [((L,), [(2, N + C, width)]),
+                                                           ((), [])]

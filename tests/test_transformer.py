@@ -274,6 +274,30 @@ def test_isolated_query_with_no_kept_key_gets_zeros():
   assert np.all(np.abs(attn[1]) > 0)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_isolated_candidates_equal_isolated(layers):
+  """The logits-only path (last layer for the candidates alone) gives the candidate rows
+  of `isolated`, with one layer (nothing scanned before it) and with three, and with the
+  layers unrolled."""
+  x, pos = inputs(), positions()
+  ctx, cand = (x[:, :OFFSET], PADDING[:, :OFFSET]), (x[:, OFFSET:], PADDING[:, OFFSET:])
+
+  def paths(t, x):
+    args = (x[:, :OFFSET], PADDING[:, :OFFSET], x[:, OFFSET:], PADDING[:, OFFSET:],
+            pos[:, :OFFSET], pos[:, OFFSET:])
+    return t.isolated(*args).embeddings[:, OFFSET:], t.isolated_candidates(*args)
+
+  for unroll in (1, layers):
+    tr = pf.Transformer(transformer_config(num_layers=layers, scan_unroll=unroll),
+                        key=jax.random.key(9))
+    full, only = call(paths, tr, x)
+    assert only.shape == (B, T - OFFSET, transformer_config().emb_size)
+    assert float(jnp.max(jnp.abs(full))) > 0.1
+    np.testing.assert_allclose(only, full, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
+    tr.isolated_candidates(ctx[0], ctx[1], cand[0][:1], cand[1][:1])
+
+
 @pytest.mark.parametrize("layers,layout", [(1, "sandwich"), (3, "post")])
 def test_context_cache_equals_encode_contexts_cache(layers, layout):
   """`context_cache` (the last layer stops after its key/value projection) gives the
