@@ -12,8 +12,8 @@ over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked`
 serves one user through `RankingRunner.rank_chunked` (context encoded once, candidates
 scored in chunks); its reference is the dense model on all candidates in one call (timed
 `--dense_iters` times on its own: tens of seconds a call), and it also reports
-`RankingRunner.rank` on all candidates in one call (`one_call`: the isolated path, whose
-candidates run in micro-batches of `candidate_micro_batch_rows`, as in every fast call). Also
+`RankingRunner.rank` on all candidates in one call (`one_call`: the isolated path, in
+micro-batches of `micro_batch_rows` rows, as every fast call). Also
 reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
 deep model relative to a shallow one.
 
@@ -204,10 +204,13 @@ def matmul_call(size: int) -> Callable[[], jax.Array]:
   return lambda: f(a, b)
 
 
-def _micro_batches(config: pf.PhoenixModelConfig, batch: int, candidates: int) -> int:
-  """How many micro-batches `PhoenixModel.__call__` scores the candidates in."""
-  rows = config.micro_batch_rows
-  return 1 if rows is None else -(-candidates // max(1, rows // batch))
+def _micro_batches(model: pf.PhoenixModel, batch: int, candidates: int) -> dict:
+  """How `model(...)` splits a batch (`PhoenixModel.micro_batch_limits`): its rows
+  setting, user groups and candidate micro-batches per group."""
+  users, per_user = model.micro_batch_limits(batch, candidates)
+  return {"micro_batch_rows": model.config.effective_micro_batch_rows,
+          "user_groups": -(-batch // users),
+          "candidate_micro_batches": -(-candidates // per_user)}
 
 
 def _logits_fn(static) -> Callable:
@@ -229,9 +232,8 @@ def bench_full(case: Case, iters: int, warmup: int, min_seconds: float, seed: in
     exe, seconds, peak = compile_fn(_logits_fn(static), params, batch, emb)
     calls[name] = lambda exe=exe, params=params: exe(params, batch, emb)
     result[name] = {"compile_s": seconds, "peak_bytes": peak, "kind": impl}
-  result["fast"].update(micro_batch_rows=model_config(case).micro_batch_rows,
-                        micro_batches=_micro_batches(model_config(case), case.batch,
-                                                     case.candidates))
+    if impl == "isolated":
+      result[name].update(_micro_batches(model, case.batch, case.candidates))
   result["max_abs_logit_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
   medians = time_rounds(dict(calls, matmul=matmul), iters, warmup, min_seconds)
   for name in calls:
@@ -283,7 +285,7 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
   result["fast"].update(kind=f"rank_chunked({case.chunk})", peak_bytes=max(peaks),
                         num_chunks=-(-case.candidates // case.chunk))
   result["one_call"].update(kind="rank (isolated, one call)",
-                            micro_batches=_micro_batches(model.config, 1, case.candidates),
+                            **_micro_batches(model, 1, case.candidates),
                             peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
 
   dense = pf.PhoenixModel(model_config(case, "dense"), key=jax.random.key(seed))
@@ -437,10 +439,10 @@ def format_table(report: dict) -> str:
         f"| {r['useful_gflop']:.2f} | {r['achieved_gflops']:.0f} | {r['matmul_gflops']:.0f} "
         f"| {100 * r['mfu']:.0f}% |")
   def kind(r):
-    batches = r.get("micro_batches")
-    if not batches:
-      return r["kind"]
-    return r["kind"] + f" in {batches} candidate micro-batch{'es' * (batches != 1)}"
+    names = {"user_groups": ("user group", "user groups"),
+             "candidate_micro_batches": ("candidate micro-batch", "candidate micro-batches")}
+    parts = [f"{r[k]} {names[k][r[k] > 1]}" for k in names if r.get(k, 1) > 1]
+    return r["kind"] + (" in " + " x ".join(parts) if parts else "")
 
   refs = "; ".join(f"{n}: {kind(r['fast'])} vs {r['reference']['kind']}"
                    for n, r in report["configs"].items())

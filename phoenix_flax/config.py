@@ -23,7 +23,7 @@ PARAM_INITS = ("variance_scaling", "zeros", "rezero")
 FPROP_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("isolated", "dense")
 POST_AGE_MAX_MINUTES = 4800   # ages beyond it share the last post-age bucket
-AUTO_MICRO_BATCH_ROWS = 2048  # candidate_micro_batch_rows="auto" on CPU
+AUTO_MICRO_BATCH_ROWS = 2048  # micro_batch_rows="auto" on CPU
 
 
 def _fail(cls: str, field: str, value: Any, fix: str) -> None:
@@ -187,7 +187,7 @@ class PhoenixModelConfig:
       block; "dense" builds the full masked [T, T] attention (the reference path). It
       applies with candidate_isolation=True only: without isolation a candidate attends
       to the candidates before it, and the dense causal path is the only one.
-    candidate_micro_batch_rows: the isolated path's logits (`PhoenixModel.__call__`, so
+    micro_batch_rows: the isolated path's logits (`PhoenixModel.__call__`, so
       `RankingRunner.rank`) run the context once and then score the candidates against
       its cached keys/values in micro-batches of about this many rows (users x
       candidates: `max(1, rows // B)` candidates per user), one after another (HSTU's
@@ -215,7 +215,7 @@ class PhoenixModelConfig:
   right_anchored_rope: bool = False
   candidate_isolation: bool = True
   attention_impl: str = "isolated"
-  candidate_micro_batch_rows: Union[int, str, None] = "auto"
+  micro_batch_rows: Union[int, str, None] = "auto"
   post_age_granularity_mins: Optional[int] = None
   dwell_time_norm: Optional[NormConfig] = None
   dwell_hidden_size: int = 64
@@ -229,11 +229,11 @@ class PhoenixModelConfig:
     _bool(c, "candidate_isolation", self.candidate_isolation)
     if self.attention_impl not in ATTENTION_IMPLS:
       _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
-    if self.candidate_micro_batch_rows not in (None, "auto"):
-      if not isinstance(self.candidate_micro_batch_rows, int):
-        _fail(c, "candidate_micro_batch_rows", self.candidate_micro_batch_rows,
+    if self.micro_batch_rows not in (None, "auto"):
+      if not isinstance(self.micro_batch_rows, int):
+        _fail(c, "micro_batch_rows", self.micro_batch_rows,
               'use an integer >= 1, None or "auto"')
-      _positive_int(c, "candidate_micro_batch_rows", self.candidate_micro_batch_rows)
+      _positive_int(c, "micro_batch_rows", self.micro_batch_rows)
     if self.post_age_granularity_mins is not None:
       # Above POST_AGE_MAX_MINUTES every known age shares bucket 1 (a table of 2 rows), as
       # the release's formula gives: degenerate, but the release's.
@@ -250,11 +250,11 @@ class PhoenixModelConfig:
     return 1 + self.history_seq_len
 
   @property
-  def micro_batch_rows(self) -> Optional[int]:
-    """`candidate_micro_batch_rows` with "auto" resolved for the default backend."""
-    if self.candidate_micro_batch_rows == "auto":
+  def effective_micro_batch_rows(self) -> Optional[int]:
+    """`micro_batch_rows` with "auto" resolved for the default backend."""
+    if self.micro_batch_rows == "auto":
       return AUTO_MICRO_BATCH_ROWS if jax.default_backend() == "cpu" else None
-    return self.candidate_micro_batch_rows
+    return self.micro_batch_rows
 
   @property
   def optional_batch_fields(self) -> frozenset[str]:

@@ -106,7 +106,7 @@ _FREE_FIELDS = {
     PhoenixModelConfig: {"model", "emb_size", "num_actions", "history_seq_len",
                          "candidate_seq_len", "name", "fprop_dtype", "hash_config",
                          "product_surface_vocab_size", "attention_impl",
-                         "candidate_micro_batch_rows", "right_anchored_rope",
+                         "micro_batch_rows", "right_anchored_rope",
                          "post_age_granularity_mins", "dwell_time_norm", "dwell_hidden_size",
                          "num_continuous_actions"},
     PhoenixRetrievalModelConfig: {"model", "emb_size", "history_seq_len", "candidate_seq_len",

@@ -285,43 +285,87 @@ class PhoenixModel(eqx.Module):
     """The logits of `forward`, skipping what only the diagnostics need: the context's
     outputs in the last layer.
 
-    On the isolated path, with `rows = config.micro_batch_rows`, candidates go in
-    micro-batches of `max(1, rows // B)` per user. When they all fit one, a single pass
-    runs context and candidates together (`Transformer.isolated_candidates`: one q|k|v,
-    output and GeGLU matmul per layer over all tokens). Otherwise it runs as HSTU's
-    M-FALCON does: the context once (`encode_context`), then the candidates against its
-    cache (`score_candidates`, input projection and head included) in `ceil(C / chunk)`
-    equal micro-batches, one after another (`lax.map`), padded with fewer than one empty
-    candidate each. Isolated candidates never see one another, so micro-batches change
-    no result beyond float rounding; they bound the working set
-    (`PhoenixModelConfig.candidate_micro_batch_rows`).
+    On the isolated path the work runs in micro-batches of about `rows =
+    config.effective_micro_batch_rows` token rows (None: one batch), one after another
+    inside the compiled call (`lax.map`), which bounds the working set
+    (`PhoenixModelConfig.micro_batch_rows`):
+
+    * users in equal groups of at most `max(1, rows // (1 + S))` (their context rows);
+    * within a group of `G` users, candidates in equal micro-batches of at most
+      `max(1, rows // G)` per user. Then
+      the context runs once (`encode_context`) and each micro-batch of candidates against
+      its cache (`score_candidates`, input projection and head included), as HSTU's
+      M-FALCON does. When a group's candidates fit one micro-batch, one pass runs context
+      and candidates together (`Transformer.isolated_candidates`: one q|k|v, output and
+      GeGLU matmul per layer over all tokens).
+
+    Where the groups or micro-batches do not tile the users or candidates, the last one
+    overlaps the one before (`_in_micro_batches`). Users never see one another and
+    isolated candidates never see one another, so the micro-batches change no result
+    beyond float rounding.
     """
     if not self._isolated_path:
       return self.forward(batch, embeddings)[0]
     B, C = self._check(batch, embeddings)
-    rows = self.config.micro_batch_rows
-    chunks = 1 if rows is None else -(-C // max(1, rows // B))
-    if chunks == 1:
+    users, candidates = self.micro_batch_limits(B, C)
+    if users >= B:
+      return self._score_users(batch, embeddings)
+    return _in_micro_batches(
+        lambda b, e, _: self._score_users(b, e), batch, embeddings, axis=0,
+        fields=(RecsysBatch._fields, RecsysEmbeddings._fields), limit=users)
+
+  def micro_batch_limits(self, batch_size: int, num_candidates: int) -> tuple[int, int]:
+    """(users per group, candidates per micro-batch and user) of `__call__` for a batch of
+    `batch_size` users with `num_candidates` candidates each; limits at least the batch
+    and its candidates mean one group, one pass."""
+    rows = self.config.effective_micro_batch_rows
+    if rows is None:
+      return batch_size, num_candidates
+    users = min(batch_size, max(1, rows // (1 + self.config.history_seq_len)))
+    group = -(-batch_size // -(-batch_size // users))       # the equal groups' size
+    return users, max(1, rows // group)
+
+  def _score_users(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                   ) -> RecsysModelOutput:
+    """`__call__` for one group of users: their candidates in micro-batches, or in one
+    pass with their context when they fit one."""
+    B, C = batch.candidate_post_hashes.shape[:2]
+    limit = self.micro_batch_limits(B, C)[1]
+    if C <= limit:
       return self._head(self.transformer.isolated_candidates(
           *self._isolated_args(batch, embeddings)))
     cache = self.encode_context(batch, embeddings)
-    size = -(-C // chunks)
-    pad = chunks * size - C
+    return _in_micro_batches(
+        lambda b, e, start: self.score_candidates(cache, b, e, start), batch, embeddings,
+        axis=1, fields=(CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS), limit=limit)
 
-    def padded(x):    # zero hashes: empty candidates
-      return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
-    fields = [{f: padded(getattr(tree, f)) for f in names if getattr(tree, f) is not None}
-              for tree, names in ((batch, CANDIDATE_BATCH_FIELDS),
-                                  (embeddings, CANDIDATE_EMBEDDING_FIELDS))]
+def _in_micro_batches(fn, batch: RecsysBatch, embeddings: RecsysEmbeddings, axis: int,
+                      fields: tuple, limit: int) -> RecsysModelOutput:
+  """`fn(batch, embeddings, start)` over `ceil(n / limit)` equal slices along `axis` (0:
+  users, 1: candidates; `n` of them) of the named `fields` (the others pass whole), one
+  after another (`lax.map`), its outputs joined along `axis`; `start` is the slice's
+  first index. When the slices do not tile `n`, the last one starts early, at
+  `n - size`, and only its new rows are kept: no input is copied or padded, and fewer
+  than one row per slice is computed twice."""
+  n = batch.candidate_post_hashes.shape[axis]
+  count = -(-n // limit)
+  size = -(-n // count)
+  parts = [{f: getattr(tree, f) for f in names if getattr(tree, f) is not None}
+           for tree, names in zip((batch, embeddings), fields)]
 
-    def score(start):
-      part = [{f: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1) for f, x in d.items()}
-              for d in fields]
-      return self.score_candidates(cache, batch._replace(**part[0]),
-                                   embeddings._replace(**part[1]), start)
+  def step(start):
+    part = [{f: jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+             for f, x in d.items()} for d in parts]
+    return fn(batch._replace(**part[0]), embeddings._replace(**part[1]), start)
 
-    outputs = jax.lax.map(score, jnp.arange(chunks) * size)
-    return jax.tree.map(
-        lambda x: jnp.moveaxis(x, 0, 1).reshape(B, chunks * size, *x.shape[3:])[:, :C],
-        outputs)
+  outputs = jax.lax.map(step, jnp.minimum(jnp.arange(count) * size, n - size))
+  overlap = count * size - n
+
+  def joined(x):      # [count, ..., size (at axis), ...] -> [..., n, ...]
+    last = jax.lax.slice_in_dim(x[-1], overlap, size, axis=axis)
+    x = jnp.moveaxis(x[:-1], 0, axis)
+    x = x.reshape(x.shape[:axis] + ((count - 1) * size,) + x.shape[axis + 2:])
+    return jnp.concatenate([x, last], axis=axis)
+
+  return jax.tree.map(joined, outputs)

@@ -72,10 +72,10 @@ BAD_CONFIGS = [
     ("emb_size", lambda: pf.PhoenixRetrievalModelConfig(model=transformer_config(),
                                                         emb_size=16)),
     ("attention_impl", lambda: ranking_config(attention_impl="flash")),
-    ("candidate_micro_batch_rows", lambda: ranking_config(candidate_micro_batch_rows=0)),
-    ("candidate_micro_batch_rows", lambda: ranking_config(candidate_micro_batch_rows=64.0)),
-    ("candidate_micro_batch_rows", lambda: ranking_config(candidate_micro_batch_rows="cpu")),
-    ("candidate_micro_batch_rows", lambda: ranking_config(candidate_micro_batch_rows=True)),
+    ("micro_batch_rows", lambda: ranking_config(micro_batch_rows=0)),
+    ("micro_batch_rows", lambda: ranking_config(micro_batch_rows=64.0)),
+    ("micro_batch_rows", lambda: ranking_config(micro_batch_rows="cpu")),
+    ("micro_batch_rows", lambda: ranking_config(micro_batch_rows=True)),
     ("history_seq_len", lambda: ranking_config(history=0)),
     ("candidate_seq_len", lambda: ranking_config(candidates=0)),
     ("post_age_granularity_mins", lambda: ranking_config(post_age_granularity_mins=0)),
@@ -125,9 +125,10 @@ def test_values_on_the_edge_of_their_range_are_accepted():
 def test_micro_batch_rows_auto_is_2048_on_cpu_and_off_elsewhere(monkeypatch):
   """"auto" micro-batches the isolated path's candidates on CPU only; an explicit value
   or None holds on every backend."""
-  auto, fixed, off = (ranking_config(candidate_micro_batch_rows=v) for v in ("auto", 64, None))
-  assert ranking_config().candidate_micro_batch_rows == "auto"
+  auto, fixed, off = (ranking_config(micro_batch_rows=v) for v in ("auto", 64, None))
+  assert ranking_config().micro_batch_rows == "auto"
   for backend, expected in (("cpu", 2048), ("gpu", None), ("tpu", None)):
     monkeypatch.setattr(pf.config.jax, "default_backend", lambda b=backend: b)
-    assert (auto.micro_batch_rows, fixed.micro_batch_rows, off.micro_batch_rows) == (
+    assert (auto.effective_micro_batch_rows, fixed.effective_micro_batch_rows,
+            off.effective_micro_batch_rows) == (
         expected, 64, None)

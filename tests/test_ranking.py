@@ -450,13 +450,13 @@ def test_isolated_equals_dense(name):
   (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
   assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
   assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
-  # `model(...)`, the serving path: the context once (its last-layer outputs skipped),
-  # then the candidates against its cache, all at once, in two micro-batches (C=3: two
-  # of 2, one padded) and in micro-batches of one candidate (fewer rows than users).
+  # `model(...)`, the serving path: all at once, in micro-batches of rows (one user per
+  # group here; C=40: two candidate micro-batches of 20; C=3: one pass per user), and of
+  # single rows (groups of one user, one candidate at a time).
   C = cfgs["isolated"].candidate_seq_len
   served, halves, singles = (
       call(lambda m, b, e: m(b, e),
-           model_for(dataclasses.replace(cfgs["isolated"], candidate_micro_batch_rows=rows)),
+           model_for(dataclasses.replace(cfgs["isolated"], micro_batch_rows=rows)),
            batch, emb)
       for rows in (None, 2 * ((C + 1) // 2), 1))
   # Separate context and candidate matmuls, and other row counts, round differently: a
@@ -545,21 +545,54 @@ def test_serving_call_skips_the_contexts_last_layer_and_scores_micro_batches():
   """`model(...)` never runs the GeGLU on the context's rows in the last layer (they feed
   only the diagnostics). Candidates that fit one micro-batch share a layer loop with the
   context for all but the last layer, whose GeGLU then runs on the candidates' rows
-  alone. With more (8 rows for 2 users: C=10 in three micro-batches of 4 per user, two
-  padded), the context's loop runs all but the last layer, and every layer runs for the
-  candidates in a loop over micro-batches. `forward` runs one loop of every layer over
-  all rows."""
-  cfg = ranking_config(candidates=10, candidate_micro_batch_rows=8)
+  alone. With more (12 rows for 2 users: C=10 in two micro-batches of 5 per user), the
+  context's loop runs all but the last layer, and every layer runs for the candidates in
+  a loop over micro-batches; with fewer rows than two contexts (8 rows, contexts of 5),
+  all of that runs in a loop over groups of one user. `forward` runs one loop of every
+  layer over all rows."""
+  cfg = ranking_config(candidates=10)
   batch, emb = padded_batch(cfg, candidate_mask=np.arange(10) < np.array([[10], [7]]))
   L, N, C = cfg.model.num_layers, 1 + cfg.history_seq_len, cfg.candidate_seq_len
   width = 2 * cfg.model.ffn_size                    # the GeGLU's gate|value product
   assert width != (cfg.model.num_q_heads + 2 * cfg.model.num_kv_heads) * cfg.model.key_size
   loops = lambda model, fn: _loops_with_geglu(jax.make_jaxpr(fn)(model).jaxpr, width)
-  micro, whole = (model_for(dataclasses.replace(cfg, candidate_micro_batch_rows=rows))
-                  for rows in (8, 20))
+  groups, micro, whole = (model_for(dataclasses.replace(cfg, micro_batch_rows=rows))
+                          for rows in (8, 12, 20))
+  assert loops(groups, lambda m: m(batch, emb)) == [((2, L - 1), [(1, N, width)]),
+                                                    ((2, 2, L), [(1, 5, width)]), ((), [])]
   assert loops(micro, lambda m: m(batch, emb)) == [((L - 1,), [(2, N, width)]),
-                                                   ((3, L), [(2, 4, width)]), ((), [])]
+                                                   ((2, L), [(2, 5, width)]), ((), [])]
   assert loops(whole, lambda m: m(batch, emb)) == [((L - 1,), [(2, N + C, width)]),
                                                    ((), [(2, C, width)])]
   assert loops(whole, lambda m: m.forward(batch, emb)) == [((L,), [(2, N + C, width)]),
                                                            ((), [])]
+
+
+@pytest.mark.parametrize("right_anchored", [False, True])
+def test_micro_batches_that_do_not_tile_give_one_passs_logits(right_anchored):
+  """Three users in two groups of two (the second starting at user 1) and seven
+  candidates in two micro-batches of four per user (the second starting at candidate 3),
+  with padded history and candidates, give the logits of one pass, up to a few ulps."""
+  cfg = ranking_config(candidates=7, right_anchored_rope=right_anchored)
+  mask = np.arange(7) < np.array([[7], [4], [6]])
+  batch, emb = make_batch(cfg, 3, 11, history_valid=[4, 2, 0], candidate_mask=mask)
+  whole, micro = (call(lambda m, b, e: m(b, e),
+                       model_for(dataclasses.replace(cfg, micro_batch_rows=rows)), batch, emb)
+                  for rows in (None, 10))
+  assert micro.logits.shape == whole.logits.shape == (3, 7, NUM_ACTIONS)
+  assert np.all(np.isfinite(micro.logits))
+  ulp = float(np.finfo(np.float32).eps * jnp.max(jnp.abs(whole.logits)))
+  assert max_abs_diff(micro.logits, whole.logits) <= 8 * ulp
+
+
+def test_micro_batch_limits():
+  """Users per group from the context rows (at least one), candidates per micro-batch
+  from the equal groups' size; None: one group, one pass."""
+  cfg = ranking_config(history=128, micro_batch_rows=2048)
+  limits = model_for(cfg).micro_batch_limits
+  assert limits(64, 32) == (15, 157)       # 5 groups of 13 users (serve)
+  assert limits(4, 1024) == (4, 512)       # one group, two micro-batches (1k)
+  assert limits(1, 10_000) == (1, 2048)
+  assert model_for(ranking_config(history=128, micro_batch_rows=100)).micro_batch_limits(
+      3, 5) == (1, 100)                    # a context longer than the rows: one user
+  assert model_for(ranking_config(micro_batch_rows=None)).micro_batch_limits(7, 9) == (7, 9)
