@@ -188,15 +188,16 @@ class PhoenixModelConfig:
       applies with candidate_isolation=True only: without isolation a candidate attends
       to the candidates before it, and the dense causal path is the only one.
     micro_batch_rows: the isolated path's logits (`PhoenixModel.__call__`, so
-      `RankingRunner.rank`) run the context once and then score the candidates against
-      its cached keys/values in micro-batches of about this many rows (users x
-      candidates: `max(1, rows // B)` candidates per user), one after another (HSTU's
-      M-FALCON); None scores them all at once; "auto" (default) means 2048 on CPU and
-      None on GPU/TPU, where small sequential steps would leave the device idle. A
-      micro-batch's temporaries grow with its rows; on CPU with glibc, below 32 MiB they
-      reuse the same pages on every call, while larger blocks are mapped (and zeroed by
-      the kernel) afresh. The logits agree to float rounding. `forward` (training,
-      diagnostics) and the dense path ignore it.
+      `RankingRunner.rank`) run in micro-batches of about this many token rows, one after
+      another inside the compiled call: users in equal groups of at most `rows // (1+S)`
+      (at least one), and within a group of `G` users, candidates beyond `rows // G` per
+      user in micro-batches against the group's context, encoded once (HSTU's M-FALCON);
+      `PhoenixModel.micro_batch_limits` gives the split. None runs one batch; "auto"
+      (default) means 2048 on CPU and None on GPU/TPU, where small sequential steps would
+      leave the device idle. A micro-batch's temporaries grow with its rows; on CPU with
+      glibc, below 32 MiB they reuse the same pages on every call, while larger blocks
+      are mapped (and zeroed by the kernel) afresh. The logits agree to float rounding.
+      `forward` (training, diagnostics) and the dense path ignore it.
     post_age_granularity_mins: None = no post-age feature; else the candidate post-age
       bucket embedding (table of 4800 // g + 2 rows) joins the candidate tokens.
     dwell_time_norm: None = no dwell feature; else the history dwell-time embedding.
