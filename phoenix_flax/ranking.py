@@ -15,7 +15,8 @@ from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
 from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
 from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS,
-                                RecsysBatch, RecsysEmbeddings, RecsysModelOutput, check_batch, check_candidate_embeddings,
+                                RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
+                                check_batch, check_candidate_embeddings,
                                 check_candidate_fields, check_embeddings)
 
 
@@ -292,12 +293,12 @@ class PhoenixModel(eqx.Module):
 
     * users in equal groups of at most `max(1, rows // (1 + S))` (their context rows);
     * within a group of `G` users, candidates in equal micro-batches of at most
-      `max(1, rows // G)` per user. Then
-      the context runs once (`encode_context`) and each micro-batch of candidates against
-      its cache (`score_candidates`, input projection and head included), as HSTU's
-      M-FALCON does. When a group's candidates fit one micro-batch, one pass runs context
-      and candidates together (`Transformer.isolated_candidates`: one q|k|v, output and
-      GeGLU matmul per layer over all tokens).
+      `max(1, rows // G)` per user: the context runs once (`encode_context`), then each
+      micro-batch of candidates against its cache (`score_candidates`, input projection
+      and head included), as HSTU's M-FALCON does. When a group's candidates fit one
+      micro-batch, one pass runs context and candidates together
+      (`Transformer.isolated_candidates`: one q|k|v, output and GeGLU matmul per layer
+      over all tokens).
 
     Where the groups or micro-batches do not tile the users or candidates, the last one
     overlaps the one before (`_in_micro_batches`). Users never see one another and
@@ -307,7 +308,7 @@ class PhoenixModel(eqx.Module):
     if not self._isolated_path:
       return self.forward(batch, embeddings)[0]
     B, C = self._check(batch, embeddings)
-    users, candidates = self.micro_batch_limits(B, C)
+    users = self.micro_batch_limits(B, C)[0]
     if users >= B:
       return self._score_users(batch, embeddings)
     return _in_micro_batches(
