@@ -350,8 +350,9 @@ HOW_TO_READ = (
 
 
 def environment_line(env: Mapping) -> str:
-  """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ..." of a results.json, with
-  the code versions that trained the runs where they differ from the report's."""
+  """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ...; machine: ..." of a
+  results.json, with the code versions that trained the runs where they differ from the
+  report's (results.json files written before the machine was recorded lack it)."""
   code = env.get("code") or "not a git checkout"
   runs = env.get("run_codes")
   if runs and list(runs) == [env.get("code")]:
@@ -360,8 +361,9 @@ def environment_line(env: Mapping) -> str:
     code += (" for this report; the runs were trained by: " + ", ".join(
         f"{c if c != 'not recorded' else 'unrecorded code'} ({n} run{'s' if n > 1 else ''})"
         for c, n in runs.items()))
+  machine = f"; machine: {env['machine']}" if env.get("machine") else ""
   return (f"Code: {code}; Python {env.get('python')}, jax {env.get('jax')}, "
-          f"jaxlib {env.get('jaxlib')}, numpy {env.get('numpy')}.")
+          f"jaxlib {env.get('jaxlib')}, numpy {env.get('numpy')}{machine}.")
 
 
 def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:

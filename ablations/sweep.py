@@ -38,7 +38,7 @@ results.json:
                       "p_value", "p_holm", "n", "test"}],
      "pooled_comparisons": [the same, with "variant" an arm and "conditions" the number
                             of condition levels averaged; empty without conditions],
-     "environment": {"python", "jax", "jaxlib", "numpy", "code",
+     "environment": {"python", "jax", "jaxlib", "numpy", "code", "machine",
                      "run_codes": {code: number of runs it trained}}}
 
 Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
@@ -614,13 +614,14 @@ class Sweep:
 
 
 def environment() -> dict:
-  """What produced the numbers: Python, JAX and NumPy versions, and the code's git state
+  """What produced the numbers: Python, JAX and NumPy versions, the code's git state
   (`provenance.code_version`: the commit, with "+changes.<digest>" when its Python files
-  have uncommitted edits; None outside a git checkout)."""
+  have uncommitted edits; None outside a git checkout) and the processor
+  (`provenance.machine`)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return {"python": sys.version.split()[0], "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-          "code": provenance.code_version(root)}
+          "code": provenance.code_version(root), "machine": provenance.machine()}
 
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:

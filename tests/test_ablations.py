@@ -362,9 +362,11 @@ def test_report_names_the_code_that_trained_the_runs(tmp_path, monkeypatch, capl
   results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=old).run()
   assert results["environment"]["code"] == "cafe00000000"
   assert results["environment"]["run_codes"] == {"01d000000000": 2, "cafe00000000": 4}
+  assert results["environment"]["machine"] == provenance.machine()
   text = (tmp_path / "REPORT.md").read_text()
   assert ("Code: cafe00000000 for this report; the runs were trained by: 01d000000000 "
           "(2 runs), cafe00000000 (4 runs); Python") in text
+  assert f"; machine: {provenance.machine()}." in text
   # Re-run: the finished runs are reused, and the log says so and where they lie.
   with caplog.at_level(logging.INFO):
     sweep.Sweep(toy_ablation(), "smoke", str(tmp_path),

@@ -86,3 +86,26 @@ def test_this_package_reports_its_own_checkout():
       root, "phoenix_flax"):
     pytest.skip("phoenix_flax is installed from elsewhere, not from this checkout")
   assert provenance.code_version() == provenance.code_version(root)
+
+
+@pytest.mark.parametrize("lines, want", [
+    (["processor\t: 0", "model name\t: AMD EPYC", "flags\t\t: fpu sse4_2 avx avx2 fma",
+      "", "processor\t: 1", "model name\t: AMD EPYC"], "AMD EPYC, AVX2"),
+    (["model name\t: Intel(R) Xeon(R) Platinum", "flags\t: avx avx2 avx512f avx512bw"],
+     "Intel(R) Xeon(R) Platinum, AVX-512"),
+    (["processor\t: 0", "Features\t: fp asimd evtstrm sve"], None),   # Arm: no model name
+])
+def test_machine_names_the_processor_and_its_widest_vector_extension(tmp_path, lines, want):
+  info = tmp_path / "cpuinfo"
+  info.write_text("\n".join(lines) + "\n")
+  got = provenance.machine(str(info))
+  cores = f", {os.cpu_count()} cores"
+  if want is None:     # the model falls back to the platform's name; the extension is read
+    assert got.endswith(", SVE" + cores)
+  else:
+    assert got == want + cores
+
+
+def test_machine_without_cpuinfo_still_names_something(tmp_path):
+  got = provenance.machine(str(tmp_path / "missing"))
+  assert got and got.endswith(f"{os.cpu_count()} cores")

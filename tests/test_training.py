@@ -20,7 +20,7 @@ from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
-from phoenix_flax.training import checkpoint
+from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
 from phoenix_flax.training.runner import (_resume_steps, _train_scalars, final_metric_names,
                                           load_run)
@@ -452,6 +452,7 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
                          "examples_per_second"}
   assert result["steps"] == 40 and result["diverged"] is False
   assert result["num_seeds_vmapped"] == 2 and result["final"]["bayes_auc_mean"] > 0.5
+  assert result["machine"] == provenance.machine()
   at_k = {k for k in result["final"] if "@" in k}
   assert at_k == {f"{m}@{k}" for m in ("ndcg", "recall", "bayes_recall") for k in (1, 3)}
   # Throughput counts the examples of both seeds: batch 8 x 2 per step, over the timed

@@ -1,4 +1,5 @@
-"""Which code trained a run: the git state of the checkout that holds `phoenix_flax`.
+"""What produced a run's numbers: the git state of the checkout that holds
+`phoenix_flax`, and the machine it ran on.
 
 `code_version()` is what `result.json` records as "code" and what an ablation's
 results.json and REPORT.md cite:
@@ -14,18 +15,32 @@ results.json and REPORT.md cite:
   what it is), else None.
 
 Only Python files count: editing the README or a notebook changes no run.
+
+`machine()` is what `result.json` records as "machine": the same code and seeds give the
+same numbers on the same kind of processor, but not across kinds. XLA:CPU compiles for the
+vector extensions of the host it runs on, and a wider vector (AVX-512 against AVX2, say)
+sums in another order; training carries those last-bit differences into differences in
+the third decimal of the metrics (README, "Quick start").
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import subprocess
 from typing import Optional
+
+import jax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _UNTRACKED_DIRS = ("phoenix_flax", "ablations", "experiments")
 ENV_VAR = "PHOENIX_FLAX_CODE_VERSION"
+# The widest vector extension a Linux /proc/cpuinfo "flags" (x86) or "Features" (Arm)
+# line names, widest first.
+_VECTOR_EXTENSIONS = (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"),
+                      ("sse4_2", "SSE4.2"), ("sve2", "SVE2"), ("sve", "SVE"),
+                      ("asimd", "NEON"))
 
 
 def _git(root: str, *args: str) -> Optional[bytes]:
@@ -67,3 +82,29 @@ def _changes(root: str) -> str:
     except OSError:   # deleted since it was listed
       pass
   return "+changes." + digest.hexdigest()[:8]
+
+
+def machine(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """The processor of JAX's default backend, in words: on CPU, its model name, widest
+  vector extension and logical cores ("AMD EPYC, AVX2, 2 cores"; the extension where
+  `cpuinfo` names one, i.e. on Linux); on GPU/TPU, the first device's kind and the
+  number of devices ("NVIDIA H100 80GB HBM3 x 1")."""
+  device = jax.devices()[0]
+  if device.platform != "cpu":
+    return f"{device.device_kind} x {jax.device_count()}"
+  fields = {}
+  try:
+    with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+      for line in f:
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+          fields[key.strip()] = value.strip()
+  except OSError:
+    pass
+  name = (fields.get("model name") or fields.get("Hardware") or platform.processor()
+          or platform.machine() or "unknown processor")
+  flags = set((fields.get("flags") or fields.get("Features") or "").split())
+  extension = next((label for flag, label in _VECTOR_EXTENSIONS if flag in flags), None)
+  cores = os.cpu_count()
+  return ", ".join([name] + ([extension] if extension else [])
+                   + ([f"{cores} cores"] if cores else []))

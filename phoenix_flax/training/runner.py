@@ -10,14 +10,16 @@ finished, `result.json`:
   {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...},
    "diverged": bool, "diverged_at_step": int | null, "steps": int, "seed": int,
    "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int,
-   "fprop_dtype": str, "num_devices": int, "code": str | null}
+   "fprop_dtype": str, "num_devices": int, "code": str | null, "machine": str}
 
 `final` holds the primary eval split's metrics under their own names and the extra
 splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is the forward
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
 that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" for
-uncommitted edits, null outside a git checkout). `wall_seconds` is the run's
+uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
+(`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the same
+code and seeds give the same numbers on the same kind of processor). `wall_seconds` is the run's
 whole time (over resumes); `examples_per_second` counts the training examples of every
 vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
 is the only chunk: the last one, or one in which every seed diverged).
@@ -506,7 +508,7 @@ class _Group:
 
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
-    code = provenance.code_version()
+    code, machine = provenance.code_version(), provenance.machine()
     results = {}
     for i, k in enumerate(self.seeds):
       results[k] = jsonable({
@@ -521,6 +523,7 @@ class _Group:
           "fprop_dtype": self.trainer.spec.model.fprop_dtype,
           "num_devices": self.trainer.placement.num_devices,
           "code": code,
+          "machine": machine,
       })
       if self.main:   # result.json last: a run that has it is skipped, never repaired
         self.writers[k].close(finished=True)
