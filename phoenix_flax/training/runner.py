@@ -18,9 +18,9 @@ dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 o
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
 that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" for
 uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
-(`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the same
-code and seeds give the same numbers on the same kind of processor). `wall_seconds` is the run's
-whole time (over resumes); `examples_per_second` counts the training examples of every
+(`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the
+same code and seeds give the same numbers on the same kind of processor).
+`wall_seconds` is the run's whole time (over resumes); `examples_per_second` counts the training examples of every
 vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
 is the only chunk: the last one, or one in which every seed diverged).
 
