@@ -23,6 +23,10 @@ once per step on a batch sampled on the host with numpy, its loss read back ever
 and against the same plain loop fed device-sampled batches copied to numpy; see
 `experiments/train_throughput.py`, which holds the loops and can also be run alone.
 
+The JSON (and the table's first line) names the processor (`provenance.machine()`: model,
+widest vector extension, core count on CPU), since the figures depend on it: the same
+`1k` ratio read 5.83x on an AVX-512 host and 4.35x on an AVX2 one (docs/performance.md).
+
 Every timing round runs each call in turn (twice in a row, timing the second run, so
 each starts from warm caches), so load from other processes hits all of them alike;
 ratios are more trustworthy than absolute times on a busy host.
@@ -49,7 +53,7 @@ from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
 from phoenix_flax import xla_options
-from phoenix_flax.training import writers
+from phoenix_flax.training import provenance, writers
 
 KEY_SIZE = 64
 WIDENING_FACTOR = 2.0
@@ -391,7 +395,8 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   """Runs the named cases, the KV-cache table, (with `compile_case`) compile scaling and
   (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
   check_args(names, cases, compile_layers, train, dense_iters)
-  report = {"device": str(jax.devices()[0]), "jax_version": jax.__version__,
+  report = {"device": str(jax.devices()[0]), "machine": provenance.machine(),
+            "jax_version": jax.__version__,
             "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
@@ -419,7 +424,8 @@ def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
   mib = lambda b: b / 2 ** 20
   lines = [
-      f"{report['device']}, jax {report['jax_version']}, float32, compiler options "
+      f"{report['device']} ({report['machine']}), "
+      f"jax {report['jax_version']}, float32, compiler options "
       f"{report['compiler_options']}, median over at least "
       f"{report['iters']} rounds and {report['min_seconds']:g} s; MFU = achieved GFLOP/s / "
       f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds; dense/fast "

@@ -43,7 +43,7 @@ from experiments.cli import check_output_file, parse_flags, quiet_backend_search
 from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
-from phoenix_flax.training import Trainer, parse_config, writers
+from phoenix_flax.training import Trainer, parse_config, provenance, writers
 from phoenix_flax.training.loop import unstack
 
 
@@ -115,7 +115,8 @@ def measure(config: ml_collections.ConfigDict, rounds: int = 3,
          "batch_size": loops.batch_size, "num_seeds": loops.num_seeds,
          "steps_per_call": loops.steps,
          "steps_per_round": steps, "rounds": rounds,
-         "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
+         "device": jax.devices()[0].device_kind, "machine": provenance.machine(),
+         "backend": jax.default_backend(),
          "compiler_options": xla_options.compiler_options()}
   out["speedup"] = out["scanned_examples_per_second"] / out["plain_examples_per_second"]
   out["speedup_vs_device_sampled"] = (out["scanned_examples_per_second"]

@@ -17,6 +17,7 @@ import pytest
 
 import phoenix_flax as pf
 from phoenix_flax import synthetic
+from phoenix_flax.training import provenance
 from experiments import benchmark, timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +92,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert set(report["compile_scaling"]["seconds"]) == {"1", "2"}
   assert report["compile_scaling"]["ratio"] > 0
   assert report["process_max_rss_bytes"] > 0
+  assert report["machine"] == provenance.machine()
 
   path = tmp_path / "out" / "bench.json"
   benchmark.save_report(report, str(path))
@@ -98,6 +100,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert os.listdir(path.parent) == ["bench.json"]
   table = benchmark.format_table(report)
   assert "| full |" in table and "| chunked |" in table and "compile time" in table
+  assert f"({report['machine']})" in table.splitlines()[0]
 
 
 def test_time_rounds_runs_iters_then_until_min_seconds():
@@ -164,6 +167,7 @@ def test_cli_writes_json_and_table(tmp_path):
   assert [(r["preset"], r["num_seeds"]) for r in report["training"]] == [("smoke", 1),
                                                                          ("smoke", 2)]
   for r in report["training"]:
+    assert r["machine"] == report["machine"]
     assert r["scanned_examples_per_second"] > 0 and r["plain_examples_per_second"] > 0
     assert r["plain_device_sampled_examples_per_second"] > 0
     assert r["speedup"] == pytest.approx(
