@@ -1,7 +1,11 @@
-"""Tiny configs, random batches and shared jitted forwards for the core tests."""
+"""Tiny configs, random batches and shared jitted forwards for the core tests, and the
+test session's compilation cache."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from typing import Optional, Sequence
 
 import equinox as eqx
@@ -10,6 +14,35 @@ import jax.numpy as jnp
 import numpy as np
 
 import phoenix_flax as pf
+
+# Compiling dominates the suite's time on CPU, and many tests compile programs that other
+# tests, their subprocesses (command lines, notebooks, killed-and-resumed runs) or pytest-xdist's
+# other worker compile too. The session therefore shares one JAX persistent compilation
+# cache, created here and removed at its end: a cache hit loads the same executable that
+# compiling would give, so no result depends on it. The variables reach the xdist workers
+# and every subprocess through the environment; a JAX_COMPILATION_CACHE_DIR set by the
+# caller is left as it is (and kept).
+_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def pytest_configure(config):
+  if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return                     # an xdist worker (it inherits the controller's), or the caller's
+  path = tempfile.mkdtemp(prefix="phoenix_flax_test_jax_cache_")
+  config.phoenix_flax_jax_cache = path
+  os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)
+  jax.config.update("jax_compilation_cache_dir", path)   # jax is already imported here
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  path = getattr(config, "phoenix_flax_jax_cache", None)
+  if path is not None:
+    shutil.rmtree(path, ignore_errors=True)
+    del os.environ["JAX_COMPILATION_CACHE_DIR"]
+
 
 EMB = 32
 NUM_ACTIONS = 19

@@ -47,14 +47,10 @@ run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-  """Subprocess environment: one persistent compilation cache, unoptimised (fast)
-  compiles."""
-  cache = tmp_path_factory.mktemp("jax_cache")
-  return dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-              XLA_FLAGS="--xla_backend_optimization_level=0")  # quick compiles
+def env():
+  """Subprocess environment: unoptimised (fast) compiles, the session's compilation cache
+  (conftest.py)."""
+  return dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
 
 
 def _rows(run_dir):

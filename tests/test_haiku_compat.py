@@ -531,10 +531,12 @@ def test_later_release_tokens_follow_the_spec(inputs):
                          candidate_post_timestamps=jnp.asarray(posted),
                          history_dwell_times=jnp.asarray(dwell))
   g, scale = 60, 30.0
-  model = pf.PhoenixModel(_ranking_config(
+  config = _ranking_config(
       post_age_granularity_mins=g, dwell_time_norm=pf.NormConfig(norm_scale=scale, use_log=True),
-      num_continuous_actions=3), key=jax.random.PRNGKey(0))
-  tokens, _, offset = model.build_inputs(batch, emb)
+      num_continuous_actions=3)
+  # Jitted (as one program each): eagerly, every small op compiles on its own.
+  model = eqx.filter_jit(lambda key: pf.PhoenixModel(config, key=key))(jax.random.PRNGKey(0))
+  tokens, _, offset = eqx.filter_jit(lambda m, b, e: m.build_inputs(b, e))(model, batch, emb)
   n = lambda x: np.asarray(x, np.float64)
 
   def lookup(ids, table):   # single-hot: rows outside the table embed as zeros
@@ -568,9 +570,12 @@ def test_later_release_tokens_follow_the_spec(inputs):
   assert offset == 1 + S
   np.testing.assert_allclose(n(tokens), want, atol=1e-5, rtol=0)
 
-  out = model(batch, emb)
-  final = n(model.final_norm(model.transformer(tokens, model.build_inputs(batch, emb)[1],
-                                               offset).embeddings))[:, offset:]
+  def forward_and_final(m, b, e):
+    tokens, padding, offset = m.build_inputs(b, e)
+    return m(b, e), m.final_norm(m.transformer(tokens, padding, offset).embeddings)
+
+  out, final = eqx.filter_jit(forward_and_final)(model, batch, emb)
+  final = n(final)[:, offset:]
   np.testing.assert_allclose(n(out.logits), final @ n(model.unembeddings), atol=1e-5)
   np.testing.assert_allclose(n(out.continuous),
                              1 / (1 + np.exp(-(final @ n(model.continuous_unembeddings)))),

@@ -363,14 +363,10 @@ def _finals(result):
 
 
 @pytest.fixture(scope="module")
-def main(tmp_path_factory):
-  """Runs `python -m <module> <args>` in a subprocess (unoptimised XLA for quick compiles,
-  one persistent compilation cache for the module); returns its stdout."""
-  cache = tmp_path_factory.mktemp("jax_cache")
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_COMPILATION_CACHE_DIR=str(cache),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             XLA_FLAGS="--xla_backend_optimization_level=0")
+def main():
+  """Runs `python -m <module> <args>` in a subprocess (unoptimised XLA for quick compiles;
+  the session's compilation cache, conftest.py); returns its stdout."""
+  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
 
   def run(module: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
@@ -681,13 +677,14 @@ def test_forward_dtype_defaults_by_backend(monkeypatch, backend, expected):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("configs", [ranking_configs, retrieval_configs])
-def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs):
+def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs, cli):
   """The forward dtype that GPU and TPU default to, trained on CPU: the run records it,
   its model computes in it, the loss falls and every final metric is finite."""
-  from phoenix_flax.training import run_experiment
   config = configs.get_config("smoke")
   config.model.fprop_dtype = "bfloat16"
-  result = run_experiment(config, str(tmp_path))[0]
+  cli(f"{configs.__name__.rsplit('.', 1)[1]}.py:smoke", tmp_path,
+      "--config.model.fprop_dtype=bfloat16")
+  result = _result(tmp_path)
   assert result["fprop_dtype"] == "bfloat16" and result["steps"] == config.train.num_steps
   assert all(v is not None and np.isfinite(v) for v in result["final"].values())
   assert set(result["final"]) == final_metric_names(parse_config(config))  # traced, not run
@@ -699,11 +696,13 @@ def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs):
     assert losses[-1] < losses[0]
     # The same parameters in a float32 forward: close, but not equal (bfloat16 was used).
     config.model.fprop_dtype = "float32"
-    template = make_system(parse_config(config), jax.random.PRNGKey(0))
+    template = eqx.filter_eval_shape(make_system, parse_config(config), jax.random.PRNGKey(0))
     system32 = jax.tree.unflatten(jax.tree.structure(template), jax.tree.leaves(run.system))
-    sb = sample_batch(run.trainer.world, run.trainer.spec.train_split, 4,
-                      jax.random.PRNGKey(1))
-    got, want = run.system(sb.batch), system32(sb.batch)
+    split = run.trainer.spec.train_split
+    sb = eqx.filter_jit(lambda world, key: sample_batch(world, split, 4, key))(
+        run.trainer.world, jax.random.PRNGKey(1))
+    forward = eqx.filter_jit(lambda system, batch: system(batch))
+    got, want = forward(run.system, sb.batch), forward(system32, sb.batch)
     diff = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
     assert 0 < diff < 0.1, diff
 
