@@ -30,6 +30,10 @@ def random_case(seed, n=300, levels=7, pos_rate=0.3, mask_rate=0.8):
 
 
 auc_jit = jax.jit(metrics.roc_auc)
+# Jitted: eagerly, each of the metrics' many small ops compiles on its own.
+ranking_metrics_jit = jax.jit(metrics.ranking_metrics, static_argnames=("k", "action_names"))
+ndcg_at_k_jit = jax.jit(metrics.ndcg_at_k, static_argnums=3)
+recall_at_k_jit = jax.jit(metrics.recall_at_k, static_argnums=3)
 
 
 @pytest.mark.parametrize("seed,levels", [(0, 7), (1, 2), (2, 1000), (3, 1)])
@@ -78,10 +82,10 @@ def test_ranking_metrics_of_a_non_finite_model():
   labels = (rng.random((B, C, A)) < 0.4).astype(np.float32)
   probs = rng.random((B, C, A)).astype(np.float32)
   mask = np.ones((B, C), bool)
-  fine = metrics.ranking_metrics(logits, labels, probs, mask, k=3)
+  fine = ranking_metrics_jit(logits, labels, probs, mask, k=3)
   for broken in (np.full_like(logits, np.nan), np.where(np.arange(B)[:, None, None] < 4,
                                                          np.nan, logits)):
-    got = metrics.ranking_metrics(broken, labels, probs, mask, k=3)
+    got = ranking_metrics_jit(broken, labels, probs, mask, k=3)
     for key in ("auc_mean", "auc_gap", "logloss", "calibration_error", "ndcg@3", "recall@3"):
       assert np.isnan(float(got[key])), key
     for key in ("bayes_auc_mean", "bayes_logloss", "bayes_recall@3", "num_valid_actions"):
@@ -89,8 +93,8 @@ def test_ranking_metrics_of_a_non_finite_model():
   # NaN logits of padded candidates are no divergence: every metric is the one over the
   # valid candidates.
   mask[:, -2:] = False
-  fine = metrics.ranking_metrics(logits, labels, probs, mask, k=3)
-  got = metrics.ranking_metrics(np.where(mask[..., None], logits, np.nan), labels, probs, mask,
+  fine = ranking_metrics_jit(logits, labels, probs, mask, k=3)
+  got = ranking_metrics_jit(np.where(mask[..., None], logits, np.nan), labels, probs, mask,
                                 k=3)
   for key, value in fine.items():
     assert np.isfinite(float(got[key])) and float(got[key]) == pytest.approx(float(value)), key
@@ -168,18 +172,18 @@ def test_ndcg_and_recall_match_reference(seed, C, levels):
       ndcgs.append(dcg / (ideal / np.log2(np.arange(len(ideal)) + 2)).sum())
     if relevant[b, idx].sum() > 0:
       recalls.append(hits / relevant[b, idx].sum())
-  np.testing.assert_allclose(metrics.ndcg_at_k(scores, gains, mask, k), np.mean(ndcgs),
+  np.testing.assert_allclose(ndcg_at_k_jit(scores, gains, mask, k), np.mean(ndcgs),
                              rtol=1e-5)
-  np.testing.assert_allclose(metrics.recall_at_k(scores, relevant, mask, k), np.mean(recalls),
+  np.testing.assert_allclose(recall_at_k_jit(scores, relevant, mask, k), np.mean(recalls),
                              rtol=1e-5)
-  assert float(metrics.ndcg_at_k(gains, gains, mask, k)) == pytest.approx(1.0)
+  assert float(ndcg_at_k_jit(gains, gains, mask, k)) == pytest.approx(1.0)
   # k beyond the list size is the whole list.
-  for fn, target in ((metrics.ndcg_at_k, gains), (metrics.recall_at_k, relevant)):
+  for fn, target in ((ndcg_at_k_jit, gains), (recall_at_k_jit, relevant)):
     np.testing.assert_allclose(fn(scores, target, mask, C + 3), fn(scores, target, mask, C),
                                rtol=1e-6)
   # Slots decide nothing: the same lists with their candidates (and padding) shuffled.
   perm = rng.permutation(C)
-  for fn, target in ((metrics.ndcg_at_k, gains), (metrics.recall_at_k, relevant)):
+  for fn, target in ((ndcg_at_k_jit, gains), (recall_at_k_jit, relevant)):
     np.testing.assert_allclose(fn(scores[:, perm], target[:, perm], mask[:, perm], k),
                                fn(scores, target, mask, k), rtol=1e-6)
 
@@ -193,13 +197,13 @@ def test_a_constant_model_gets_the_chance_level_whatever_the_order():
   constant = np.zeros_like(gains)
   discounts = 1 / np.log2(np.arange(2) + 2)
   chance = gains[0, :4].sum() * discounts.sum() / 4 / (gains[0, :2] * discounts).sum()
-  assert float(metrics.ndcg_at_k(constant, gains, mask, 2)) == pytest.approx(chance, rel=1e-6)
+  assert float(ndcg_at_k_jit(constant, gains, mask, 2)) == pytest.approx(chance, rel=1e-6)
   relevant = gains > 0.4
-  assert float(metrics.recall_at_k(constant, relevant, mask, 2)) == pytest.approx(0.5)
+  assert float(recall_at_k_jit(constant, relevant, mask, 2)) == pytest.approx(0.5)
   # A valid candidate scored -inf still ranks above padding: k = the valid count is 1.0.
   scores = np.array([[0.0, -np.inf, 1.0, 0.0]], np.float32)
   pad_first = np.array([[False, True, True, False]])
-  assert float(metrics.recall_at_k(scores, np.array([[0, 1, 0, 0]], bool), pad_first, 2)) == 1.0
+  assert float(recall_at_k_jit(scores, np.array([[0, 1, 0, 0]], bool), pad_first, 2)) == 1.0
 
 
 def test_corpus_hits_match_reference():
@@ -225,14 +229,13 @@ def test_ranking_metrics_bayes_and_keys():
   mask = np.ones((B, C), bool)
   mask[:, -2:] = False
   bayes_logits = np.log(probs) - np.log1p(-probs)
-  ranking_metrics = jax.jit(metrics.ranking_metrics)
-  out = ranking_metrics(bayes_logits, labels, probs, mask)
+  out = ranking_metrics_jit(bayes_logits, labels, probs, mask)
   assert float(out["auc_mean"]) == pytest.approx(float(out["bayes_auc_mean"]), abs=1e-6)
   assert float(out["ndcg@5"]) == pytest.approx(1.0)
   assert float(out["logloss"]) == pytest.approx(float(out["bayes_logloss"]), rel=1e-5)
   ref, _ = pairwise_auc(probs[..., 1][mask], labels[..., 1][mask], np.ones(mask.sum()))
   assert float(out["auc/reply_score"]) == pytest.approx(ref, abs=1e-6)
-  worse = ranking_metrics(-bayes_logits, labels, probs, mask)
+  worse = ranking_metrics_jit(-bayes_logits, labels, probs, mask)
   assert float(worse["auc_gap"]) > 0.1
   assert {"calibration_error", "recall@5", "bayes_recall@5", "auc/dwell_time",
           "bayes_auc/report_score", "num_valid_actions"} <= set(out)
@@ -249,7 +252,7 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
   labels = (rng.random((B, C, A)) < probs).astype(np.float32)
   labels[..., 2] = 0                      # no positive: action 2 is not valid
   mask = rng.random((B, C)) < 0.8
-  out = metrics.ranking_metrics(logits, labels, probs, mask, k=k)
+  out = ranking_metrics_jit(logits, labels, probs, mask, k=k)
   assert float(out["num_valid_actions"]) == 3
   assert float(out["auc/action_2"]) == 0.5
   for prefix in ("auc", "bayes_auc"):
@@ -257,21 +260,21 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
     assert float(out[f"{prefix}_mean"]) == pytest.approx(np.mean(valid), abs=1e-6)
   favorite = labels[..., 0] > 0.5
   assert float(out[f"recall@{k}"]) == pytest.approx(
-      float(metrics.recall_at_k(logits[..., 0], favorite, mask, k)))
+      float(recall_at_k_jit(logits[..., 0], favorite, mask, k)))
   assert float(out[f"bayes_recall@{k}"]) == pytest.approx(
-      float(metrics.recall_at_k(probs[..., 0], favorite, mask, k)))
+      float(recall_at_k_jit(probs[..., 0], favorite, mask, k)))
   assert float(out[f"recall@{k}"]) != pytest.approx(
-      float(metrics.recall_at_k(logits[..., 0], labels[..., 1] > 0.5, mask, k)))
+      float(recall_at_k_jit(logits[..., 0], labels[..., 1] > 0.5, mask, k)))
   # Several K at once give each K's metrics; a K at the list size ranks the whole list.
-  several = metrics.ranking_metrics(logits, labels, probs, mask, k=(1, k, C))
+  several = ranking_metrics_jit(logits, labels, probs, mask, k=(1, k, C))
   for key in (f"ndcg@{k}", f"recall@{k}", f"bayes_recall@{k}"):
     assert float(several[key]) == float(out[key])
   assert float(several["recall@1"]) == pytest.approx(
-      float(metrics.recall_at_k(logits[..., 0], favorite, mask, 1)))
+      float(recall_at_k_jit(logits[..., 0], favorite, mask, 1)))
   assert float(several[f"recall@{C}"]) == 1.0 and float(several["recall@1"]) < 1.0
   for bad in (0, (), (2, True), 2.0):
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
       metrics.ranking_metrics(logits, labels, probs, mask, k=bad)
   certain = np.where(rng.random((B, C, A)) < 0.5, labels, 1.0 - labels)   # some wrong
-  out = metrics.ranking_metrics(logits, labels, certain.astype(np.float32), mask, k=k)
+  out = ranking_metrics_jit(logits, labels, certain.astype(np.float32), mask, k=k)
   assert np.isfinite(float(out["bayes_logloss"]))

@@ -115,21 +115,25 @@ def test_retrieval_evaluation_loss_groups_users_as_training_does():
   spec = parse_config(retrieval_configs.get_config("smoke"))
   trainer = Trainer(spec)
   system = trainer.system(unstack(trainer.init([0]), 0).params)
-  sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], jax.random.PRNGKey(3))
-  user_BD, _ = system.user_forward(sb.batch)
-  cand_BCD, _ = system.candidate_representation(sb.batch)
-  got = float(trainer._eval_retrieval_loss(sb, user_BD, cand_BCD))
-  total = count = 0.0
-  for g in (slice(0, 8), slice(8, 16)):
-    part = jax.tree.map(lambda x: x[g], sb)
-    loss, has = trainer._retrieval_loss(part, user_BD[g], cand_BCD[g])
-    total, count = total + float(loss) * float(has.sum()), count + float(has.sum())
-  np.testing.assert_allclose(got, total / count, rtol=1e-5)
-  whole = float(trainer._retrieval_loss(sb, user_BD, cand_BCD)[0])
+
+  def losses(system, key):   # jitted below (eagerly, every small op compiles on its own)
+    sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], key)
+    user_BD, _ = system.user_forward(sb.batch)
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    groups = [trainer._retrieval_loss(jax.tree.map(lambda x: x[g], sb), user_BD[g], cand_BCD[g])
+              for g in (slice(0, 8), slice(8, 16))]
+    return (trainer._eval_retrieval_loss(sb, user_BD, cand_BCD), groups,
+            trainer._retrieval_loss(sb, user_BD, cand_BCD)[0])
+
+  # A fresh jit each time: the config is read when tracing.
+  traced = lambda: eqx.filter_jit(lambda *args: losses(*args))(system, jax.random.PRNGKey(3))
+  got, groups, whole = traced()
+  total = sum(float(loss) * float(has.sum()) for loss, has in groups)
+  count = sum(float(has.sum()) for _, has in groups)
+  np.testing.assert_allclose(float(got), total / count, rtol=1e-5)
   assert whole > got   # more users to contrast: a higher loss
   spec.config.train.batch_size = 6   # no whole number of groups: the whole batch
-  np.testing.assert_allclose(float(trainer._eval_retrieval_loss(sb, user_BD, cand_BCD)), whole,
-                             rtol=1e-6)
+  np.testing.assert_allclose(float(traced()[0]), float(whole), rtol=1e-6)
 
 
 def test_weight_decay_skips_hash_tables_and_norms():
