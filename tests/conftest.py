@@ -15,11 +15,11 @@ import numpy as np
 
 import phoenix_flax as pf
 
-# Compiling dominates the suite's time on CPU, and many tests compile programs that other
-# tests, their subprocesses (command lines, notebooks, killed-and-resumed runs) or pytest-xdist's
-# other worker compile too. The session therefore shares one JAX persistent compilation
-# cache, created here and removed at its end: a cache hit loads the same executable that
-# compiling would give, so no result depends on it. The variables reach the xdist workers
+# Compiling dominates the suite's time on CPU, and many programs are compiled again by
+# another test, by a subprocess (command lines, notebooks, killed-and-resumed runs) or by
+# pytest-xdist's other worker. The session therefore shares one JAX persistent compilation
+# cache, created here and removed at its end: a cache hit loads the executable that
+# compiling would give, so no result depends on it. Its settings reach the xdist workers
 # and every subprocess through the environment; a JAX_COMPILATION_CACHE_DIR set by the
 # caller is left as it is (and kept).
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -28,7 +28,7 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 
 def pytest_configure(config):
   if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return                     # an xdist worker (it inherits the controller's), or the caller's
+    return            # an xdist worker (it inherits the controller's), or the caller's cache
   path = tempfile.mkdtemp(prefix="phoenix_flax_test_jax_cache_")
   config.phoenix_flax_jax_cache = path
   os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)
@@ -41,7 +41,8 @@ def pytest_unconfigure(config):
   path = getattr(config, "phoenix_flax_jax_cache", None)
   if path is not None:
     shutil.rmtree(path, ignore_errors=True)
-    del os.environ["JAX_COMPILATION_CACHE_DIR"]
+    for name in (*_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR"):
+      os.environ.pop(name, None)
 
 
 EMB = 32
