@@ -45,6 +45,24 @@ def pytest_unconfigure(config):
       os.environ.pop(name, None)
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def quick_xla_flags(*flags: str) -> str:
+  """XLA_FLAGS for a quickly compiled program: the caller's XLA_FLAGS, unoptimised
+  backend code, then `flags`. Tests of plumbing (command lines, notebooks, resumed runs,
+  meshes) use it; what they check holds at any optimisation level."""
+  return " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                "--xla_backend_optimization_level=0", *flags]))
+
+
+def subprocess_env(*xla_flags: str, **variables: str) -> dict:
+  """Environment for a `python -m ...` subprocess run from the repository: this one, with
+  the repository on PYTHONPATH, `quick_xla_flags(*xla_flags)` and `variables`. It keeps the
+  session's compilation cache (above)."""
+  return dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
+
+
 EMB = 32
 NUM_ACTIONS = 19
 SURFACES = 16

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
+from conftest import subprocess_env
 from phoenix_flax import synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, timing
@@ -157,7 +158,7 @@ def test_cli_writes_json_and_table(tmp_path):
        "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO,
       # Plumbing, not timing: unoptimised XLA compiles the programs in a fraction of the time.
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0"))
+      env=subprocess_env(JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr
   report = json.loads(out.read_text())
   assert set(report["configs"]) == {"demo"}

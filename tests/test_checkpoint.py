@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from tensorboard.backend.event_processing import event_accumulator
 
+from conftest import subprocess_env
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, checkpoint,
                                    run_experiment, writers)
@@ -50,7 +51,7 @@ run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
 def env():
   """Subprocess environment: unoptimised (fast) compiles, the session's compilation cache
   (conftest.py)."""
-  return dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
+  return subprocess_env()
 
 
 def _rows(run_dir):

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
@@ -76,9 +78,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.mark.slow
 def test_eight_devices_match_one_device(tmp_path):
-  env = dict(os.environ, PYTHONPATH=REPO,
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-             "--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+  env = subprocess_env("--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "run")], cwd=REPO,
                         env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -142,14 +142,13 @@ def test_two_processes_match_one_device(tmp_path):
   """Multi-host data parallelism, simulated by two CPU processes of 2 devices each that
   meet through `jax.distributed.initialize` (mesh.distributed=True): the same run as on
   one device, hash tables sharded across both processes, files written once."""
-  base = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
-              XLA_FLAGS="--xla_backend_optimization_level=0")
+  base = subprocess_env(JAX_PLATFORMS="cpu")
   run = [sys.executable, "-m", "experiments.run", "--config=experiments/configs/ranking.py:smoke"]
   single = subprocess.run(run + [f"--workdir={tmp_path / 'single'}"], cwd=REPO, env=base,
                           capture_output=True, text=True, timeout=600)
   assert single.returncode == 0, single.stderr[-4000:]
 
-  env = dict(base, XLA_FLAGS=base["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2")
+  env = subprocess_env("--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   # The coordinator's port is free when chosen but could be taken before process 0 binds
   # it: then one process fails and the other would wait out JAX's join timeout, so a
   # failure stops both, and the run is tried once more on another port.

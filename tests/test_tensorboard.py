@@ -15,6 +15,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from conftest import subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
 from phoenix_flax.training.writers import RunWriter, read_metrics
@@ -27,7 +28,7 @@ SERVER_WAIT_S = 90
 def run_dir(tmp_path_factory):
   """A finished smoke ranking run of experiments/run.py (unoptimised, fast compiles)."""
   path = str(tmp_path_factory.mktemp("tb") / "smoke_run")
-  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
+  env = subprocess_env()
   proc = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
                          "--config=experiments/configs/ranking.py:smoke", f"--workdir={path}"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

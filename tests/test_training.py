@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 from phoenix_flax.synthetic import make_world, sample_batch
@@ -370,7 +371,7 @@ def _finals(result):
 def main():
   """Runs `python -m <module> <args>` in a subprocess (unoptimised XLA for quick compiles;
   the session's compilation cache, conftest.py); returns its stdout."""
-  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_backend_optimization_level=0")
+  env = subprocess_env()
 
   def run(module: str, *args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
