@@ -1,5 +1,5 @@
 """Tiny configs, random batches and shared jitted forwards for the core tests, and the
-test session's compilation cache."""
+test session's XLA settings."""
 
 from __future__ import annotations
 
@@ -12,23 +12,58 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import phoenix_flax as pf
 
-# Compiling dominates the suite's time on CPU, and many programs are compiled again by
-# another test, by a subprocess (command lines, notebooks, killed-and-resumed runs) or by
-# pytest-xdist's other worker. The session therefore shares one JAX persistent compilation
-# cache, created here and removed at its end: a cache hit loads the executable that
-# compiling would give, so no result depends on it. Its settings reach the xdist workers
-# and every subprocess through the environment; a JAX_COMPILATION_CACHE_DIR set by the
-# caller is left as it is (and kept).
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Compiling dominates the suite's time on CPU. Two session-wide settings, made here and
+# undone at the end, cut it; the xdist workers and every subprocess inherit them through
+# the environment.
+#
+# 1. The tests compile unoptimised backend code (`--xla_backend_optimization_level=0`,
+#    added to the caller's XLA_FLAGS): the same HLO, fused alike, but LLVM does not
+#    optimise the kernels, which cuts compile time by about 40%. Float results move by a
+#    few ulps (no fused multiply-adds, other exp code), within every tolerance here; the
+#    suite passes as users compile too: `PHOENIX_FLAX_TEST_OPTIMIZED=1 pytest ...` runs
+#    it with XLA's defaults.
+# 2. One JAX persistent compilation cache for the session: many programs are compiled
+#    again by another test, by a subprocess (command lines, notebooks, killed-and-resumed
+#    runs) or by xdist's other worker. A cache hit loads the executable that compiling
+#    would give, so no result depends on it. A JAX_COMPILATION_CACHE_DIR set by the caller
+#    is left as it is (and kept).
+OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
+_QUICK_FLAG = "--xla_backend_optimization_level=0"
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+def quick_xla_flags(*flags: str) -> str:
+  """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, unoptimised
+  backend code (unless PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
+  current = os.environ.get("XLA_FLAGS", "")
+  quick = os.environ.get(OPTIMIZED_ENV) != "1" and _QUICK_FLAG not in current.split()
+  return " ".join(filter(None, [current, _QUICK_FLAG if quick else "", *flags]))
+
+
+def subprocess_env(*xla_flags: str, **variables: str) -> dict:
+  """Environment for a `python -m ...` subprocess run from the repository: this one, with
+  the repository on PYTHONPATH, `quick_xla_flags(*xla_flags)` and `variables`."""
+  return dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
+
+
 def pytest_configure(config):
-  if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return            # an xdist worker (it inherits the controller's), or the caller's cache
+  if hasattr(config, "workerinput"):
+    return            # an xdist worker: it inherits the controller's environment
+  if jax._src.xla_bridge.backends_are_initialized():   # XLA_FLAGS would come too late
+    raise pytest.UsageError("tests/conftest.py: a JAX backend started before the session "
+                            "set XLA_FLAGS")
+  config.phoenix_flax_saved_env = {name: os.environ.get(name) for name in
+                                   ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", *_CACHE_ENV)}
+  os.environ["XLA_FLAGS"] = quick_xla_flags()
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
   path = tempfile.mkdtemp(prefix="phoenix_flax_test_jax_cache_")
   config.phoenix_flax_jax_cache = path
   os.environ.update(_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=path)
@@ -41,26 +76,11 @@ def pytest_unconfigure(config):
   path = getattr(config, "phoenix_flax_jax_cache", None)
   if path is not None:
     shutil.rmtree(path, ignore_errors=True)
-    for name in (*_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR"):
+  for name, value in getattr(config, "phoenix_flax_saved_env", {}).items():
+    if value is None:
       os.environ.pop(name, None)
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def quick_xla_flags(*flags: str) -> str:
-  """XLA_FLAGS for a quickly compiled program: the caller's XLA_FLAGS, unoptimised
-  backend code, then `flags`. Tests of plumbing (command lines, notebooks, resumed runs,
-  meshes) use it; what they check holds at any optimisation level."""
-  return " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                "--xla_backend_optimization_level=0", *flags]))
-
-
-def subprocess_env(*xla_flags: str, **variables: str) -> dict:
-  """Environment for a `python -m ...` subprocess run from the repository: this one, with
-  the repository on PYTHONPATH, `quick_xla_flags(*xla_flags)` and `variables`. It keeps the
-  session's compilation cache (above)."""
-  return dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
+    else:
+      os.environ[name] = value
 
 
 EMB = 32

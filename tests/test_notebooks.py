@@ -12,20 +12,16 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import quick_xla_flags
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ("compare_variants", "inside_phoenix", "new_idea", "flax_nnx")
-# The sweep and the notebooks' kernels compile with unoptimised XLA (compiling is most of
-# their time): what they check holds at any optimisation level.
 
 
 def _run_sweep(workdir: str) -> None:
   cmd = [sys.executable, "-m", "ablations.candidate_isolation", "--preset=smoke",
          f"--workdir={workdir}"]
   proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=quick_xla_flags()))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "REPORT.md" in proc.stdout
 
@@ -83,7 +79,6 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
   monkeypatch.setenv("PHOENIX_NEW_IDEA_DIR", str(tmp_path / "no_rope"))
   monkeypatch.setenv("PHOENIX_PRESET", "smoke")
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("XLA_FLAGS", quick_xla_flags())
   nb = nbformat.read(os.path.join(NOTEBOOKS, f"{name}.ipynb"), as_version=4)
   NotebookClient(nb, timeout=900, kernel_name="python3",
                  resources={"metadata": {"path": NOTEBOOKS}}).execute()
@@ -125,7 +120,6 @@ def test_compare_variants_reads_a_results_file_without_its_runs(tmp_path, monkey
               tmp_path / "results.json")
   monkeypatch.setenv("PHOENIX_SWEEP_DIR", str(tmp_path))
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-  monkeypatch.setenv("XLA_FLAGS", quick_xla_flags())
   nb = nbformat.read(os.path.join(NOTEBOOKS, "compare_variants.ipynb"), as_version=4)
   NotebookClient(nb, timeout=300, kernel_name="python3",
                  resources={"metadata": {"path": NOTEBOOKS}}).execute()

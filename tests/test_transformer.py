@@ -257,8 +257,9 @@ def test_isolated_softmax_without_row_max_equals_with_it(cap, monkeypatch):
   monkeypatch.setattr(pf.transformer, "_exp_without_shift", lambda *a: False)
   assert row_maxes()
   with_max = run()
+  # The two forms exponentiate different numbers: equal to a few float32 ulps.
   for a, b in zip(jax.tree.leaves(shift_free), jax.tree.leaves(with_max)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_isolated_query_with_no_kept_key_gets_zeros():
