@@ -157,7 +157,7 @@ def test_cli_writes_json_and_table(tmp_path):
        "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}",
        "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO,
-      # Plumbing, not timing: unoptimised XLA compiles the programs in a fraction of the time.
+      # Plumbing, not timing: compiled as the session compiles (unoptimised, conftest.py).
       env=subprocess_env(JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr
   report = json.loads(out.read_text())

@@ -49,8 +49,8 @@ run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
 
 @pytest.fixture(scope="module")
 def env():
-  """Subprocess environment: unoptimised (fast) compiles, the session's compilation cache
-  (conftest.py)."""
+  """Subprocess environment with the session's XLA settings (unoptimised compiles, one
+  compilation cache: conftest.py)."""
   return subprocess_env()
 
 

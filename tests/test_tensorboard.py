@@ -26,7 +26,8 @@ SERVER_WAIT_S = 90
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-  """A finished smoke ranking run of experiments/run.py (unoptimised, fast compiles)."""
+  """A finished smoke ranking run of experiments/run.py (compiled as the session
+  compiles, conftest.py)."""
   path = str(tmp_path_factory.mktemp("tb") / "smoke_run")
   env = subprocess_env()
   proc = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",

@@ -369,8 +369,8 @@ def _finals(result):
 
 @pytest.fixture(scope="module")
 def main():
-  """Runs `python -m <module> <args>` in a subprocess (unoptimised XLA for quick compiles;
-  the session's compilation cache, conftest.py); returns its stdout."""
+  """Runs `python -m <module> <args>` in a subprocess with the session's XLA settings
+  (unoptimised compiles, one compilation cache: conftest.py); returns its stdout."""
   env = subprocess_env()
 
   def run(module: str, *args: str) -> str:
