@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 from phoenix_flax import synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, timing
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
     "full": benchmark.Case(batch=2, history=4, candidates=3, emb=32, layers=1, q_heads=2,
                            kv_heads=1),

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from tensorboard.backend.event_processing import event_accumulator
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, checkpoint,
                                    run_experiment, writers)
@@ -29,7 +29,6 @@ from phoenix_flax.training.runner import load_run
 from phoenix_flax.training.schema import parse_config
 from phoenix_flax.training.sharding import DATA_AXIS, Placement, make_placement
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The smoke preset (40 steps, 10 per host call, checkpoints at 20) that kills itself with
 # SIGKILL when its progress callback reports KILL_AT_STEP: after the step-20 checkpoint

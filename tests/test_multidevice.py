@@ -16,9 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = """
 import json, re, sys

@@ -15,12 +15,11 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
 from phoenix_flax.training.writers import RunWriter, read_metrics
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_WAIT_S = 90
 
 

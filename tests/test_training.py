@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import subprocess_env
+from conftest import REPO, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 from phoenix_flax.synthetic import make_world, sample_batch
@@ -27,8 +27,6 @@ from phoenix_flax.training.runner import (_resume_steps, _train_scalars, final_m
                                           load_run)
 from phoenix_flax.training.schema import base_config, split_config, with_defaults
 from phoenix_flax.training.writers import read_metrics
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def smoke_config(**train):
