@@ -47,13 +47,13 @@ exact McNemar test for the 0/1 metric `diverged`). A pooled comparison averages,
 seed, the arm's and the baseline's values over the condition levels, then pairs those
 means by seed: every level trains with the same seeds, so the seed, not the seed x level
 pair, is the independent unit (t with seeds - 1 degrees of freedom; `diverged` becomes a
-per-seed rate, compared by an exact sign-flip test, `stats.rate_difference`). A seed missing a value at some level (a diverged
-run) leaves the pooled comparison of that metric. `p_holm` is Holm-adjusted over the
-comparisons of one metric: the per-condition rows form one family, the pooled rows
-another. Diverged runs are never dropped silently: each counts in
-`diverged` and in the `diverged` metric, and has null for every other metric, so means
-and paired differences use the finished runs and `n` says how many. Null also marks what
-cannot be computed (a CI from one value).
+per-seed rate, compared by an exact sign-flip test, `stats.rate_difference`). A seed
+missing a value at some level (a diverged run) leaves the pooled comparison of that
+metric. `p_holm` is Holm-adjusted over the comparisons of one metric: the per-condition
+rows form one family, the pooled rows another. Diverged runs are never dropped silently:
+each counts in `diverged` and in the `diverged` metric, and has null for every other
+metric, so means and paired differences use the finished runs and `n` says how many.
+Null also marks what cannot be computed (a CI from one value).
 """
 
 from __future__ import annotations

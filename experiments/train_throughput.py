@@ -7,11 +7,11 @@
 * Scanned loop (what `run_experiment` runs): `Trainer.train_chunk`, `steps_per_call`
   steps per host call under `lax.scan`, batches sampled on device inside the step,
   buffers donated, nothing returned to the host until the chunk ends.
-* Plain loop (the baseline: a host data pipeline and one jitted call per step): the same model, optimizer and update, one
-  jitted call per step, fed a batch sampled on the host with numpy
-  (`experiments/host_sampler.py`: the same generative process over the same world, in
-  vectorised numpy). Each step's loss is read back to the host, as a plain loop does to
-  log it.
+* Plain loop (the baseline: a host data pipeline and one jitted call per step): the
+  same model, optimizer and update, one jitted call per step, fed a batch sampled on the
+  host with numpy (`experiments/host_sampler.py`: the same generative process over the
+  same world, in vectorised numpy). Each step's loss is read back to the host, as a plain
+  loop does to log it.
 * Plain loop fed device-sampled batches: the same, but each batch is drawn by a
   separately jitted `sample_batch` and copied to numpy (`np.asarray`), a host data
   pipeline at its cheapest on CPU. It shows how much of the speed-up the numpy sampler

@@ -89,8 +89,9 @@ def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
 
 def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array, Array]:
   """Per valid candidate, under a uniformly random order of tied scores: the chance that
-  it ranks in the top k, and its expected discount `[rank < k] / log2(rank + 2)` (rank counted from 0; both 0
-  for padding). Without ties: the indicator of the top k and the discount of its rank."""
+  it ranks in the top k, and its expected discount `[rank < k] / log2(rank + 2)` (rank
+  counted from 0; both 0 for padding). Without ties: the indicator of the top k and the
+  discount of its rank."""
   C = scores_BC.shape[-1]
   above_BC, tied_BC = _rank_spans(scores_BC, mask_BC)
   chance_BC = jnp.clip(k - above_BC, 0, tied_BC) / tied_BC
@@ -104,10 +105,10 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
 
 
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
-  """NDCG@k with linear gains and 1/log2(rank+1) discounts (rank counted from 1), averaged over the lists
-  whose ideal DCG is positive (0 when there is none). Tied scores count at their expected
-  value over a random order of the tie (as scikit-learn's `ndcg_score` does), so neither
-  the candidates' slots nor their order decide a tie."""
+  """NDCG@k with linear gains and 1/log2(rank+1) discounts (rank counted from 1),
+  averaged over the lists whose ideal DCG is positive (0 when there is none). Tied scores
+  count at their expected value over a random order of the tie (as scikit-learn's
+  `ndcg_score` does), so neither the candidates' slots nor their order decide a tie."""
   k = min(k, scores_BC.shape[-1])
   gains_BC = jnp.where(mask_BC, jnp.asarray(gains_BC, jnp.float32), 0.0)
   _, discount_BC = _expected_in_top_k(scores_BC, mask_BC, k)
@@ -160,9 +161,10 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   are valid depends on the labels only, so the Bayes figures never depend on the model.
   A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
   (null in JSON), never a number computed over the rest; `auc/<action>` is NaN where that
-  action is valid and its logits hold the NaN (0.5 where the action is not valid). The AUCs pool every valid candidate of every list given
-  (the runner passes all its evaluation batches at once): a global AUC, which compares
-  candidates across users, not a mean of per-list AUCs.
+  action is valid and its logits hold the NaN (0.5 where the action is not valid). The
+  AUCs pool every valid candidate of every list given (the runner passes all its
+  evaluation batches at once): a global AUC, which compares candidates across users, not
+  a mean of per-list AUCs.
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else

@@ -20,9 +20,10 @@ that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" 
 uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
 (`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the
 same code and seeds give the same numbers on the same kind of processor).
-`wall_seconds` is the run's whole time (over resumes); `examples_per_second` counts the training examples of every
-vmapped seed per second of training chunks, the compiling first chunk excluded (unless it
-is the only chunk: the last one, or one in which every seed diverged).
+`wall_seconds` is the run's whole time (over resumes); `examples_per_second` counts the
+training examples of every vmapped seed per second of training chunks, the compiling
+first chunk excluded (unless it is the only chunk: the last one, or one in which every
+seed diverged).
 
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from
