@@ -10,6 +10,7 @@ the host before dispatch, raising a `ValueError` that names the offending field.
 from __future__ import annotations
 
 import collections
+import functools
 from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -247,7 +248,28 @@ def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
   return jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
 
 
-_jitted_ranking_order = jax.jit(_ranking_order)
+@functools.partial(jax.jit, static_argnums=1)
+def _padded_candidates(fields, pad: int):
+  """Candidate fields (axis 1 is C) padded at the end with `pad` hash-0 candidates."""
+  return jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)),
+                      fields)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _chunk_of(fields, start: Array, size: int):
+  """Candidates `start:start + size` of every field: one program per field shapes, whatever
+  the start."""
+  return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), fields)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _joined_chunks(probs: list, continuous: list, candidate_post_hashes: Array,
+                   C: int) -> RankingOutput:
+  """The chunks' probabilities (and continuous outputs) joined, trimmed to the `C` real
+  candidates, and ordered as `rank` orders them."""
+  probs_BCA = jnp.concatenate(probs, axis=1)[:, :C]
+  joined = None if continuous[0] is None else jnp.concatenate(continuous, axis=1)[:, :C]
+  return RankingOutput(probs_BCA, _ranking_order(probs_BCA, candidate_post_hashes), joined)
 
 
 def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings):
@@ -346,30 +368,24 @@ class RankingRunner:
 
   def _score_in_chunks(self, cache: ContextCache, batch: RecsysBatch,
                        embeddings: RecsysEmbeddings, chunk_size: int) -> RankingOutput:
+    # Everything stays on the device: the candidates are padded once, each chunk is a
+    # traced-offset slice of them, and the chunks' scores are joined and ordered there. The
+    # host only dispatches; its one transfer per chunk is the chunk's offset, made explicit.
     C = np.shape(batch.candidate_post_hashes)[1]
-    pad = -C % chunk_size
-
-    def padded(x):
-      x = np.asarray(x)
-      return np.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-
-    cand_batch = {f: padded(getattr(batch, f)) for f in CANDIDATE_BATCH_FIELDS
-                  if getattr(batch, f) is not None}
-    cand_emb = {f: padded(getattr(embeddings, f)) for f in CANDIDATE_EMBEDDING_FIELDS}
-    context_batch, context_emb = jax.tree.map(jnp.asarray,
-                                              _without_candidates(batch, embeddings))
-    outputs = []
-    for start in range(0, C + pad, chunk_size):
-      part = lambda d: {f: x[:, start:start + chunk_size] for f, x in d.items()}
-      outputs.append(self._score(self.model, cache, context_batch._replace(**part(cand_batch)),
-                                 context_emb._replace(**part(cand_emb)), jnp.int32(start)))
-    probs_BCA = np.concatenate([np.asarray(p) for p, _ in outputs], axis=1)[:, :C]
-    continuous = None
-    if outputs[0][1] is not None:
-      continuous = jnp.asarray(np.concatenate([np.asarray(c) for _, c in outputs], axis=1)[:, :C])
-    probs_BCA = jnp.asarray(probs_BCA)
-    ranked_BC = _jitted_ranking_order(probs_BCA, cand_batch["candidate_post_hashes"][:, :C])
-    return RankingOutput(probs_BCA, ranked_BC, continuous)
+    candidates = ({f: getattr(batch, f) for f in CANDIDATE_BATCH_FIELDS
+                   if getattr(batch, f) is not None},
+                  {f: getattr(embeddings, f) for f in CANDIDATE_EMBEDDING_FIELDS})
+    candidates = _padded_candidates(candidates, -C % chunk_size)
+    context_batch, context_emb = _without_candidates(batch, embeddings)
+    probs, continuous = [], []
+    for start in range(0, C + (-C % chunk_size), chunk_size):
+      start = jax.device_put(np.int32(start))
+      cand_batch, cand_emb = _chunk_of(candidates, start, chunk_size)
+      p, c = self._score(self.model, cache, context_batch._replace(**cand_batch),
+                         context_emb._replace(**cand_emb), start)
+      probs.append(p)
+      continuous.append(c)
+    return _joined_chunks(probs, continuous, batch.candidate_post_hashes, C)
 
 
 class RetrievalResult(NamedTuple):

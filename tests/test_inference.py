@@ -163,6 +163,24 @@ def test_chunked_scoring_equals_scoring_at_once(ranker):
   assert dict(ranker.trace_counts) == compiled
 
 
+def test_chunked_scoring_keeps_device_inputs_on_the_device(ranker):
+  """Candidates already on the device are padded, cut into chunks and joined there: no
+  chunk goes through a NumPy copy that the compiled scorer would have to send back (an
+  implicit host-to-device transfer, which the guard refuses). The chunks' offsets are
+  the only transfers, and explicit."""
+  batch, emb = _batch(batch_size=2, num_candidates=150)
+  cache = ranker.encode_context(batch, emb)
+  expected = ranker.rank_chunked(batch, emb, chunk_size=64)   # compiled outside the guard
+  ranker.score_candidates(cache, batch, emb, chunk_size=64)
+  with jax.transfer_guard_host_to_device("disallow"):
+    chunked = ranker.rank_chunked(batch, emb, chunk_size=64)
+    scored = ranker.score_candidates(cache, batch, emb, chunk_size=64)
+  for got in (chunked, scored):
+    assert all(isinstance(x, jax.Array) for x in got[:2])
+    np.testing.assert_array_equal(got.scores, expected.scores)
+    np.testing.assert_array_equal(got.ranked_indices, expected.ranked_indices)
+
+
 def test_chunked_scoring_keeps_the_continuous_head_in_candidate_order():
   """The continuous head's outputs are stitched back from the chunks like the scores."""
   config = PhoenixModelConfig(model=TRANSFORMER, emb_size=32, history_seq_len=8,
