@@ -69,10 +69,13 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   p_N = jnp.where(w_N > 0, jnp.asarray(probs_BCA, jnp.float32).reshape(-1), 0.0)
   y_N = jnp.where(w_N > 0, jnp.asarray(labels_BCA, jnp.float32).reshape(-1), 0.0)
   bin_N = jnp.clip(jnp.floor(p_N * num_bins).astype(jnp.int32), 0, num_bins - 1)
-  count_K = jax.ops.segment_sum(w_N, bin_N, num_bins)
-  prob_K = jax.ops.segment_sum(w_N * p_N, bin_N, num_bins)
-  label_K = jax.ops.segment_sum(w_N * y_N, bin_N, num_bins)
-  return jnp.sum(jnp.abs(prob_K - label_K)) / jnp.maximum(jnp.sum(count_K), 1.0)
+  # Per-bin sums as masked reductions, not `segment_sum`: on GPU that is a float
+  # scatter-add, whose atomics add in a varying order, so the same predictions gave
+  # calibration errors differing in the 7th digit from run to run.
+  in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)
+  prob_K, label_K = (jnp.sum(jnp.where(in_bin_NK, (w_N * x_N)[:, None], 0.0), axis=0)
+                     for x_N in (p_N, y_N))
+  return jnp.sum(jnp.abs(prob_K - label_K)) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
 def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
