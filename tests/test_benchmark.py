@@ -93,6 +93,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert report["compile_scaling"]["ratio"] > 0
   assert report["process_max_rss_bytes"] > 0
   assert report["machine"] == provenance.machine()
+  assert report["code"] == provenance.code_version()
 
   path = tmp_path / "out" / "bench.json"
   benchmark.save_report(report, str(path))
@@ -167,7 +168,7 @@ def test_cli_writes_json_and_table(tmp_path):
   assert [(r["preset"], r["num_seeds"]) for r in report["training"]] == [("smoke", 1),
                                                                          ("smoke", 2)]
   for r in report["training"]:
-    assert r["machine"] == report["machine"]
+    assert (r["machine"], r["code"]) == (report["machine"], report["code"])
     assert r["scanned_examples_per_second"] > 0 and r["plain_examples_per_second"] > 0
     assert r["plain_device_sampled_examples_per_second"] > 0
     assert r["speedup"] == pytest.approx(
