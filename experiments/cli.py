@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Iterator, NoReturn
 
 from absl import flags
@@ -46,23 +48,41 @@ def check_output_file(flag: str, path: str) -> None:
     usage_error(f"--{flag}={path} cannot be written: {folder} is not a writable directory")
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM outside a training loop, raised as Ctrl-C raises `KeyboardInterrupt`."""
+
+  signum = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame) -> NoReturn:
+  raise Terminated()
+
+
 @contextlib.contextmanager
 def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
   the script with its message, `resume_hint`, and the shell's status for that signal
-  (130, 143); a Ctrl-C anywhere else in the block with a one-line message and 130; one of
-  `RUN_ERRORS` with its message and status 2."""
+  (130, 143); a Ctrl-C or SIGTERM anywhere else in the block (setup, compiling, probes;
+  in the main thread SIGTERM raises `Terminated` there) with a one-line message and 130 or
+  143; one of `RUN_ERRORS` with its message and status 2."""
+  main_thread = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
   try:
     yield
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
     sys.exit(128 + e.signum)
-  except KeyboardInterrupt:   # Ctrl-C outside a training loop (setup, compiling, probes)
-    sys.stderr.write("interrupted by SIGINT before a checkpoint could be written; finished "
-                     "runs and checkpoints are kept: run the same command again\n")
-    sys.exit(130)
+  except KeyboardInterrupt as e:
+    signum = getattr(e, "signum", signal.SIGINT)
+    sys.stderr.write(f"interrupted by {signal.Signals(signum).name} before a checkpoint could "
+                     "be written; finished runs and checkpoints are kept: run the same "
+                     "command again\n")
+    sys.exit(128 + signum)
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
+  finally:
+    if main_thread:
+      signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -588,6 +588,13 @@ def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
       raise KeyboardInterrupt
   assert e.value.code == 130
   assert capsys.readouterr().err.startswith("interrupted by SIGINT before a checkpoint")
+  previous = signal.getsignal(signal.SIGTERM)
+  with pytest.raises(SystemExit) as e:   # SIGTERM there too: the same, not a silent kill
+    with sweep.exit_on_interrupt():
+      signal.raise_signal(signal.SIGTERM)
+  assert e.value.code == 143
+  assert capsys.readouterr().err.startswith("interrupted by SIGTERM before a checkpoint")
+  assert signal.getsignal(signal.SIGTERM) is previous   # restored
 
 
 def test_exact_counts_are_printed_whole():
