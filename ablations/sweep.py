@@ -271,7 +271,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
                            "switch needs its default in phoenix_flax/training/schema.py "
                            "base_config")
         if key == leaf:
-          node[leaf] = value
+          try:
+            node[leaf] = value
+          except TypeError:   # ml_collections' own text names Python classes, not the path
+            kind = node.get_ref(leaf).get_type().__name__
+            raise ValueError(f"{where}.{leaf} takes values of type {kind}, not "
+                             f"{type(value).__name__}") from None
         else:
           node, where = node[key], f"{where}.{key}"
     except (ValueError, TypeError) as e:

@@ -152,7 +152,11 @@ def main(argv: list[str]) -> None:
   try:
     config.to_dict()   # ml_collections defers a config file's load error to first use
   except OSError as e:
-    _fail(f"--config could not be loaded: {e}")
+    # ml_collections wraps the cause ("[Errno 2] No such file ...: 'path'") in lines about
+    # its own loader; the cause is the line to show.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    _fail("--config could not be loaded: "
+          + next((line for line in reversed(lines) if "Errno" in line), " ".join(lines)))
   except AttributeError:
     pass   # no ConfigDict: said next
   if not isinstance(config, ml_collections.ConfigDict):

@@ -109,7 +109,9 @@ def test_overrides():
   with pytest.raises(ValueError, match=r"config.model has no field 'num_layerz' \(fields: "
                                        r"\['attention_impl'.*'num_layers'.*base_config"):
     sweep.apply_overrides(base, {"model.num_layerz": 3})
-  with pytest.raises(ValueError, match="train.num_steps"):
+  with pytest.raises(ValueError, match=r"^config override train.num_steps=2.5 is invalid: "
+                                       r"config.train.num_steps takes values of type int, "
+                                       r"not float$"):
     sweep.apply_overrides(base, {"train.num_steps": 2.5})
 
 

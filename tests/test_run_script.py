@@ -42,7 +42,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.num_kv_heads=3"], "num_kv_heads"),
       (["--config.train.steps_per_call=7"], "config.train.steps_per_call"),
       (["--config.model.no_such_field=1"], "no_such_field"),
-      (["--config=experiments/configs/nope.py"], "--config could not be loaded"),
+      (["--config=experiments/configs/nope.py"],   # the cause alone, not the loader's text
+       "error: --config could not be loaded: [Errno 2] No such file or directory: "
+       "'experiments/configs/nope.py'\n"),
       (["--config.model.num_layer=2"],          # the suggestion, unescaped, on its own line
        "\n  'num_layer'\n  Did you mean \"num_layers\" instead of \"num_layer\"?\n"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
