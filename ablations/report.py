@@ -166,11 +166,11 @@ def _cell(summary: Optional[Mapping]) -> str:
 def fmt_pm(mean: float, half: float) -> str:
   """"mean ± half": the half-width to 2 significant digits and the mean to the same
   decimal place, so that no digit shown is finer than the interval resolves. Scientific
-  notation (as `fmt`) for a half-width under 1e-3 or a mean of 1e5 or more; a zero
-  half-width (every seed equal) keeps the mean's 4 significant digits."""
+  notation (as `fmt`) for a half-width under 1e-5 (more than 6 decimals) or a mean of 1e5
+  or more; a zero half-width (every seed equal) keeps the mean's 4 significant digits."""
   if half == 0:
     return f"{fmt(mean)} ± 0"
-  if not (math.isfinite(mean) and math.isfinite(half)) or half < 1e-3 or abs(mean) >= 1e5:
+  if not (math.isfinite(mean) and math.isfinite(half)) or half < 1e-5 or abs(mean) >= 1e5:
     return f"{fmt(mean)} ± {fmt(half, 2)}"
   decimals = 1 - math.floor(math.log10(half))   # negative: rounds to tens, hundreds, ...
   if abs(round(half, decimals)) >= 10 ** (2 - decimals):   # rounding added a digit (0.0996)

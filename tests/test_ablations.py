@@ -237,7 +237,9 @@ def test_mean_and_interval_show_the_same_decimals():
   assert report.fmt_pm(43015.0, 9960.0) == "43000 ± 10000"   # rounding up adds no digit
   assert report.fmt_pm(12.34, 5.67) == "12.3 ± 5.7"
   assert report.fmt_pm(0.8, 0.0) == "0.8 ± 0"
-  assert report.fmt_pm(0.7928, 0.00099) == "0.7928 ± 9.9e-04"   # tiny: scientific
+  assert report.fmt_pm(0.7928, 0.00099) == "0.79280 ± 0.00099"
+  assert report.fmt_pm(0.001486, 0.00088) == "0.00149 ± 0.00088"   # one format per column
+  assert report.fmt_pm(2.7e-6, 3.4e-6) == "2.70e-06 ± 3.4e-06"     # tiny: scientific
 
 
 def test_training_variants_log_each_evaluation(caplog):
