@@ -257,8 +257,7 @@ def _padded_candidates(fields, pad: int):
 
 @functools.partial(jax.jit, static_argnums=2)
 def _chunk_of(fields, start: Array, size: int):
-  """Candidates `start:start + size` of every field: one program per field shapes, whatever
-  the start."""
+  """Candidates `start:start + size` of every field: one compiled program for every start."""
   return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1), fields)
 
 
@@ -376,7 +375,9 @@ class RankingRunner:
                    if getattr(batch, f) is not None},
                   {f: getattr(embeddings, f) for f in CANDIDATE_EMBEDDING_FIELDS})
     candidates = _padded_candidates(candidates, -C % chunk_size)
-    context_batch, context_emb = _without_candidates(batch, embeddings)
+    # Host (NumPy) context fields go to the device once, not with every chunk.
+    context_batch, context_emb = jax.tree.map(jnp.asarray,
+                                              _without_candidates(batch, embeddings))
     probs, continuous = [], []
     for start in range(0, C + (-C % chunk_size), chunk_size):
       start = jax.device_put(np.int32(start))
