@@ -371,15 +371,16 @@ class RankingRunner:
     # traced-offset slice of them, and the chunks' scores are joined and ordered there. The
     # host only dispatches; its one transfer per chunk is the chunk's offset, made explicit.
     C = np.shape(batch.candidate_post_hashes)[1]
+    pad = -C % chunk_size
     candidates = ({f: getattr(batch, f) for f in CANDIDATE_BATCH_FIELDS
                    if getattr(batch, f) is not None},
                   {f: getattr(embeddings, f) for f in CANDIDATE_EMBEDDING_FIELDS})
-    candidates = _padded_candidates(candidates, -C % chunk_size)
+    candidates = _padded_candidates(candidates, pad)
     # Host (NumPy) context fields go to the device once, not with every chunk.
     context_batch, context_emb = jax.tree.map(jnp.asarray,
                                               _without_candidates(batch, embeddings))
     probs, continuous = [], []
-    for start in range(0, C + (-C % chunk_size), chunk_size):
+    for start in range(0, C + pad, chunk_size):
       start = jax.device_put(np.int32(start))
       cand_batch, cand_emb = _chunk_of(candidates, start, chunk_size)
       p, c = self._score(self.model, cache, context_batch._replace(**cand_batch),

@@ -75,7 +75,7 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   # atomics in varying order on GPU, where the same predictions gave errors differing in
   # the 7th digit from run to run.
   in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)
-  gap_K = jnp.sum(jnp.where(in_bin_NK, (w_N * (p_N - y_N))[:, None], 0.0), axis=0)
+  gap_K = jnp.sum(jnp.where(in_bin_NK, (p_N - y_N)[:, None], 0.0), axis=0)  # padding: 0
   return jnp.sum(jnp.abs(gap_K)) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
