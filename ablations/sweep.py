@@ -620,9 +620,9 @@ class Sweep:
 
 def environment() -> dict:
   """What produced the numbers: Python, JAX and NumPy versions, the code's git state
-  (`provenance.code_version`: the commit, with "+changes.<digest>" when its Python files
-  have uncommitted edits; None outside a git checkout) and the processor
-  (`provenance.machine`)."""
+  (`provenance.code_version`: the commit, with "+changes.<digest>" when the Python files of
+  phoenix_flax/, ablations/ or experiments/ have uncommitted edits; None outside a git
+  checkout) and the processor (`provenance.machine`)."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   return {"python": sys.version.split()[0], "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "numpy": np.__version__,

@@ -20,6 +20,9 @@ def checkout(tmp_path):
   root = tmp_path / "repo"
   (root / "phoenix_flax").mkdir(parents=True)
   (root / "phoenix_flax" / "layers.py").write_text("x = 1\n")
+  (root / "tests").mkdir()
+  (root / "tests" / "test_layers.py").write_text("def test_x(): pass\n")
+  (root / "setup.py").write_text("NAME = 'p'\n")
   (root / "README.md").write_text("readme\n")
   (root / ".gitignore").write_text(".venv/\n")
   _git(root, "init", "-q")
@@ -40,6 +43,9 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   (checkout / ".venv").mkdir()
   (checkout / ".venv" / "site.py").write_text("ignored\n")   # ignored by git
   (checkout / "notes.py").write_text("outside the package folders\n")
+  # Tracked Python files that no run executes: a test, the setup script.
+  (checkout / "tests" / "test_layers.py").write_text("def test_x(): assert False\n")
+  (checkout / "setup.py").write_text("NAME = 'q'\n")
   assert provenance.code_version(str(checkout)) == clean
 
   layers = checkout / "phoenix_flax" / "layers.py"
@@ -51,6 +57,18 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   second = provenance.code_version(str(checkout))
   assert second.startswith(clean + "+changes.") and second != first
   layers.write_text("x = 1\n")                                 # back to the commit
+  assert provenance.code_version(str(checkout)) == clean
+
+  # A module deeper in a package folder counts like a top-level one.
+  (checkout / "phoenix_flax" / "training").mkdir()
+  runner = checkout / "phoenix_flax" / "training" / "runner.py"
+  runner.write_text("y = 1\n")
+  _git(checkout, "add", str(runner))
+  _git(checkout, "commit", "-q", "-m", "runner")
+  clean = provenance.code_version(str(checkout))
+  runner.write_text("y = 2\n")
+  assert provenance.code_version(str(checkout)).startswith(clean + "+changes.")
+  runner.write_text("y = 1\n")
   assert provenance.code_version(str(checkout)) == clean
 
   # A new, uncommitted file in a package folder (an ablation script) is a change too.

@@ -5,16 +5,17 @@
 results.json and REPORT.md cite:
 
 - "<commit>" (12 hex digits) when the checkout's Python files equal that commit's;
-- "<commit>+changes.<digest>" when a tracked `.py` file differs from the commit, or an
-  untracked one (not ignored by git) lies in `phoenix_flax/`, `ablations/` or
-  `experiments/`; the digest (8 hex digits of a SHA-256 over the diff and those files) tells
-  two different sets of uncommitted edits apart, so that a run trained before an edit is
-  not mistaken for one trained after it;
+- "<commit>+changes.<digest>" when a `.py` file in `phoenix_flax/`, `ablations/` or
+  `experiments/` differs from the commit, or an untracked one (not ignored by git) lies
+  there; the digest (8 hex digits of a SHA-256 over the diff and those files) tells two
+  different sets of uncommitted edits apart, so that a run trained before an edit is not
+  mistaken for one trained after it;
 - outside a git checkout (a package installed into site-packages, a copied tree), the
   environment variable `PHOENIX_FLAX_CODE_VERSION` if set (whoever copies the tree says
   what it is), else None.
 
-Only Python files count: editing the README or a notebook changes no run.
+Only the Python files of those three folders count: they are all a run executes from the
+checkout. Editing a test, the README, a notebook or the docs changes no run.
 
 `machine()` is what `result.json` records as "machine": the same code and seeds give the
 same numbers on the same kind of processor, but not across kinds. XLA:CPU compiles for the
@@ -35,7 +36,7 @@ from typing import Optional
 import jax
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_UNTRACKED_DIRS = ("phoenix_flax", "ablations", "experiments")
+_CODE_DIRS = ("phoenix_flax", "ablations", "experiments")
 ENV_VAR = "PHOENIX_FLAX_CODE_VERSION"
 # The widest vector extension a Linux /proc/cpuinfo "flags" (x86) or "Features" (Arm)
 # line names, widest first.
@@ -68,9 +69,9 @@ def code_version(root: Optional[str] = None) -> Optional[str]:
 
 
 def _changes(root: str) -> str:
-  diff = _git(root, "diff", "HEAD", "--binary", "--", "*.py") or b""
-  listed = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--",
-                *(f"{d}/*.py" for d in _UNTRACKED_DIRS)) or b""
+  code = [f"{d}/*.py" for d in _CODE_DIRS]    # git's `*` matches `/` too: every depth
+  diff = _git(root, "diff", "HEAD", "--binary", "--", *code) or b""
+  listed = _git(root, "ls-files", "--others", "--exclude-standard", "-z", "--", *code) or b""
   untracked = sorted(p for p in listed.split(b"\0") if p)
   if not diff and not untracked:
     return ""
