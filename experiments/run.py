@@ -9,8 +9,8 @@ workdir (one seed) or to `<workdir>/seed_<k>/` (several seeds). Re-running the s
 command resumes an interrupted run from its last checkpoint and skips a finished one.
 Ctrl-C (SIGINT) or SIGTERM stops at the end of the current chunk with a checkpoint (exit
 status 130 or 143); a second one, or one before training starts, stops at once, saying so.
-Prints one progress line per host call (steps/s, examples/s, loss, ETA) and the final
-metrics. An invalid flag or config value exits with status 2 and a message naming it,
+Prints what it is about to train (and from which checkpoint), one progress line per host
+call (steps/s, examples/s, loss, ETA) and the final metrics. An invalid flag or config value exits with status 2 and a message naming it,
 before any work starts.
 """
 
@@ -74,13 +74,24 @@ def headline_metrics(config) -> tuple[str, ...]:
           + tuple(f"{p}{m}" for m in _recall_metrics(config) for p in ("", "bayes_")))
 
 
+def start_line(config, seeds: list[int], step: int) -> str:
+  """What a run is about to do, printed before its first chunk (which also compiles, so
+  on CPU its progress line comes tens of seconds later): which seeds, from which step,
+  how many steps of which batch, and how often a progress line follows."""
+  t = config.train
+  who = (f"seed {seeds[0]}" if len(seeds) == 1 else
+         f"seeds {', '.join(map(str, seeds))} (trained together)")
+  start = (f"resumed from the checkpoint at step {step}" if step else "starting")
+  if step >= t.num_steps:
+    return f"{who}: {start}, the last; evaluating"
+  return (f"{who}: {start}; {t.num_steps - step} steps of batch {t.batch_size} to go, a "
+          f"progress line every {t.steps_per_call}; compiling the training program first")
+
+
 def print_progress(p: Progress, batch_size: int,
                    eval_keys: tuple[str, ...] = ("eval/auc_mean",)) -> None:
   """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated).
-  The first chunk of a process also compiles, so it shows its time instead of a rate
-  (after a line saying where a resumed run started)."""
-  if p.compiling and p.start_step:
-    print(f"resumed from the checkpoint at step {p.start_step}", flush=True)
+  The first chunk of a process also compiles, so it shows its time instead of a rate."""
   loss = " ".join(f"{x:.4f}" for x in p.loss)
   if p.compiling:
     seconds = (p.step - p.start_step) / p.steps_per_second
@@ -174,7 +185,10 @@ def main(argv: list[str]) -> None:
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
   with exit_on_run_errors():
     done_before = _finished_before(config, _WORKDIR.value)
-    results = run_experiment(config, _WORKDIR.value, progress=report)
+    pending = [k for k in run_dirs(config, _WORKDIR.value) if k not in done_before]
+    start = None if _QUIET.value else (
+        lambda step: print(start_line(config, pending, step), flush=True))
+    results = run_experiment(config, _WORKDIR.value, progress=report, on_start=start)
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():
     final = r["final"]

@@ -42,7 +42,8 @@ def progress(p):
   print("progress", p.step, p.start_step, p.compiling, flush=True)
   if p.step == kill_at:
     os.kill(os.getpid(), signal.SIGKILL)
-run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress)
+run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress,
+               on_start=lambda step: print("start", step, flush=True))
 """
 
 
@@ -72,6 +73,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
        "--config=experiments/configs/ranking.py:smoke", f"--workdir={straight}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert cli.returncode == 0, cli.stderr[-3000:]
+  # A line before the first chunk, which compiles (so its progress line comes late).
+  assert cli.stdout.splitlines()[0] == (
+      "seed 0: starting; 40 steps of batch 8 to go, a progress line every 10; compiling "
+      "the training program first")
   progress = [line for line in cli.stdout.splitlines() if line.startswith("step ")]
   assert len(progress) == 4 and all("eta" in line for line in progress)
   assert "compiled and ran in" in progress[0]            # its time includes compiling
@@ -79,7 +84,7 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   assert "result.json" in cli.stdout.splitlines()[-1] and "skipped" not in cli.stdout
   rerun = subprocess.run(cli.args, cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=600)
-  assert rerun.returncode == 0 and not rerun.stdout.startswith("step ")
+  assert rerun.returncode == 0 and len(rerun.stdout.splitlines()) == 1   # the summary only
   assert "(an earlier run; skipped" in rerun.stdout
 
   first = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO,
@@ -93,8 +98,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   again = subprocess.run([sys.executable, "-c", KILLABLE_RUN, killed], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=600)
   assert again.returncode == 0, again.stderr[-3000:]
-  assert [line.split()[1:] for line in again.stdout.splitlines() if line.startswith("progress")
-          ] == [["30", "20", "True"], ["40", "20", "False"]]   # resumed at 20, compiled once
+  assert first.stdout.split("\n")[0] == "start 0"
+  assert [line.split() for line in again.stdout.splitlines()] == [   # resumed at 20,
+      ["start", "20"], ["progress", "30", "20", "True"],              # compiled once
+      ["progress", "40", "20", "False"]]
   want = json.load(open(os.path.join(straight, "result.json")))
   got = json.load(open(os.path.join(killed, "result.json")))
   assert got["final"] == want["final"]
@@ -504,8 +511,11 @@ def test_run_script_exits_143_on_sigterm_with_a_checkpoint(tmp_path, env):
        f"--workdir={workdir}"],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    first = proc.stdout.readline()   # the first chunk's progress line: training has begun
-    assert first.startswith("step 10/"), first + proc.stderr.read()[-3000:]
+    # The start line, then the first chunk's progress line: training has begun.
+    lines = [proc.stdout.readline() for _ in range(2)]
+    if not (lines[0].startswith("seed 0: starting") and lines[1].startswith("step 10/")):
+      proc.kill()   # before reading stderr to its end, which a live run never reaches
+      pytest.fail("".join(lines) + proc.stderr.read()[-3000:])
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
   finally:

@@ -111,19 +111,31 @@ def test_helpfull_explains_every_flag():
 
 def test_progress_durations_and_the_summary_metrics():
   """ETA as h:mm:ss ("?" while unknown, never negative); the summary lists the recall
-  at each K of a retrieval config next to its Bayes value. (A subprocess: importing
+  at each K of a retrieval config next to its Bayes value; the start line says what is
+  about to train. (A subprocess: importing
   experiments.run defines its absl flags.)"""
   code = ("from experiments.configs import ranking, retrieval\n"
           "from experiments.run import _duration, headline_metrics\n"
           "print([_duration(s) for s in (3725.9, 59.0, 36000.0, -3.0, float('nan'))])\n"
           "print(list(headline_metrics(retrieval.get_config('smoke'))))\n"
-          "print(list(headline_metrics(ranking.get_config('smoke'))))\n")
+          "print(list(headline_metrics(ranking.get_config('smoke'))))\n"
+          "from experiments.run import start_line\n"
+          "c = ranking.get_config('smoke')\n"
+          "for seeds, step in (([0], 0), ([1, 2, 3], 20), ([4], 40)):\n"
+          "  print(start_line(c, seeds, step))\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  durations, retrieval_keys, ranking_keys = proc.stdout.splitlines()[-3:]
+  durations, retrieval_keys, ranking_keys, *starts = proc.stdout.splitlines()[-6:]
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
   headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
   assert retrieval_keys == str(headline + ["recall@5", "bayes_recall@5", "recall@20",
                                            "bayes_recall@20"])
   assert ranking_keys == str(headline)
+  # The line before a run's first chunk (smoke: 40 steps of batch 8, chunks of 10).
+  assert starts == [
+      "seed 0: starting; 40 steps of batch 8 to go, a progress line every 10; compiling "
+      "the training program first",
+      "seeds 1, 2, 3 (trained together): resumed from the checkpoint at step 20; 20 steps of "
+      "batch 8 to go, a progress line every 10; compiling the training program first",
+      "seed 4: resumed from the checkpoint at step 40, the last; evaluating"]
