@@ -491,6 +491,21 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   assert eqx.filter_jit(loaded.system)(sb.batch).shape == (2, 4, 19)
 
 
+def test_each_seed_initialises_and_evaluates_as_it_would_alone():
+  """Initialisation and evaluation run several seeds one after another in one program, so
+  a seed's parameters and metrics do not depend on the seeds beside it, to the bit (a
+  vmapped evaluation rounded differently)."""
+  trainer = Trainer(parse_config(smoke_config()))
+  both, alone = trainer.init([3, 5]), trainer.init([5])
+  same = lambda x, y: np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+  assert all(jax.tree.leaves(jax.tree.map(lambda x, y: same(x[1], y[0]), both, alone)))
+  together, by_itself = trainer.evaluate(both), trainer.evaluate(alone)
+  assert set(together) == set(by_itself) and len(together) > 20
+  for key, values in together.items():
+    assert values.shape == (2,) and same(values[1], by_itself[key][0]), key
+  assert not same(together["eval/logloss"][0], together["eval/logloss"][1])
+
+
 def test_divergence_guard_freezes_a_seed_for_good():
   """A non-finite step marks the seed diverged at that 1-based step and keeps its
   parameters and optimizer state; later finite steps neither train it nor clear the flag."""

@@ -5,7 +5,9 @@ divergence flags), stacked over seeds. `Trainer.train_chunk` runs `steps_per_cal
 of every seed in one jitted call: batches are sampled from the synthetic world inside the
 scanned step, nothing returns to the host until the chunk ends, and the state's buffers
 are donated. A step whose loss or gradient norm is not finite marks its seed diverged
-(with the step) and freezes that seed's parameters; other seeds train on.
+(with the step) and freezes that seed's parameters; other seeds train on. Several seeds
+train vmapped; they are initialised and evaluated one after another in one program, so
+that a seed's parameters and metrics equal those it would get alone.
 """
 
 from __future__ import annotations
@@ -162,21 +164,30 @@ def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
   return out
 
 
-def _over_seeds(fn, shared_first: bool = True):
+def _over_seeds(fn, shared_first: bool = True, in_turn: bool = False):
   """`fn` of one seed, mapped over the leading seed axis of its last argument (the first
   argument is shared when `shared_first`).
 
-  Several seeds are vmapped; a single seed runs `fn` itself on the squeezed arrays,
-  because a vmapped axis of size 1 still changes XLA's layouts and fusions, which made
-  the cpu-preset training step slower on CPU (docs/performance.md, "Training throughput").
+  Several seeds are vmapped, or with `in_turn` run one after another in one program
+  (`lax.map`). A single seed runs `fn` itself on the squeezed arrays, because a vmapped
+  axis of size 1 still changes XLA's layouts and fusions, which made the cpu-preset
+  training step slower on CPU (docs/performance.md, "Training throughput").
+
+  `in_turn` compiles one copy of `fn` (a vmapped `fn` is a larger program: the
+  initialisation of three seeds took about twice as long to compile vmapped), and each
+  seed's result equals the one `fn` gives that seed alone, bit for bit, which a vmapped
+  evaluation's does not. Training keeps `vmap`: it is what makes several seeds cost less
+  than running them one by one.
   """
   vmapped = eqx.filter_vmap(fn, in_axes=(None, 0) if shared_first else 0)
 
   def mapped(*args):
-    if jax.tree.leaves(args[-1])[0].shape[0] != 1:
-      return vmapped(*args)
-    squeezed = jax.tree.map(lambda x: x[0], args[-1])
-    return jax.tree.map(lambda x: x[None], fn(*args[:-1], squeezed))
+    if jax.tree.leaves(args[-1])[0].shape[0] == 1:
+      squeezed = jax.tree.map(lambda x: x[0], args[-1])
+      return jax.tree.map(lambda x: x[None], fn(*args[:-1], squeezed))
+    if in_turn:
+      return jax.lax.map(lambda one: fn(*args[:-1], one), args[-1])
+    return vmapped(*args)
 
   return mapped
 
@@ -207,10 +218,11 @@ class Trainer:
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     abstract = eqx.filter_eval_shape(make_system, spec, jax.random.PRNGKey(0))
     self.static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)[1]
-    self._init = xla_options.filter_jit(_over_seeds(self._init_one, shared_first=False))
+    self._init = xla_options.filter_jit(_over_seeds(self._init_one, shared_first=False,
+                                                    in_turn=True))
     self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
                                          donate="all-except-first")
-    self._eval = xla_options.filter_jit(_over_seeds(self._eval_one))
+    self._eval = xla_options.filter_jit(_over_seeds(self._eval_one, in_turn=True))
 
   # -- state -------------------------------------------------------------------------
 
@@ -412,7 +424,8 @@ class Trainer:
 
   def evaluate(self, state: TrainState) -> dict[str, Array]:
     """Metrics of every eval split (`"<split>/<metric>"`), each `[seeds]`, on the fixed
-    evaluation batches (the same for every seed)."""
+    evaluation batches (the same for every seed). Seeds are evaluated in turn: each one's
+    metrics equal those of its parameters evaluated alone, bit for bit."""
     return self._eval(self.world, state.params)
 
 
