@@ -10,8 +10,8 @@ command resumes an interrupted run from its last checkpoint and skips a finished
 Ctrl-C (SIGINT) or SIGTERM stops at the end of the current chunk with a checkpoint (exit
 status 130 or 143); a second one, or one before training starts, stops at once, saying so.
 Prints what it is about to train (and from which checkpoint), one progress line per host
-call (steps/s, examples/s, loss, ETA) and the final metrics. An invalid flag or config value exits with status 2 and a message naming it,
-before any work starts.
+call (steps/s, examples/s, loss, ETA) and the final metrics. An invalid flag or config
+value exits with status 2 and a message naming it, before any work starts.
 """
 
 from __future__ import annotations
