@@ -183,11 +183,10 @@ def main(argv: list[str]) -> None:
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
+  start = None if _QUIET.value else (
+      lambda seeds, step: print(start_line(config, seeds, step), flush=True))
   with exit_on_run_errors():
     done_before = _finished_before(config, _WORKDIR.value)
-    pending = [k for k in run_dirs(config, _WORKDIR.value) if k not in done_before]
-    start = None if _QUIET.value else (
-        lambda step: print(start_line(config, pending, step), flush=True))
     results = run_experiment(config, _WORKDIR.value, progress=report, on_start=start)
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():

@@ -43,7 +43,7 @@ def progress(p):
   if p.step == kill_at:
     os.kill(os.getpid(), signal.SIGKILL)
 run_experiment(ranking.get_config("smoke"), sys.argv[1], progress=progress,
-               on_start=lambda step: print("start", step, flush=True))
+               on_start=lambda seeds, step: print("start", step, flush=True))
 """
 
 

@@ -357,12 +357,12 @@ def _final_metrics(evaluated: dict, i: int, train: dict) -> dict[str, float]:
 
 def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
                    progress: Optional[Callable[[Progress], None]] = None,
-                   on_start: Optional[Callable[[int], None]] = None
+                   on_start: Optional[Callable[[list[int], int], None]] = None
                    ) -> dict[int, dict]:
   """Trains (or resumes, or skips) every seed of `config`; returns seed -> result dict.
 
-  `progress` is called after every chunk of steps. `on_start(step)` is called once the
-  states of the seeds to train are ready, initialised (`step` 0) or restored from the
+  `progress` is called after every chunk of steps. `on_start(seeds, step)` is called once
+  the states of the seeds to train are ready, initialised (`step` 0) or restored from the
   checkpoint of `step`, before the first chunk, whose call also compiles the training
   program (on CPU, the silent part of a run's start). Neither is called for seeds that
   finished before, and in a multi-process run only process 0 calls them.
@@ -541,14 +541,15 @@ class _Group:
 
 def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int],
            dirs: dict[int, str], progress: Optional[Callable[[Progress], None]],
-           on_start: Optional[Callable[[int], None]] = None) -> dict[int, dict]:
+           on_start: Optional[Callable[[list[int], int], None]] = None
+           ) -> dict[int, dict]:
   """Chunks of scanned steps until `num_steps` (or every seed diverged), with evaluation,
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
   g = _Group(trainer, config, seeds, dirs)
   try:
     with _StopRequests() as stop:
       if on_start is not None and g.main:
-        on_start(g.step)
+        on_start(seeds, g.step)
       results = _train_group(g, trainer, progress, stop)
   finally:
     g.release()
