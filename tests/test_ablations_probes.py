@@ -18,10 +18,13 @@ from phoenix_flax.training import make_system, parse_config
 
 
 def context(module, arm, tmp_path):
-  """A RunContext of a fresh (untrained) system of one arm at the smoke preset."""
+  """A RunContext of a fresh (untrained) system of one arm at the smoke preset, with the
+  forward in float32, which the tolerances here are for (None means bfloat16 on GPU/TPU)."""
   sw = sweep.Sweep(module.ABLATION, "smoke", str(tmp_path))
   variant = next(v for v in sw.variants if v.arm == arm)
-  spec = parse_config(sw.config(variant))
+  config = sw.config(variant)
+  config.model.fprop_dtype = "float32"
+  spec = parse_config(config)
   world = make_world(spec.world, jax.random.PRNGKey(spec.config.world_seed))
   system = make_system(spec, jax.random.PRNGKey(0))
   return sweep.RunContext(str(tmp_path), 0, variant, "smoke", spec, world, system)
@@ -83,7 +86,8 @@ def test_gqa_probe_counts_parameters_and_cache(tmp_path):
   ctx = context(gqa_ratio, "kv8", tmp_path)
   tc = ctx.spec.model.model
   S = ctx.spec.world.history_len
-  assert found["kv8"]["kv_cache_bytes"] == 2 * tc.num_layers * 8 * tc.key_size * (1 + S) * 4
+  itemsize = jnp.dtype(ctx.spec.model.fprop_dtype).itemsize      # the forward's dtype
+  assert found["kv8"]["kv_cache_bytes"] == 2 * tc.num_layers * 8 * tc.key_size * (1 + S) * itemsize
   assert found["kv1"]["kv_cache_bytes"] * 8 == found["kv8"]["kv_cache_bytes"]
   # q|k|v fused projection: (8 + 2 * KV) * key_size columns per layer.
   saved = tc.num_layers * tc.emb_size * 2 * (8 - 1) * tc.key_size

@@ -152,7 +152,8 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   # field's default: it is still skipped as finished, and it loads.
   config_path = os.path.join(killed, "config.json")
   stored = json.load(open(config_path))
-  assert stored["model"]["fprop_dtype"] == "float32"   # what the config's None resolved to
+  # What the config's None resolved to on this platform (float32 on CPU, bfloat16 on GPU).
+  assert stored["model"]["fprop_dtype"] == runner.default_fprop_dtype()
   del stored["model"]["attention_impl"]
   stored["model"]["fprop_dtype"] = None                # as written before dtypes were
   json.dump(stored, open(config_path, "w"))

@@ -84,9 +84,11 @@ def nnx_forward(model, batch, embeddings):
 @pytest.fixture(scope="module")
 def spec():
   """The smoke ranking experiment, with warmup 1 and weight decay 0.1 so that the decay
-  (and its mask) acts from the second step."""
+  (and its mask) acts from the second step. The forward is pinned to float32, the dtype
+  the tolerances here are for (the config's None means bfloat16 on GPU/TPU)."""
   c = ranking_configs.get_config("smoke")
   c.optim.update(dict(warmup_steps=1, weight_decay=0.1))
+  c.model.fprop_dtype = "float32"
   return parse_config(c)
 
 

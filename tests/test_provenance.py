@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import types
 
+import jax
 import pytest
 
 from phoenix_flax.training import provenance
@@ -106,6 +108,14 @@ def test_this_package_reports_its_own_checkout():
   assert provenance.code_version() == provenance.code_version(root)
 
 
+@pytest.fixture
+def on_cpu(monkeypatch):
+  """`machine` describes the default backend's processor: make that the CPU, so that
+  the cpuinfo tests mean the same on a GPU host."""
+  cpus = jax.devices("cpu")
+  monkeypatch.setattr(provenance.jax, "devices", lambda *args: cpus)
+
+
 @pytest.mark.parametrize("lines, want", [
     (["processor\t: 0", "model name\t: AMD EPYC", "flags\t\t: fpu sse4_2 avx avx2 fma",
       "", "processor\t: 1", "model name\t: AMD EPYC"], "AMD EPYC, AVX2"),
@@ -113,7 +123,8 @@ def test_this_package_reports_its_own_checkout():
      "Intel(R) Xeon(R) Platinum, AVX-512"),
     (["processor\t: 0", "Features\t: fp asimd evtstrm sve"], None),   # Arm: no model name
 ])
-def test_machine_names_the_processor_and_its_widest_vector_extension(tmp_path, lines, want):
+def test_machine_names_the_processor_and_its_widest_vector_extension(tmp_path, lines, want,
+                                                                     on_cpu):
   info = tmp_path / "cpuinfo"
   info.write_text("\n".join(lines) + "\n")
   got = provenance.machine(str(info))
@@ -124,6 +135,13 @@ def test_machine_names_the_processor_and_its_widest_vector_extension(tmp_path, l
     assert got == want + cores
 
 
-def test_machine_without_cpuinfo_still_names_something(tmp_path):
+def test_machine_without_cpuinfo_still_names_something(tmp_path, on_cpu):
   got = provenance.machine(str(tmp_path / "missing"))
   assert got and got.endswith(f"{os.cpu_count()} cores")
+
+
+def test_machine_on_an_accelerator_names_the_device_kind_and_count(monkeypatch, tmp_path):
+  device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+  monkeypatch.setattr(provenance.jax, "devices", lambda *args: [device, device])
+  monkeypatch.setattr(provenance.jax, "device_count", lambda *args: 2)
+  assert provenance.machine(str(tmp_path / "missing")) == "NVIDIA H200 x 2"
