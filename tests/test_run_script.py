@@ -8,10 +8,9 @@ import sys
 
 import pytest
 
+from conftest import REPO, repo_pythonpath
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _command(*args):
@@ -19,7 +18,7 @@ def _command(*args):
 
 
 def _env():
-  return dict(os.environ, PYTHONPATH=REPO)
+  return dict(os.environ, PYTHONPATH=repo_pythonpath())
 
 
 def _run(*args):
