@@ -27,6 +27,8 @@ The JSON (and the table's first line) names the processor (`provenance.machine()
 widest vector extension, core count on CPU), since the figures depend on it: the same
 `1k` ratio read 5.83x on an AVX-512 host and 4.35x on an AVX2 one (docs/performance.md).
 It also records the code version (`provenance.code_version()`, as `result.json` does).
+The command line switches off JAX's persistent compilation cache (which
+JAX_COMPILATION_CACHE_DIR switches on), so that compile times time compiling, not loading.
 
 Every timing round runs each call in turn (twice in a row, timing the second run, so
 each starts from warm caches), so load from other processes hits all of them alike;
@@ -386,6 +388,13 @@ def check_args(names: Sequence[str], cases: dict[str, Case], compile_layers: Seq
       raise ValueError(f"train seeds {num_seeds}: need at least 1")
 
 
+def persistent_cache_configured() -> bool:
+  """Whether JAX's config has the persistent compilation cache on (a directory set and the
+  cache enabled); then compile times may be cache loads. `main` switches it off before
+  compiling anything; JAX fixes its choice at a process's first compilation."""
+  return bool(jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir)
+
+
 def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: int = 10,
                   warmup: int = 2, min_seconds: float = 0.0, seed: int = 0,
                   matmul_size: int = 2048,
@@ -398,6 +407,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   check_args(names, cases, compile_layers, train, dense_iters)
   report = {"device": str(jax.devices()[0]), "machine": provenance.machine(),
             "code": provenance.code_version(), "jax_version": jax.__version__,
+            "persistent_compilation_cache": persistent_cache_configured(),
             "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
@@ -454,6 +464,9 @@ def format_table(report: dict) -> str:
   refs = "; ".join(f"{n}: {kind(r['fast'])} vs {r['reference']['kind']}"
                    for n, r in report["configs"].items())
   lines += ["", f"fast vs reference: {refs}."]
+  if report.get("persistent_compilation_cache"):
+    lines.append("JAX's persistent compilation cache was on (JAX_COMPILATION_CACHE_DIR): the "
+                 "compile times may be loads from it.")
   for name, r in report["configs"].items():
     if "one_call" in r:
       lines.append(f"{name}: {kind(r['one_call'])} {1e3 * r['one_call']['median_s']:.1f} ms "
@@ -497,6 +510,10 @@ def _ints(name: str) -> list[int]:
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  # Compile times must time compiling: with JAX's persistent compilation cache (on when
+  # JAX_COMPILATION_CACHE_DIR is set) they would time loading executables from disk. JAX
+  # settles whether to use the cache at the process's first compilation: this precedes it.
+  jax.config.update("jax_enable_compilation_cache", False)
   cases = dict(CASES)
   if FLAGS.chunk_size is not None:
     cases = {n: dataclasses.replace(c, chunk=FLAGS.chunk_size) if c.chunk else c

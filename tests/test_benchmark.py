@@ -102,6 +102,9 @@ def test_run_benchmark_reports_every_field(tmp_path):
   table = benchmark.format_table(report)
   assert "| full |" in table and "| chunked |" in table and "compile time" in table
   assert f"({report['machine']})" in table.splitlines()[0]
+  # The session caches compilations (conftest.py): the report and the table say so.
+  assert report["persistent_compilation_cache"] is bool(jax.config.jax_compilation_cache_dir)
+  assert ("persistent compilation cache was on" in table) is report["persistent_compilation_cache"]
 
 
 def test_time_rounds_runs_iters_then_until_min_seconds():
@@ -151,16 +154,21 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
 
 @pytest.mark.slow
 def test_cli_writes_json_and_table(tmp_path):
-  out = tmp_path / "bench.json"
+  out, cache = tmp_path / "bench.json", tmp_path / "jax_cache"
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--configs=demo", "--iters=1",
        "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}",
        "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO,
       # Plumbing, not timing: compiled as the session compiles (unoptimised, conftest.py).
-      env=subprocess_env(JAX_PLATFORMS="cpu"))
+      # A persistent compilation cache the user set (the session's caches everything) is
+      # not used: compile times would time loading from it.
+      env=subprocess_env(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache)))
   assert proc.returncode == 0, proc.stderr
   report = json.loads(out.read_text())
+  assert not (cache.exists() and os.listdir(cache))
+  assert report["persistent_compilation_cache"] is False
+  assert "persistent compilation cache was on" not in proc.stdout
   assert set(report["configs"]) == {"demo"}
   assert report["command"].startswith("python -m experiments.benchmark")
   assert "| demo |" in proc.stdout
