@@ -47,17 +47,13 @@ def quick_xla_flags(*flags: str) -> str:
   return " ".join(filter(None, [current, _QUICK_FLAG if quick else "", *flags]))
 
 
-def repo_pythonpath() -> str:
-  """PYTHONPATH for a subprocess: the repository first, then the caller's PYTHONPATH (which
-  may hold the packages themselves, e.g. installed with `pip install --target`)."""
-  return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH", "")]))
-
-
 def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   """Environment for a `python -m ...` subprocess run from the repository: this one, with
-  the repository on PYTHONPATH, `quick_xla_flags(*xla_flags)` and `variables`."""
-  return dict(os.environ, PYTHONPATH=repo_pythonpath(), XLA_FLAGS=quick_xla_flags(*xla_flags),
-              **variables)
+  the repository in front of the caller's PYTHONPATH (which may hold the packages
+  themselves, e.g. installed with `pip install --target`), `quick_xla_flags(*xla_flags)`
+  and `variables`."""
+  path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH", "")]))
+  return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
 
 
 def pytest_configure(config):

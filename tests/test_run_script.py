@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, repo_pythonpath
+from conftest import REPO, subprocess_env
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
 
@@ -17,12 +16,8 @@ def _command(*args):
   return [sys.executable, "-m", "experiments.run", *args]
 
 
-def _env():
-  return dict(os.environ, PYTHONPATH=repo_pythonpath())
-
-
 def _run(*args):
-  return subprocess.run(_command(*args), cwd=REPO, env=_env(), capture_output=True,
+  return subprocess.run(_command(*args), cwd=REPO, env=subprocess_env(), capture_output=True,
                         text=True, timeout=300)
 
 
@@ -88,8 +83,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
             (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
               "--config.retrieval.temperature=0.5"],
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
-  procs = [subprocess.Popen(_command(*args), cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for args, _ in cases]
+  procs = [subprocess.Popen(_command(*args), cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for args, _ in cases]
   for proc, (extra, needle) in zip(procs, cases):
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2, (extra, stderr[-2000:])
@@ -122,8 +118,8 @@ def test_progress_durations_and_the_summary_metrics():
           "c = ranking.get_config('smoke')\n"
           "for seeds, step in (([0], 0), ([1, 2, 3], 20), ([4], 40)):\n"
           "  print(start_line(c, seeds, step))\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True,
-                        text=True, timeout=300)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                        capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
   durations, retrieval_keys, ranking_keys, *starts = proc.stdout.splitlines()[-6:]
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])

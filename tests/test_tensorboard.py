@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import REPO, repo_pythonpath, subprocess_env
+from conftest import REPO, subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
 from phoenix_flax.training.writers import RunWriter, read_metrics
@@ -133,7 +133,7 @@ def test_a_flush_puts_every_logged_event_on_disk(tmp_path):
       "w.flush()\n"
       "os.kill(os.getpid(), signal.SIGKILL)\n")
   proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                        env=dict(os.environ, PYTHONPATH=repo_pythonpath()), timeout=120)
+                        env=subprocess_env(), timeout=120)
   assert proc.returncode == -9, proc.stderr[-2000:]
   acc = _accumulator(str(tmp_path))
   assert len(acc.Tags()["scalars"]) == 60
