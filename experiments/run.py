@@ -8,7 +8,8 @@ Writes TensorBoard events, config.json, metrics.jsonl, checkpoints and result.js
 workdir (one seed) or to `<workdir>/seed_<k>/` (several seeds). Re-running the same
 command resumes an interrupted run from its last checkpoint and skips a finished one.
 Ctrl-C (SIGINT) or SIGTERM stops at the end of the current chunk with a checkpoint (exit
-status 130 or 143); a second one, or one before training starts, stops at once, saying so.
+status 130 or 143); a second one, or one before training starts, stops at once (while
+the training program compiles: when the compiler returns), saying so.
 Prints what it is about to train (and from which checkpoint), one progress line per host
 call (steps/s, examples/s, loss, ETA) and the final metrics. An invalid flag or config
 value exits with status 2 and a message naming it, before any work starts.

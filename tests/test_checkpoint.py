@@ -23,7 +23,7 @@ from conftest import REPO, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, checkpoint,
                                    run_experiment, writers)
-from phoenix_flax.training import provenance, runner
+from phoenix_flax.training import loop, provenance, runner
 from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
 from phoenix_flax.training.schema import parse_config
@@ -499,6 +499,41 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
     assert type(e.value) is KeyboardInterrupt and checkpoint.available_steps(again) == []
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_while_compiling_stops_before_the_first_chunk(tmp_path, monkeypatch, caplog):
+  """The training program compiles before signals are deferred to chunk ends: a Ctrl-C
+  that lands while it compiles (its handler runs when the compiler returns) raises a plain
+  KeyboardInterrupt with no chunk run and nothing saved. The first chunk of a run reuses
+  the program compiled there."""
+  config = ranking_configs.get_config("smoke")
+  compile_chunk = loop.Trainer.compile_chunk
+  def compile_then_signal(self, state):
+    compile_chunk(self, state)
+    os.kill(os.getpid(), signal.SIGINT)
+  monkeypatch.setattr(loop.Trainer, "compile_chunk", compile_then_signal)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt) as e:
+      run_experiment(config, run_dir)
+    assert type(e.value) is KeyboardInterrupt
+    assert checkpoint.available_steps(run_dir) == [] and writers.read_metrics(run_dir) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  monkeypatch.setattr(loop.Trainer, "compile_chunk", compile_chunk)
+  chunks = []
+  train_chunk = loop.Trainer.train_chunk
+  def logged_chunk(self, state):   # logs any compile that happens inside a chunk's call
+    chunks.append(state)
+    with jax.log_compiles(True):
+      return train_chunk(self, state)
+  monkeypatch.setattr(loop.Trainer, "train_chunk", logged_chunk)
+  with caplog.at_level("WARNING"):   # where log_compiles puts JAX's compile messages
+    result = run_experiment(config, run_dir)[0]   # the lock was released
+  compiles = [r.message for r in caplog.records if "Finished XLA compilation" in r.message]
+  assert result["steps"] == 40 and len(chunks) == 4 and not compiles, compiles
 
 
 @pytest.mark.slow

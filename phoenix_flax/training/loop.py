@@ -322,6 +322,12 @@ class Trainer:
                                 length=self.spec.config.train.steps_per_call)
     return self.placement.constrain_state(state), stats
 
+  def compile_chunk(self, state: TrainState) -> None:
+    """Compiles `train_chunk` for states shaped like `state`, running nothing and donating
+    nothing; the next `train_chunk` call reuses the program (JAX caches it), so a caller
+    can compile before it starts deferring Ctrl-C to chunk ends."""
+    self._chunk.lower(self.world, state).compile()
+
   def train_chunk(self, state: TrainState) -> tuple[TrainState, dict]:
     """`steps_per_call` steps of every seed; `state` is donated. Stats are `[seeds, steps]`
     (plus a trailing layer axis for the per-layer diagnostics)."""

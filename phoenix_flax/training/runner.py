@@ -34,7 +34,10 @@ themselves are atomic), it resumes from the newest step before it that every see
 read, with a warning naming the file, and raises `CheckpointError` when there is none.
 The first Ctrl-C (SIGINT) or SIGTERM during training lets the current chunk finish,
 writes a checkpoint of its step and raises `RunInterrupted` (a `KeyboardInterrupt`); a
-second one acts at once (single-process runs; see `_StopRequests`).
+second one acts at once (single-process runs; see `_StopRequests`). Before the training
+program has compiled (setup, compiling) signals keep their previous handlers: Ctrl-C
+raises `KeyboardInterrupt`, once the compiler returns if it comes while compiling (a
+compile cannot be cut short), and no checkpoint is written.
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
 `flock`, released when the process ends, however it ends); a second process refuses that
 directory with `RunInUseError`. The TensorBoard events are flushed before every checkpoint
@@ -363,8 +366,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
 
   `progress` is called after every chunk of steps. `on_start(seeds, step)` is called once
   the states of the seeds to train are ready, initialised (`step` 0) or restored from the
-  checkpoint of `step`, before the first chunk, whose call also compiles the training
-  program (on CPU, the silent part of a run's start). Neither is called for seeds that
+  checkpoint of `step`, before the training program compiles (on CPU, the silent part
+  of a run's start). Neither is called for seeds that
   finished before, and in a multi-process run only process 0 calls them.
 
   Raises `ConfigError` (a `ValueError` naming the field) before any work when the config
@@ -547,10 +550,17 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   logging and checkpoints at chunk ends; then the final evaluation and result.json."""
   g = _Group(trainer, config, seeds, dirs)
   try:
+    if on_start is not None and g.main:
+      on_start(seeds, g.step)
+    # Compiled before signals are deferred: a Ctrl-C while compiling (which cannot be cut
+    # short) stops the run when the compiler returns, not after a chunk and a checkpoint.
+    compile_seconds = 0.0
+    if g.step < config.train.num_steps and not to_host(g.state.diverged).all():
+      t0 = time.perf_counter()
+      trainer.compile_chunk(g.state)
+      compile_seconds = time.perf_counter() - t0
     with _StopRequests() as stop:
-      if on_start is not None and g.main:
-        on_start(seeds, g.step)
-      results = _train_group(g, trainer, progress, stop)
+      results = _train_group(g, trainer, progress, stop, compile_seconds)
   finally:
     g.release()
   if stop.signum is not None:   # during the last chunk: the run finished; its caller stops
@@ -559,7 +569,9 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
 
 
 def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progress], None]],
-                 stop: _StopRequests) -> dict[int, dict]:
+                 stop: _StopRequests, compile_seconds: float = 0.0) -> dict[int, dict]:
+  """The chunks of `_train`; `compile_seconds`, the time it took to compile the training
+  program, is counted as part of the first chunk's."""
   seeds = g.seeds
   start_step = g.step
   t = trainer.spec.config.train
@@ -571,7 +583,7 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     t0 = time.perf_counter()
     g.state, stats = trainer.train_chunk(g.state)
     stats = to_host(stats)
-    dt = time.perf_counter() - t0
+    dt = time.perf_counter() - t0 + (compile_seconds if not chunks else 0.0)
     g.step += t.steps_per_call
     chunks += 1
     diverged = to_host(g.state.diverged)
