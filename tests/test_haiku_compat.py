@@ -300,12 +300,12 @@ def test_settings_the_release_cannot_run_do_not_export(ranking_params):
 class _ConfigWithNewSwitch(pf.PhoenixModelConfig):
   """What a new idea adds: a switch whose default is the release's behaviour."""
 
-  qk_norm: bool = False
+  hypothetical_flag: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class _TransformerWithNewSwitch(pf.TransformerConfig):
-  rope: bool = True
+  hypothetical_switch: bool = True
 
 
 def test_a_new_switch_exports_only_at_its_release_default(ranking_params):
@@ -314,10 +314,11 @@ def test_a_new_switch_exports_only_at_its_release_default(ranking_params):
   _, tree = ranking_params
   base = _ranking_config()
   for config, message in [
-      (_ConfigWithNewSwitch(**vars(base), qk_norm=True),
-       r"model.config.qk_norm=True \(the release's: False\)"),
-      (dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model), rope=False)),
-       r"model.config.model.rope=False \(the release's: True\)")]:
+      (_ConfigWithNewSwitch(**vars(base), hypothetical_flag=True),
+       r"model.config.hypothetical_flag=True \(the release's: False\)"),
+      (dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model),
+                                                                 hypothetical_switch=False)),
+       r"model.config.model.hypothetical_switch=False \(the release's: True\)")]:
     model = haiku_compat.ranking_model_from_haiku(tree, config)
     with pytest.raises(ValueError, match=message):
       haiku_compat.ranking_model_to_haiku(model)
