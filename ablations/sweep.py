@@ -18,7 +18,10 @@ the probe's code: after changing a probe, `--reprobe` measures every finished ru
 Config of a variant, in order: `experiments/configs/<experiment>.py:get_config(preset)`
 (the ablation's `experiment`, "ranking" or "retrieval"), the sweep preset (`PRESETS`),
 the ablation's `preset_overrides` and `task(config, preset)`, the user's `--override`s,
-`num_seeds` (with `output.seed_subdirs=True`), then the condition level and the arm.
+`num_seeds` (with `output.seed_subdirs=True`), then the condition level and the arm. The
+task sees the user's overrides (of the fields that exist before it runs), since it derives
+knobs from sizes such as `world.history_len`; they are applied again after it, so an
+override of a field that the task sets wins.
 
 results.json:
 
@@ -170,7 +173,8 @@ class Ablation:
       "diverged").
     preset_overrides: {preset: overrides} on top of `PRESETS` (e.g. shorter runs for a
       sweep with many variants), applied before `task`.
-    task: `task(config, preset)` sets the task knobs on the preset's config in place.
+    task: `task(config, preset)` sets the task knobs on the preset's config in place
+      (the user's overrides already applied; see the module docstring).
     conditions: `conditions(preset) -> {axis: {level: overrides}}`; variants = arms x
       levels.
     probe: post-training measurements of one run (cached in probes.json).
@@ -284,6 +288,15 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
   return config
 
 
+def _has_path(config: ml_collections.ConfigDict, path: str) -> bool:
+  node = config
+  for key in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+      return False
+    node = node[key]
+  return True
+
+
 def preset_config(preset: str, experiment: str = "ranking") -> ml_collections.ConfigDict:
   """The experiment's config at `preset`, with the sweep preset applied."""
   return apply_overrides(EXPERIMENTS[experiment].get_config(preset), PRESETS[preset])
@@ -365,6 +378,8 @@ class Sweep:
     cfg = apply_overrides(preset_config(preset, ablation.experiment),
                           ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
+      cfg = apply_overrides(cfg, {path: value for path, value in dict(overrides).items()
+                                  if _has_path(cfg, path)})
       ablation.task(cfg, preset)
     self.base = apply_overrides(cfg, dict(overrides))
     self.overrides = dict(overrides)   # the user's, for every variant (results.json)

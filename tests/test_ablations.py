@@ -115,6 +115,27 @@ def test_overrides():
     sweep.apply_overrides(base, {"train.num_steps": 2.5})
 
 
+def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
+  """A task sees the user's overrides (its knobs follow the sizes they set), and an
+  override of a knob the task sets wins over it."""
+  from ablations import candidate_isolation, rope_anchoring, soft_capping
+  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r"),
+                   overrides={"world.history_len": 4})
+  assert sw.base.train_split.max_history == 3 and sw.base.eval_split.max_history == 3
+  long = sw.base.extra_eval_splits.long_history
+  assert (long.min_history, long.max_history) == (4, 4)
+  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r2"),
+                   overrides={"world.history_len": 64, "train_split.max_history": 10})
+  assert sw.base.train_split.max_history == 10 and sw.base.eval_split.max_history == 48
+  assert sw.base.extra_eval_splits.long_history.max_history == 64
+  sw = sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path / "c"),
+                   overrides={"world.num_candidates": 12, "ranking.top_k": (2,)})
+  assert sw.base.extra_eval_splits.long_list.num_candidates == 24
+  sw = sweep.Sweep(soft_capping.ABLATION, "smoke", str(tmp_path / "s"),
+                   overrides={"train.num_steps": 1000})
+  assert sw.base.optim.warmup_steps == 50
+
+
 def test_sweep_results_stats_and_report(tmp_path):
   runner = fake_runner(diverge={("c_hi", 1)})
   ab = toy_ablation(conditions=lr_conditions)
