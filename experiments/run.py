@@ -76,8 +76,8 @@ def headline_metrics(config) -> tuple[str, ...]:
 
 
 def start_line(config, seeds: list[int], step: int) -> str:
-  """What a run is about to do, printed before its first chunk (which also compiles, so
-  on CPU its progress line comes tens of seconds later): which seeds, from which step,
+  """What a run is about to do, printed before it compiles (so on CPU its first progress
+  line comes tens of seconds later): which seeds, from which step,
   how many steps of which batch, and how often a progress line follows."""
   t = config.train
   who = (f"seed {seeds[0]}" if len(seeds) == 1 else
@@ -86,13 +86,15 @@ def start_line(config, seeds: list[int], step: int) -> str:
   if step >= t.num_steps:
     return f"{who}: {start}, the last; evaluating"
   return (f"{who}: {start}; {t.num_steps - step} steps of batch {t.batch_size} to go, a "
-          f"progress line every {t.steps_per_call}; compiling the training program first")
+          f"progress line every {t.steps_per_call}; compiling the training and evaluation "
+          "programs first")
 
 
 def print_progress(p: Progress, batch_size: int,
                    eval_keys: tuple[str, ...] = ("eval/auc_mean",)) -> None:
   """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated).
-  The first chunk of a process also compiles, so it shows its time instead of a rate."""
+  The first chunk of a process shows its time, with the training program's compile,
+  instead of a rate."""
   loss = " ".join(f"{x:.4f}" for x in p.loss)
   if p.compiling:
     seconds = (p.step - p.start_step) / p.steps_per_second

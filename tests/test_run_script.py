@@ -130,7 +130,8 @@ def test_progress_durations_and_the_summary_metrics():
   # The line before a run's first chunk (smoke: 40 steps of batch 8, chunks of 10).
   assert starts == [
       "seed 0: starting; 40 steps of batch 8 to go, a progress line every 10; compiling "
-      "the training program first",
+      "the training and evaluation programs first",
       "seeds 1, 2, 3 (trained together): resumed from the checkpoint at step 20; 20 steps of "
-      "batch 8 to go, a progress line every 10; compiling the training program first",
+      "batch 8 to go, a progress line every 10; compiling the training and evaluation "
+      "programs first",
       "seed 4: resumed from the checkpoint at step 40, the last; evaluating"]

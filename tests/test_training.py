@@ -23,9 +23,9 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
-from phoenix_flax.training.runner import (_resume_steps, _train_scalars, final_metric_names,
+from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, final_metric_names,
                                           load_run)
-from phoenix_flax.training.schema import base_config, split_config, with_defaults
+from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
 from phoenix_flax.training.writers import read_metrics
 
 
@@ -231,6 +231,14 @@ def test_unknown_and_missing_config_paths_are_refused():
   del c["train"]
   with pytest.raises(ConfigError, match=r"config lacks \['train.action_weights', "):
     parse_config(c)
+  for section, key in (("model", None), ("extra_eval_splits", None), ("model", "fprop_dtype"),
+                       ("model", "embedding_init_scale")):
+    c = smoke_config()
+    del (c if key is None else c[section])[key or section]
+    lacks = f"'{section}'" if key is None else rf"\['{section}.{key}'\]"
+    for check in (parse_config, check_config):   # (check_config reads model.fprop_dtype)
+      with pytest.raises(ConfigError, match=f"config lacks {lacks}: build configs on"):
+        check(c)
   c = smoke_config()
   c.extra_eval_splits.short = 3
   with pytest.raises(ConfigError, match="extra_eval_splits.short=3 is invalid: must be a section"):
@@ -275,7 +283,16 @@ OUT_OF_RANGE = [
     ("ranking", {"train.action_weights": (0.0,) * 19}, "train.action_weights"),
     ("retrieval", {"train.batch_size": 1}, "train.batch_size=1 is invalid: retrieval needs"),
     ("ranking", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
-    ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid"),
+    ("retrieval", {"retrieval.recall_k": (5, 401)}, r"retrieval.recall_k=\(5, 401\) is invalid: "
+     "K must be at most world.num_posts=400"),
+    ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid: only"),
+    ("ranking", {"seed": 2**32}, r"seed=4294967296 is invalid: must be an integer in \[0, 2\*\*32\)"),
+    ("ranking", {"world_seed": -1}, r"world_seed=-1 is invalid"),
+    ("ranking", {"eval_seed": 2**64}, r"eval_seed=18446744073709551616 is invalid"),
+    ("ranking", {"seed": 2**32 - 2, "num_seeds": 3}, r"num_seeds=3 is invalid: seeds "
+     "4294967294..4294967296 pass"),
+    ("ranking", {"optim.warmup_steps": 40}, "optim.warmup_steps=40 is invalid: must be below "
+     "train.num_steps=40"),
     ("ranking", {"ranking.top_k": (0, 3)}, r"ranking.top_k=\(0, 3\) is invalid"),
     ("ranking", {"ranking.top_k": (3, 3)}, r"ranking.top_k=\(3, 3\) is invalid: give one or "
      "more distinct"),
@@ -296,7 +313,8 @@ AT_THE_EDGE = {
     "mesh.num_devices": -1,
     "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
-    "mesh.process_id": 1, "output.seed_subdirs": True,
+    "mesh.process_id": 1, "output.seed_subdirs": True, "seed": 2**32 - 1,
+    "world_seed": 2**32 - 1, "eval_seed": 0,
 }
 
 
@@ -313,8 +331,20 @@ def test_values_at_the_edge_of_their_range_are_accepted():
   retrieval = parse_config(_overridden("retrieval", {
       "train.batch_size": 2, "retrieval.positive_action": 18, "retrieval.recall_k": (1, 400)}))
   assert retrieval.config.train.batch_size == 2
+  # A ranking run never reads retrieval.recall_k: its default (10, 100) needs no 100 posts.
+  parse_config(_overridden("ranking", {"world.num_posts": 50, "optim.warmup_steps": 39}))
   with pytest.raises(ConfigError, match=r"SplitConfig has no field\(s\) \['max_histroy'\]"):
     split_config(max_histroy=4)
+
+
+def test_the_evaluations_a_run_has_still_to_make():
+  """The ETA's count: one every eval_every steps, and the final one unless it is one."""
+  assert _evaluations_after(20, 40, 20) == 1        # at 40
+  assert _evaluations_after(0, 40, 20) == 2
+  assert _evaluations_after(10, 40, 15) == 3        # at 15, 30 and the final 40
+  assert _evaluations_after(30, 40, 15) == 1
+  assert _evaluations_after(0, 40, 0) == 1          # the final one alone
+  assert _evaluations_after(40, 40, 20) == _evaluations_after(40, 40, 0) == 0
 
 
 def test_a_stored_config_is_completed_with_the_defaults_it_predates():
@@ -323,6 +353,7 @@ def test_a_stored_config_is_completed_with_the_defaults_it_predates():
   stored = ranking_configs.get_config("smoke").to_dict()
   del stored["model"]["attention_impl"]
   del stored["optim"]
+  stored["train"]["num_steps"] = 200   # beyond the default warmup's 100 steps
   stored["extra_eval_splits"] = {"long": {"max_history": 4}}
   config = with_defaults(stored)
   assert config.model.attention_impl == "isolated"

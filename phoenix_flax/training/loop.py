@@ -70,7 +70,7 @@ def make_schedule(spec: ExperimentSpec) -> optax.Schedule:
   o, steps = spec.config.optim, spec.config.train.num_steps
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=max(steps, o.warmup_steps + 1), end_value=o.learning_rate * o.end_lr_fraction)
+      decay_steps=steps, end_value=o.learning_rate * o.end_lr_fraction)
 
 
 def make_optimizer(spec: ExperimentSpec) -> optax.GradientTransformation:
@@ -327,6 +327,11 @@ class Trainer:
     nothing; the next `train_chunk` call reuses the program (JAX caches it), so a caller
     can compile before it starts deferring Ctrl-C to chunk ends."""
     self._chunk.lower(self.world, state).compile()
+
+  def compile_evaluation(self, state: TrainState) -> None:
+    """Compiles `evaluate` for states shaped like `state`, as `compile_chunk` does
+    `train_chunk`."""
+    self._eval.lower(self.world, state.params).compile()
 
   def train_chunk(self, state: TrainState) -> tuple[TrainState, dict]:
     """`steps_per_call` steps of every seed; `state` is donated. Stats are `[seeds, steps]`

@@ -185,7 +185,8 @@ class Progress(NamedTuple):
   step: int
   num_steps: int
   steps_per_second: float       # over the latest chunk
-  eta_seconds: float           # NaN until a chunk that did not compile was timed
+  eta_seconds: float           # NaN until a chunk that did not compile was timed; the
+                                # evaluations to come count once one was timed
   loss: tuple[float, ...]       # mean training loss of the chunk, per seed
   num_diverged: int
   evaluated: dict               # "<split>/<metric>" -> per-seed values, on eval steps
@@ -554,11 +555,14 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
       on_start(seeds, g.step)
     # Compiled before signals are deferred: a Ctrl-C while compiling (which cannot be cut
     # short) stops the run when the compiler returns, not after a chunk and a checkpoint.
+    # The evaluation program too, so that no evaluation's time is a compile's (the ETA
+    # counts them).
     compile_seconds = 0.0
     if g.step < config.train.num_steps and not to_host(g.state.diverged).all():
       t0 = time.perf_counter()
       trainer.compile_chunk(g.state)
       compile_seconds = time.perf_counter() - t0
+    trainer.compile_evaluation(g.state)
     with _StopRequests() as stop:
       results = _train_group(g, trainer, progress, stop, compile_seconds)
   finally:
@@ -566,6 +570,15 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
   if stop.signum is not None:   # during the last chunk: the run finished; its caller stops
     raise RunInterrupted(stop.signum, g.step, [g.dirs[k] for k in seeds], finished=True)
   return results
+
+
+def _evaluations_after(step: int, num_steps: int, eval_every: int) -> int:
+  """How many evaluations a run at `step` has still to make: one every `eval_every` steps
+  (0: none) up to `num_steps`, and the final one at `num_steps`."""
+  if step >= num_steps:
+    return 0
+  periodic = num_steps // eval_every - step // eval_every if eval_every else 0
+  return periodic + (0 if eval_every and num_steps % eval_every == 0 else 1)
 
 
 def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progress], None]],
@@ -577,6 +590,7 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
   t = trainer.spec.config.train
   examples_per_chunk = t.steps_per_call * t.batch_size * len(seeds)
   train_seconds, timed_chunks, chunks = 0.0, 0, 0
+  eval_seconds, evaluations = 0.0, 0
   evaluated, eval_step, train_rows = {}, -1, {}
   diverged = to_host(g.state.diverged)
   while g.step < t.num_steps and not diverged.all():   # a restored state may be diverged
@@ -594,7 +608,9 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     train_rows = {i: _train_scalars(stats, i) for i in range(len(seeds))}
     new_eval = {}
     if g.step == t.num_steps or diverged.all() or (t.eval_every and g.step % t.eval_every == 0):
+      t0 = time.perf_counter()
       new_eval = evaluated = to_host(trainer.evaluate(g.state))
+      eval_seconds, evaluations = eval_seconds + time.perf_counter() - t0, evaluations + 1
       eval_step = g.step
     # A compiling chunk logs its time, not a rate that would start every perf curve
     # with a dip.
@@ -613,6 +629,9 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
         eta = 0.0
       elif timed_chunks:
         eta = remaining * train_seconds / (timed_chunks * t.steps_per_call)
+        if evaluations:   # (an estimate only once one was timed)
+          eta += (_evaluations_after(g.step, t.num_steps, t.eval_every)
+                  * eval_seconds / evaluations)
       else:   # only the compiling first chunk so far: its rate says nothing
         eta = math.nan
       progress(Progress(g.step, t.num_steps, rate, eta,

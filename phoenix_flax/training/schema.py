@@ -5,7 +5,9 @@ command line as `--config.<section>.<field>=value`):
 
   task                "ranking" (PhoenixModel, per-action BCE) or "retrieval" (two towers,
                       in-batch sampled softmax).
-  seed, num_seeds     seeds `seed .. seed+num_seeds-1` train together (vmapped). Seed k
+  seed, num_seeds     seeds `seed .. seed+num_seeds-1` train together (vmapped); every seed,
+                      world_seed and eval_seed too, is below 2**32 (JAX's PRNG keys take
+                      32-bit seeds). Seed k
                       draws the model init and the training batches; one seed writes into
                       the workdir itself, several into `<workdir>/seed_<k>/`.
   world_seed          the synthetic world, shared by every seed.
@@ -26,7 +28,8 @@ command line as `--config.<section>.<field>=value`):
                       `scan_unroll` is layers per scan iteration (a speed knob, not a
                       switch; the cpu preset's 8 unrolls any stack of up to 8 layers).
                       S, C, A, hash counts and the surface vocabulary come from `world`.
-  optim.*             AdamW: `learning_rate` (peak), `warmup_steps` (linear from 0), then
+  optim.*             AdamW: `learning_rate` (peak), `warmup_steps` (linear from 0; fewer
+                      than `train.num_steps`), then
                       cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
                       `weight_decay` (matrices only; not norms, not the hash tables), `b1`,
                       `b2`, `eps`; `grad_clip_norm` (global norm, None = off).
@@ -46,7 +49,7 @@ command line as `--config.<section>.<field>=value`):
                       list's size ranks the whole list, where recall is 1.0).
   retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
                       positive is its first candidate with this label), `recall_k` (K of
-                      recall@K against the corpus of every post).
+                      recall@K against the corpus of every post; at most world.num_posts).
   mesh.*              `num_devices` (1 = no mesh, -1 = all; batch sharded over a "data"
                       axis, parameters replicated), `shard_hash_tables` (rows of the hash
                       tables sharded over "data"; needs num_devices other than 1),
@@ -271,7 +274,14 @@ def _check_paths(c: ml_collections.ConfigDict) -> None:
                       "phoenix_flax.training.base_config, which holds every field")
   section = (Mapping, ml_collections.ConfigDict)
   for name in skip:
+    if name not in c:
+      raise ConfigError(f"config lacks {name!r}: build configs on "
+                        "phoenix_flax.training.base_config, which holds every field")
     _check(isinstance(c[name], section), name, c[name], "must be a section")
+  lacking = sorted(f"model.{key}" for key in base_config(c.task).model if key not in c.model)
+  if lacking:
+    raise ConfigError(f"config lacks {lacking}: build configs on "
+                      "phoenix_flax.training.base_config, which holds every field")
   for name, split in c.extra_eval_splits.items():
     _check(isinstance(split, section), f"extra_eval_splits.{name}", split,
            "must be a section of SplitConfig fields (see split_config)")
@@ -297,10 +307,13 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
                       f"{type(c).__name__}")
   _check(c.get("task") in TASKS, "task", c.get("task"), f"use one of {TASKS}")
   _check_paths(c)
+  # JAX's PRNG keys take 32-bit seeds: PRNGKey(2**32) is PRNGKey(0).
   for f in ("seed", "world_seed", "eval_seed"):
-    _check(_is_int(c[f]) and c[f] >= 0, f, c[f], "must be an integer >= 0")
+    _check(_is_int(c[f]) and 0 <= c[f] < 2**32, f, c[f], "must be an integer in [0, 2**32)")
   _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
          "must be an integer >= 1")
+  _check(c.seed + c.num_seeds <= 2**32, "num_seeds", c.num_seeds,
+         f"seeds {c.seed}..{c.seed + c.num_seeds - 1} pass 2**32 - 1, the largest seed")
   world = _build("world", WorldConfig, **c.world.to_dict())
   train_split = _split("train_split", c.train_split, world)
   eval_splits = {"eval": _split("eval_split", c.eval_split, world)}
@@ -333,6 +346,9 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
     _check(_is_int(t[f]) and t[f] >= 1, f"train.{f}", t[f], "must be an integer >= 1")
   _check(t.num_steps % t.steps_per_call == 0, "train.steps_per_call", t.steps_per_call,
          f"must divide train.num_steps={t.num_steps}")
+  _check(o.warmup_steps < t.num_steps, "optim.warmup_steps", o.warmup_steps,
+         f"must be below train.num_steps={t.num_steps}: the learning rate would never reach "
+         "its peak nor decay")
   for f in ("eval_every", "checkpoint_every"):
     _check(_is_int(t[f]) and t[f] >= 0 and t[f] % t.steps_per_call == 0, f"train.{f}", t[f],
            f"must be 0 (off) or a multiple of train.steps_per_call={t.steps_per_call}")
@@ -365,9 +381,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "retrieval.positive_action", r.positive_action,
          f"must be an action index in [0, {world.num_actions})")
   ks = tuple(r.recall_k) if isinstance(r.recall_k, (tuple, list)) else ()
-  _check(len(ks) >= 1 and all(_is_int(k) and 1 <= k <= world.num_posts for k in ks)
-         and len(set(ks)) == len(ks), "retrieval.recall_k", r.recall_k,
-         f"give one or more distinct integers in [1, world.num_posts={world.num_posts}]")
+  _check(len(ks) >= 1 and all(_is_int(k) and k >= 1 for k in ks) and len(set(ks)) == len(ks),
+         "retrieval.recall_k", r.recall_k, "give one or more distinct integers >= 1")
+  _check(c.task != "retrieval" or max(ks) <= world.num_posts, "retrieval.recall_k",
+         r.recall_k, f"K must be at most world.num_posts={world.num_posts} (the corpus size)")
   _check_other_task(c)
 
   m = c.mesh
@@ -427,8 +444,9 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   `jax.distributed.initialize` (which must run first): the forward dtype's backend
   default is the only part that needs one, and a placeholder stands in for it."""
   probe = ml_collections.ConfigDict(config.to_dict())
-  if probe.model.fprop_dtype is None:
-    probe.model.fprop_dtype = "float32"
+  model = probe.get("model")
+  if isinstance(model, ml_collections.ConfigDict) and model.get("fprop_dtype", "") is None:
+    model.fprop_dtype = "float32"
   parse_config(probe)
 
 
