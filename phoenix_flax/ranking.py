@@ -30,21 +30,16 @@ def block_user_reduce(user_hashes: Array, user_embeddings: Array, num_user_hashe
 
 
 def project_parts(parts: list[Array], proj: Array) -> Array:
-  """`concatenate(parts, axis=-1) @ proj`, computed as the sum of each part times its rows
-  of `proj`: the same products, without copying the parts into one array (at the
-  benchmark's `1k` size the candidates' concatenated inputs are 21 MB, and copying them
-  took about 4 ms of a 90 ms forward pass). The sum is rounded in another order than the
-  one long product."""
+  """`concatenate(parts, axis=-1) @ proj`: one product over the concatenated features, as
+  the release computes it. A sum of per-part products (each part times its rows of
+  `proj`) saves the copy, 6-7% of the forward at the benchmark's `1k` and `serve` sizes,
+  but rounds in another order: it put the logits 2-3 times further from the release's,
+  past SPEC's 1e-5 at D=128 and above (docs/performance.md, "Input projection")."""
   widths = [part.shape[-1] for part in parts]
   if sum(widths) != proj.shape[0]:
     raise ValueError(f"the parts have {sum(widths)} features in all; the projection takes "
                      f"{proj.shape[0]}")
-  out, start = None, 0
-  for part, width in zip(parts, widths):
-    term = part.astype(proj.dtype) @ proj[start:start + width]
-    out = term if out is None else out + term
-    start += width
-  return out
+  return jnp.concatenate([part.astype(proj.dtype) for part in parts], axis=-1) @ proj
 
 
 def block_history_reduce(history_post_hashes: Array, history_post_embeddings: Array,

@@ -423,6 +423,39 @@ def test_ranking_logits_match_reference(inputs, ranking_params, ranking_referenc
   np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL)
 
 
+def test_ranking_logits_match_reference_at_a_larger_size():
+  """D=128 (key 64), 32 history items, 8 candidates, 4 users: longer sums, where the order
+  of a computation's roundings shows. The input projections are one product over the
+  concatenated features, as in the release (summing per-part products reached 1.5e-5
+  here, against 4.9e-6 now)."""
+  D, S_, C_, B_ = 128, 32, 8, 4
+  rng = np.random.default_rng(0)
+  hashes = lambda *shape: rng.integers(1, 1000, shape).astype(np.int32)
+  history_post = hashes(B_, S_, 2)
+  history_post[0, S_ // 2:, 0] = 0
+  batch = pf.RecsysBatch(hashes(B_, 2), history_post, hashes(B_, S_, 2),
+                         (rng.random((B_, S_, 19)) < 0.3).astype(np.int32),
+                         rng.integers(0, 16, (B_, S_)).astype(np.int32), hashes(B_, C_, 2),
+                         hashes(B_, C_, 2), rng.integers(0, 16, (B_, C_)).astype(np.int32))
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  emb = pf.RecsysEmbeddings(normal(B_, 2, D), normal(B_, S_, 2, D), normal(B_, C_, 2, D),
+                            normal(B_, S_, 2, D), normal(B_, C_, 2, D))
+  batch, emb = jax.tree.map(jnp.asarray, (batch, emb))
+  shape = dict(emb_size=D, key_size=64, num_q_heads=4, num_kv_heads=2, num_layers=2,
+               widening_factor=2.0, attn_output_multiplier=0.125)
+  transformed = ref.ranking_transform(ref.ReferenceConfig(**shape))
+  tree = _random_tree(jax.eval_shape(transformed.init, jax.random.PRNGKey(0), batch, emb),
+                      seed=1)
+  expected = jax.jit(transformed.apply)(tree, batch, emb)
+  for impl in ("isolated", "dense"):
+    config = pf.PhoenixModelConfig(model=pf.TransformerConfig(**shape), emb_size=D,
+                                   history_seq_len=S_, candidate_seq_len=C_,
+                                   attention_impl=impl)
+    model = haiku_compat.ranking_model_from_haiku(tree, config)
+    logits = eqx.filter_jit(model)(batch, emb).logits
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL, err_msg=impl)
+
+
 @pytest.mark.parametrize("attention_impl", ["isolated", "dense"])
 def test_a_user_with_no_valid_context_matches_on_valid_candidates(inputs, ranking_params,
                                                                   ranking_reference,
