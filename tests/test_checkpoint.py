@@ -73,10 +73,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
        "--config=experiments/configs/ranking.py:smoke", f"--workdir={straight}"],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert cli.returncode == 0, cli.stderr[-3000:]
-  # A line before the first chunk, which compiles (so its progress line comes late).
+  # A line before compiling (so the first progress line comes late).
   assert cli.stdout.splitlines()[0] == (
       "seed 0: starting; 40 steps of batch 8 to go, a progress line every 10; compiling "
-      "the training program first")
+      "the training and evaluation programs first")
   progress = [line for line in cli.stdout.splitlines() if line.startswith("step ")]
   assert len(progress) == 4 and all("eta" in line for line in progress)
   assert "compiled and ran in" in progress[0]            # its time includes compiling
