@@ -257,8 +257,14 @@ def _check_paths(c: ml_collections.ConfigDict) -> None:
   path of the schema, and every schema path is there: a misspelled key in a config file
   or an ablation's `task` would otherwise be ignored and the run train with the default."""
   skip = ("model", "extra_eval_splits")
+  base = base_config(c.task)
   have = set(flatten(c, skip=skip))
-  want = set(flatten(base_config(c.task), skip=skip))
+  want = set(flatten(base, skip=skip))
+
+  def lacks(what) -> ConfigError:
+    return ConfigError(f"config lacks {what}: build configs on "
+                       "phoenix_flax.training.base_config, which holds every field")
+
   unknown, missing = sorted(have - want), sorted(want - have)
   if unknown:
     def hint(path: str) -> str:   # the closest field name of the same section
@@ -270,18 +276,15 @@ def _check_paths(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"config has no field(s) {named}: every field is listed in "
                       "phoenix_flax/training/schema.py")
   if missing:
-    raise ConfigError(f"config lacks {missing}: build configs on "
-                      "phoenix_flax.training.base_config, which holds every field")
+    raise lacks(missing)
   section = (Mapping, ml_collections.ConfigDict)
   for name in skip:
     if name not in c:
-      raise ConfigError(f"config lacks {name!r}: build configs on "
-                        "phoenix_flax.training.base_config, which holds every field")
+      raise lacks(repr(name))
     _check(isinstance(c[name], section), name, c[name], "must be a section")
-  lacking = sorted(f"model.{key}" for key in base_config(c.task).model if key not in c.model)
+  lacking = sorted(f"model.{key}" for key in base.model if key not in c.model)
   if lacking:
-    raise ConfigError(f"config lacks {lacking}: build configs on "
-                      "phoenix_flax.training.base_config, which holds every field")
+    raise lacks(lacking)
   for name, split in c.extra_eval_splits.items():
     _check(isinstance(split, section), f"extra_eval_splits.{name}", split,
            "must be a section of SplitConfig fields (see split_config)")
