@@ -420,6 +420,8 @@ def test_ranking_logits_match_reference(inputs, ranking_params, ranking_referenc
   logits = eqx.filter_jit(model)(*inputs).logits
   assert logits.shape == (B, C, 19)
   assert np.std(np.asarray(expected)) > 0.1
+  print(f"D=64 {attention_impl}: max |logit difference| "
+        f"{float(jnp.max(jnp.abs(logits - expected))):.2e}")   # (pytest -s shows it)
   np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL)
 
 
@@ -453,6 +455,8 @@ def test_ranking_logits_match_reference_at_a_larger_size():
                                    attention_impl=impl)
     model = haiku_compat.ranking_model_from_haiku(tree, config)
     logits = eqx.filter_jit(model)(batch, emb).logits
+    print(f"D=128 {impl}: max |logit difference| "
+          f"{float(jnp.max(jnp.abs(logits - expected))):.2e}")   # (pytest -s shows it)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL, err_msg=impl)
 
 
