@@ -32,9 +32,10 @@ def block_user_reduce(user_hashes: Array, user_embeddings: Array, num_user_hashe
 def project_parts(parts: list[Array], proj: Array) -> Array:
   """`concatenate(parts, axis=-1) @ proj`: one product over the concatenated features, as
   the release computes it. A sum of per-part products (each part times its rows of
-  `proj`) saves the copy, 6-7% of the forward at the benchmark's `1k` and `serve` sizes,
-  but rounds in another order: it put the logits 2-3 times further from the release's,
-  past SPEC's 1e-5 at D=128 and above (docs/performance.md, "Input projection")."""
+  `proj`) saves the copy, a few percent of the forward at the benchmark's `1k` and
+  `serve` sizes, but rounds in another order: it put the logits 2-3 times further from
+  the release's, past SPEC's 1e-5 at D=128 and above (docs/performance.md, "Input
+  projection")."""
   widths = [part.shape[-1] for part in parts]
   if sum(widths) != proj.shape[0]:
     raise ValueError(f"the parts have {sum(widths)} features in all; the projection takes "

@@ -109,9 +109,26 @@ def _inputs():
   return batch, jax.tree.map(jnp.asarray, emb)
 
 
-def _random_tree(tree, seed: int) -> dict:
+def larger_inputs(rng: np.random.Generator, D: int, S: int, C: int, B: int):
+  """Random batch and embeddings of any size: the first user's history half padded,
+  every other entry valid (used by `projection_order.py` too)."""
+  hashes = lambda *shape: rng.integers(1, 1000, shape).astype(np.int32)
+  history_post = hashes(B, S, 2)
+  history_post[0, S // 2:, 0] = 0
+  batch = pf.RecsysBatch(hashes(B, 2), history_post, hashes(B, S, 2),
+                         (rng.random((B, S, 19)) < 0.3).astype(np.int32),
+                         rng.integers(0, 16, (B, S)).astype(np.int32), hashes(B, C, 2),
+                         hashes(B, C, 2), rng.integers(0, 16, (B, C)).astype(np.int32))
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  emb = pf.RecsysEmbeddings(normal(B, 2, D), normal(B, S, 2, D), normal(B, C, 2, D),
+                            normal(B, S, 2, D), normal(B, C, 2, D))
+  return jax.tree.map(jnp.asarray, (batch, emb))
+
+
+def _random_tree(tree, seed) -> dict:
   """Release-named tree with random values: norm scales ~1, weights normal*0.1, except
-  query/key at normal*0.4 so attention logits reach the soft cap's nonlinear range."""
+  query/key at normal*0.4 so attention logits reach the soft cap's nonlinear range.
+  `seed`: an int, or a numpy Generator to draw from."""
   rng = np.random.default_rng(seed)
   out = {}
   for module, entries in tree.items():
@@ -428,21 +445,10 @@ def test_ranking_logits_match_reference(inputs, ranking_params, ranking_referenc
 def test_ranking_logits_match_reference_at_a_larger_size():
   """D=128 (key 64), 32 history items, 8 candidates, 4 users: longer sums, where the order
   of a computation's roundings shows. The input projections are one product over the
-  concatenated features, as in the release (summing per-part products reached 1.5e-5
-  here, against 4.9e-6 now)."""
+  concatenated features, as in the release (summing per-part products fails this;
+  `tests/projection_order.py` measures both)."""
   D, S_, C_, B_ = 128, 32, 8, 4
-  rng = np.random.default_rng(0)
-  hashes = lambda *shape: rng.integers(1, 1000, shape).astype(np.int32)
-  history_post = hashes(B_, S_, 2)
-  history_post[0, S_ // 2:, 0] = 0
-  batch = pf.RecsysBatch(hashes(B_, 2), history_post, hashes(B_, S_, 2),
-                         (rng.random((B_, S_, 19)) < 0.3).astype(np.int32),
-                         rng.integers(0, 16, (B_, S_)).astype(np.int32), hashes(B_, C_, 2),
-                         hashes(B_, C_, 2), rng.integers(0, 16, (B_, C_)).astype(np.int32))
-  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
-  emb = pf.RecsysEmbeddings(normal(B_, 2, D), normal(B_, S_, 2, D), normal(B_, C_, 2, D),
-                            normal(B_, S_, 2, D), normal(B_, C_, 2, D))
-  batch, emb = jax.tree.map(jnp.asarray, (batch, emb))
+  batch, emb = larger_inputs(np.random.default_rng(0), D, S_, C_, B_)
   shape = dict(emb_size=D, key_size=64, num_q_heads=4, num_kv_heads=2, num_layers=2,
                widening_factor=2.0, attn_output_multiplier=0.125)
   transformed = ref.ranking_transform(ref.ReferenceConfig(**shape))
