@@ -113,30 +113,52 @@ def _shown(cell: str) -> tuple[float, int]:
   return float(text), len(text.split(".")[1]) if "." in text else 0
 
 
-def test_performance_table_matches_the_committed_benchmark_json():
-  """Every cell of the README's Performance table reads the figures of
-  docs/results/benchmark_cpu.json (times, ratios, candidates/s, compile seconds, peak
-  MiB, GFLOP/s, MFU), so the table cannot drift from the run it cites. (The prose
-  around it is not parsed.)"""
+def _benchmark_tables(section: str) -> list[tuple[str, list[list[str]]]]:
+  """The forward tables of a README section, each with the committed benchmark JSON
+  (`docs/results/benchmark_*.json`) that the text before it last links: [(json, rows)]."""
+  tables, source, rows = [], None, None
+  for line in section.splitlines():
+    links = re.findall(r"\((docs/results/benchmark_[\w]+\.json)\)", line)
+    if links:
+      source = links[-1]
+    if line.startswith("| config |"):
+      rows = []
+      tables.append((source, rows))
+    elif line.startswith("| ") and rows is not None:
+      rows.append([cell.strip() for cell in line.split("|")[1:-1]])
+    elif not line.startswith("|"):
+      rows = None
+  return tables
+
+
+def test_performance_tables_match_the_committed_benchmark_json():
+  """Every cell of each forward table in the README's Performance section reads the
+  figures of the benchmark JSON that the text before it links (docs/results/
+  benchmark_cpu.json, benchmark_cpu_avx2.json: times, ratios, candidates/s, compile
+  seconds, peak MiB, GFLOP/s, MFU), so a table cannot drift from the run it cites. (The
+  prose around them is not parsed.)"""
   readme = (ROOT / "README.md").read_text(encoding="utf-8")
   section = readme.split("\n## Performance\n", 1)[1].split("\n## ", 1)[0]
-  report = json.loads((ROOT / "docs/results/benchmark_cpu.json").read_text())
-  rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in section.splitlines()
-          if line.startswith("| ") and line.split("|")[1].split()[0] in report["configs"]]
-  assert sorted(row[0].split()[0] for row in rows) == sorted(report["configs"])
-  for name, fast, dense, ratio, flops, cand, compile_s, peak, gflops, mfu in rows:
-    r = report["configs"][name.split()[0]]
-    (compile_fast, compile_dense), (peak_fast, peak_dense) = (
-        compile_s.split("/"), peak.split("/"))
-    for cell, value in ((compile_fast, r["fast"]["compile_s"]),
-                        (compile_dense, r["reference"]["compile_s"]),
-                        (peak_fast, r["fast"]["peak_bytes"] / 2 ** 20),
-                        (peak_dense, r["reference"]["peak_bytes"] / 2 ** 20),
-                        (fast, 1e3 * r["fast"]["median_s"]),
-                        (dense, 1e3 * r["reference"]["median_s"]),
-                        (ratio, r["speedup"]), (flops, r["flop_ratio"]),
-                        (cand, r["candidates_per_s"]), (gflops, r["achieved_gflops"]),
-                        (gflops.split("(")[1].rstrip(")"), r["matmul_gflops"]),
-                        (mfu, 100 * r["mfu"])):
-      shown, digits = _shown(cell)
-      assert shown == round(value, digits), (name, cell, value)
+  tables = _benchmark_tables(section)
+  assert [source for source, _ in tables] == ["docs/results/benchmark_cpu.json",
+                                              "docs/results/benchmark_cpu_avx2.json"]
+  for source, rows in tables:
+    report = json.loads((ROOT / source).read_text())
+    rows = [row for row in rows if row[0] != "---"]
+    assert sorted(row[0].split()[0] for row in rows) == sorted(report["configs"]), source
+    for name, fast, dense, ratio, flops, cand, compile_s, peak, gflops, mfu in rows:
+      r = report["configs"][name.split()[0]]
+      (compile_fast, compile_dense), (peak_fast, peak_dense) = (
+          compile_s.split("/"), peak.split("/"))
+      for cell, value in ((compile_fast, r["fast"]["compile_s"]),
+                          (compile_dense, r["reference"]["compile_s"]),
+                          (peak_fast, r["fast"]["peak_bytes"] / 2 ** 20),
+                          (peak_dense, r["reference"]["peak_bytes"] / 2 ** 20),
+                          (fast, 1e3 * r["fast"]["median_s"]),
+                          (dense, 1e3 * r["reference"]["median_s"]),
+                          (ratio, r["speedup"]), (flops, r["flop_ratio"]),
+                          (cand, r["candidates_per_s"]), (gflops, r["achieved_gflops"]),
+                          (gflops.split("(")[1].rstrip(")"), r["matmul_gflops"]),
+                          (mfu, 100 * r["mfu"])):
+        shown, digits = _shown(cell)
+        assert shown == round(value, digits), (source, name, cell, value)
