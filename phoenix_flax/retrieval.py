@@ -150,6 +150,8 @@ def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
                    corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
   """`scores = user @ corpus.T`, masked entries at -1e12, then `lax.top_k`."""
   chex.assert_rank(corpus_ND, 2, custom_message="corpus_embeddings must be [N, D]")
+  if not jnp.issubdtype(corpus_ND.dtype, jnp.floating):
+    raise ValueError(f"corpus_embeddings has dtype {corpus_ND.dtype}, expected floats")
   if corpus_ND.shape[1] != user_BD.shape[1]:
     raise ValueError(f"corpus_embeddings has dim {corpus_ND.shape[1]}, user representation "
                      f"has {user_BD.shape[1]}")
@@ -158,6 +160,9 @@ def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
   scores = user_BD @ corpus_ND.astype(user_BD.dtype).T
   if corpus_mask_N is not None:
     chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
-    scores = jnp.where(corpus_mask_N.astype(bool)[None, :], scores, MASKED_SCORE)
+    if corpus_mask_N.dtype != jnp.bool_:
+      raise ValueError(f"corpus_mask has dtype {corpus_mask_N.dtype}, expected bool (True "
+                       "keeps an item; RetrievalRunner.retrieve also takes 0/1 numbers)")
+    scores = jnp.where(corpus_mask_N[None, :], scores, MASKED_SCORE)
   top_scores, top_idx = jax.lax.top_k(scores, top_k)
   return RetrievalOutput(user_BD, top_idx.astype(jnp.int32), top_scores)

@@ -453,6 +453,14 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   too_big[0] = 2 ** 32
   with pytest.raises(ValueError, match="corpus.post_ids holds 4294967296.*fit int32"):
     runner.set_corpus(corpus_ND, too_big)
+  too_small = np.asarray(ids_N, np.int64)
+  too_small[0] = -2 ** 31 - 1
+  with pytest.raises(ValueError, match="corpus.post_ids holds -2147483649.*fit int32"):
+    runner.set_corpus(corpus_ND, too_small)
+  edges = np.asarray(ids_N, np.int64)
+  edges[:2] = -2 ** 31, 2 ** 31 - 1                # int32's own extremes fit
+  runner.set_corpus(corpus_ND, edges)
+  np.testing.assert_array_equal(runner.corpus_post_ids[:2], [-2 ** 31, 2 ** 31 - 1])
   runner.set_corpus(corpus_ND, ids_N)
   for top_k in (0, 101, 2.0):
     with pytest.raises(ValueError, match=rf"top_k={top_k!r} must be an integer in \[1, 100\]"):

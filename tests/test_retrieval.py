@@ -163,6 +163,11 @@ def test_retrieve_top_k_checks_arguments():
   assert np.all(np.diff(np.asarray(whole.top_k_scores), axis=1) <= 0)
   with pytest.raises(AssertionError, match="corpus_mask"):
     retrieve_top_k(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
+  with pytest.raises(ValueError, match="corpus_embeddings has dtype int32, expected floats"):
+    retrieve_top_k(user, jnp.ones((CORPUS, EMB), jnp.int32), 3)
+  # A float mask is refused rather than read as "nonzero keeps": 0.5 is no answer.
+  with pytest.raises(ValueError, match="corpus_mask has dtype float32, expected bool"):
+    retrieve_top_k(user, corpus(), 3, jnp.full(CORPUS, 0.5))
 
 
 @pytest.mark.parametrize("field", ["user_hashes", "history_post_hashes",
