@@ -244,10 +244,10 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
 
 def preset_note(preset: str, seeds: Optional[int] = None) -> list[str]:
   """A warning under the title of a smoke-preset report: its runs are too short to learn
-  and its `seeds` (two by default) too few for any difference to be significant."""
+  and its `seeds` (None: not one count) too few for any difference to be significant."""
   if preset != "smoke":
     return []
-  n = "two seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
+  n = "few seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
   return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
           f"runs train for a few steps (near chance) with {n}; use `--preset=cpu` "
           "for results.", ""]
@@ -489,7 +489,8 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   per ablation its hypothesis, per-condition effects, effect plot and a link to its full
   report. `entries` are (directory relative to `workdir`, results)."""
   out = [f"# Phoenix ablations ({preset} preset)", ""]
-  out += preset_note(preset)
+  counts = {len(r.get("seeds") or ()) for _, r in entries}
+  out += preset_note(preset, counts.pop() if len(counts) == 1 and 0 not in counts else None)
   if command:
     out += ["Command:", "", f"    {command}", ""]
   envs = {environment_line(r["environment"]) for _, r in entries if r.get("environment")}

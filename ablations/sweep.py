@@ -244,7 +244,8 @@ class Ablation:
 
 def parse_override(text: str) -> tuple[str, Any]:
   """"a.b=value" -> ("a.b", value); Python literals (numbers, None, True, tuples) are
-  evaluated, true/false in any case are booleans, anything else stays a string."""
+  evaluated, true/false in any case are booleans and none in any case is None (no
+  setting takes the string "none"), anything else stays a string."""
   path, sep, raw = text.partition("=")
   path = path.strip()
   if not sep or not path:
@@ -252,6 +253,8 @@ def parse_override(text: str) -> tuple[str, Any]:
   raw = raw.strip()
   if raw.lower() in ("true", "false"):   # as absl reads --config.<bool>=true
     return path, raw.lower() == "true"
+  if raw.lower() == "none":
+    return path, None
   try:
     value = ast.literal_eval(raw)
   except (ValueError, SyntaxError):
@@ -271,9 +274,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
       for key in [*parents, leaf]:
         if not isinstance(node, ml_collections.ConfigDict) or key not in node:
           fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-          raise ValueError(f"{where} has no field {key!r} (fields: {fields}); a new "
-                           "switch needs its default in phoenix_flax/training/schema.py "
-                           "base_config")
+          near = difflib.get_close_matches(key, fields, n=1)
+          raise ValueError(
+              f"{where} has no field {key!r}"
+              + (f" (did you mean {near[0]!r}?)" if near else f" (fields: {fields})")
+              + ("; a new switch needs its default in phoenix_flax/training/schema.py "
+                 "base_config" if where != "config" else ""))
         if key == leaf:
           try:
             node[leaf] = value
@@ -380,7 +386,11 @@ class Sweep:
     if ablation.task is not None:
       cfg = apply_overrides(cfg, {path: value for path, value in dict(overrides).items()
                                   if _has_path(cfg, path)})
-      ablation.task(cfg, preset)
+      try:
+        ablation.task(cfg, preset)
+      except TypeError as e:   # ml_collections refuses a value of another type
+        raise ValueError(f"{ablation.name}'s task() sets a value of the wrong type: {e}"
+                         ) from None
     self.base = apply_overrides(cfg, dict(overrides))
     self.overrides = dict(overrides)   # the user's, for every variant (results.json)
     self.base.num_seeds = n

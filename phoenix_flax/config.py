@@ -61,6 +61,15 @@ def canonical_dtype(value: Any, cls: str = "config") -> str:
   return name
 
 
+def field_default(field: dataclasses.Field) -> Any:
+  """A dataclass field's default: its `default`, or a fresh call of its `default_factory`
+  (a switch declared with `dataclasses.field(default_factory=...)` has `default` MISSING);
+  `dataclasses.MISSING` when it has neither."""
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return field.default
+
+
 def ffn_size(emb_size: int, widening_factor: float) -> int:
   """Hidden width of the GeGLU block: int(w*D)*2//3 rounded up to a multiple of 8."""
   size = int(widening_factor * emb_size) * 2 // 3

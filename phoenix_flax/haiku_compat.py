@@ -56,7 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig, TransformerConfig
+from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig, TransformerConfig,
+                                 field_default)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 
@@ -122,10 +123,9 @@ def _off_release(config, path: str) -> list[str]:
   free = next(f for cls, f in _FREE_FIELDS.items() if isinstance(config, cls))
   found = []
   for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    if field.name not in free and field.default is not dataclasses.MISSING \
-        and value != field.default:
-      found.append(f"{path}.{field.name}={value!r} (the release's: {field.default!r})")
+    value, default = getattr(config, field.name), field_default(field)
+    if field.name not in free and default is not dataclasses.MISSING and value != default:
+      found.append(f"{path}.{field.name}={value!r} (the release's: {default!r})")
   if not isinstance(config, TransformerConfig):
     found += _off_release(config.model, f"{path}.model")
   return found

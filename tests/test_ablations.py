@@ -106,13 +106,38 @@ def test_overrides():
   cfg = sweep.apply_overrides(base, {"model.num_layers": 3, "model.attn_logit_cap": None})
   assert cfg.model.num_layers == 3 and cfg.model.attn_logit_cap is None
   assert base.model.num_layers == 1 and base.model.attn_logit_cap == 30.0
-  with pytest.raises(ValueError, match=r"config.model has no field 'num_layerz' \(fields: "
-                                       r"\['attention_impl'.*'num_layers'.*base_config"):
+  for text in ("none", "None", "NONE"):
+    assert sweep.parse_override(f"model.attn_logit_cap={text}") == ("model.attn_logit_cap",
+                                                                   None)
+  with pytest.raises(ValueError, match=r"config.model has no field 'num_layerz' \(did you "
+                                       r"mean 'num_layers'\?\); a new switch .*base_config"):
     sweep.apply_overrides(base, {"model.num_layerz": 3})
+  with pytest.raises(ValueError, match=r"config.model has no field 'zzz' \(fields: "
+                                       r"\['attention_impl'.*'num_layers'.*base_config"):
+    sweep.apply_overrides(base, {"model.zzz": 3})
+  with pytest.raises(ValueError, match=r"config has no field 'modle' \(did you mean "
+                                       r"'model'\?\)$"):   # a section typo: no switch hint
+    sweep.apply_overrides(base, {"modle.num_layers": 3})
   with pytest.raises(ValueError, match=r"^config override train.num_steps=2.5 is invalid: "
                                        r"config.train.num_steps takes values of type int, "
                                        r"not float$"):
     sweep.apply_overrides(base, {"train.num_steps": 2.5})
+
+
+def test_a_task_that_sets_a_wrong_type_names_the_ablation(tmp_path):
+  """ml_collections refuses the value with a TypeError about Python classes; the sweep
+  turns it into a ValueError naming the ablation's task (exit 2 with an error line)."""
+  from ablations import rope_anchoring
+
+  def task(cfg, preset):
+    rope_anchoring.ABLATION.task(cfg, preset)
+    cfg.model.norm_layout = 1
+
+  bad = dataclasses.replace(rope_anchoring.ABLATION, task=task)
+  with pytest.raises(ValueError, match="rope_anchoring's task\\(\\) sets a value of the wrong "
+                                       "type"):
+    sweep.Sweep(bad, "smoke", str(tmp_path / "r"))
+  assert not (tmp_path / "r").exists()
 
 
 def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
@@ -286,6 +311,13 @@ def test_small_effect_reads_not_significant(tmp_path):
   text = (tmp_path / "REPORT.md").read_text()
   assert "**c** vs **a**, `auc_mean`: no significant difference" in text
   assert "Smoke preset: a check that the sweep runs end to end, not evidence" in text
+  assert "(near chance) with 3 seeds;" in text
+  # The combined report names the sweeps' seed count too, where they share one.
+  combined = report.combined_markdown([("x", results), ("y", results)], str(tmp_path), "smoke")
+  assert "(near chance) with 3 seeds;" in combined
+  other = {**results, "seeds": [0, 1]}
+  assert "(near chance) with few seeds;" in report.combined_markdown(
+      [("x", results), ("y", other)], str(tmp_path), "smoke")
   results["preset"] = "cpu"
   assert "Smoke preset" not in report.markdown(results)
 

@@ -323,6 +323,8 @@ class _ConfigWithNewSwitch(pf.PhoenixModelConfig):
 @dataclasses.dataclass(frozen=True)
 class _TransformerWithNewSwitch(pf.TransformerConfig):
   hypothetical_switch: bool = True
+  # A switch whose default comes from a factory (`default` is MISSING there).
+  hypothetical_scales: tuple = dataclasses.field(default_factory=lambda: (1.0,))
 
 
 def test_a_new_switch_exports_only_at_its_release_default(ranking_params):
@@ -335,12 +337,17 @@ def test_a_new_switch_exports_only_at_its_release_default(ranking_params):
        r"model.config.hypothetical_flag=True \(the release's: False\)"),
       (dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model),
                                                                  hypothetical_switch=False)),
-       r"model.config.model.hypothetical_switch=False \(the release's: True\)")]:
+       r"model.config.model.hypothetical_switch=False \(the release's: True\)"),
+      (dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model),
+                                                                 hypothetical_scales=(2.0,))),
+       r"model.config.model.hypothetical_scales=\(2.0,\) \(the release's: \(1.0,\)\)")]:
     model = haiku_compat.ranking_model_from_haiku(tree, config)
     with pytest.raises(ValueError, match=message):
       haiku_compat.ranking_model_to_haiku(model)
-  at_default = haiku_compat.ranking_model_from_haiku(tree, _ConfigWithNewSwitch(**vars(base)))
-  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(at_default), tree)
+  for config in (_ConfigWithNewSwitch(**vars(base)),
+                 dataclasses.replace(base, model=_TransformerWithNewSwitch(**vars(base.model)))):
+    at_default = haiku_compat.ranking_model_from_haiku(tree, config)
+    _assert_trees_equal(haiku_compat.ranking_model_to_haiku(at_default), tree)
   # Settings that change nothing the tree computes export as they are.
   free = _ranking_config(attention_impl="dense", fprop_dtype="bfloat16")
   free = dataclasses.replace(free, model=dataclasses.replace(free.model, scan_unroll=2,

@@ -77,7 +77,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from phoenix_flax.config import (HashConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
-                                 TransformerConfig)
+                                 TransformerConfig, field_default)
 from phoenix_flax.synthetic import SplitConfig, WorldConfig
 
 TASKS = ("ranking", "retrieval")
@@ -103,8 +103,8 @@ def _dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
     raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; "
                       f"valid: {sorted(names)}")
   for f in dataclasses.fields(cls):
-    value = overrides.get(f.name, f.default)
-    section[f.name] = nullable(value) if f.default is None else value
+    value = overrides.get(f.name, field_default(f))
+    section[f.name] = nullable(value) if field_default(f) is None else value
   return section
 
 
@@ -235,7 +235,7 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
                                 (PhoenixRetrievalModelConfig, PhoenixModelConfig, "ranking"))
   # The other task's switches have no field here: one set away from its default would
   # change nothing (two variants differing only in it would train the same model).
-  other_defaults = {f.name: f.default for f in dataclasses.fields(other_cls)}
+  other_defaults = {f.name: field_default(f) for f in dataclasses.fields(other_cls)}
   for k in sorted(set(m) & (_fields(other_cls) - _fields(cls) - tc_fields)):
     _check(m[k] == other_defaults[k], f"model.{k}", m[k],
            f"it is a switch of the {other_task} model only, and the {c.task} model has no "
