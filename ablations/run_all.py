@@ -13,7 +13,7 @@ ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`, `--reprobe`;
 
 import os
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 import ablations
 from ablations import report, sweep
@@ -38,6 +38,12 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
   for name, sw in zip(names, sweeps):
     logging.info("=== %s ===", name)
     entries.append((name, sw.run()))
+  previous = sweep.read_json_if_exists(os.path.join(workdir, "results.json")) or {}
+  dropped = sorted(set(previous) - set(names))
+  if dropped:
+    logging.warning("the combined results.json and REPORT.md now cover %s only, no longer "
+                    "%s (their sweeps stay in their directories; name them in --ablations "
+                    "to report them together again)", list(names), dropped)
   sweep.write_json(os.path.join(workdir, "results.json"), dict(entries))
   path = os.path.join(workdir, "REPORT.md")
   report.write_atomic(path, report.combined_markdown(entries, workdir, sweeps[0].preset,
@@ -48,9 +54,14 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
 def main(argv):
   if len(argv) > 1:
     sweep.usage_error(f"unexpected arguments: {argv[1:]}")
+  if not FLAGS.ablations:
+    sweep.usage_error(f"--ablations is empty; name one or more of {list(ABLATIONS)}")
   unknown = [n for n in FLAGS.ablations if n not in ABLATIONS]
   if unknown:
     sweep.usage_error(f"--ablations: unknown {unknown}; choose from {list(ABLATIONS)}")
+  twice = sorted({n for n in FLAGS.ablations if FLAGS.ablations.count(n) > 1})
+  if twice:
+    sweep.usage_error(f"--ablations names {twice} more than once")
   if FLAGS.variants:
     sweep.usage_error("--variants selects variants of one ablation; run that "
                          "ablation's script instead")
@@ -67,4 +78,4 @@ def main(argv):
 if __name__ == "__main__":
   sweep.expose_flags()
   sweep.quiet_backend_search()
-  app.run(main, flags_parser=sweep.parse_flags)
+  sweep.run_app(main, flags_parser=sweep.parse_flags)

@@ -76,7 +76,7 @@ import sys
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from absl import app, flags, logging
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -85,7 +85,7 @@ import numpy as np
 
 from ablations import report, stats
 from experiments.cli import (RUN_ERRORS, exit_on_run_errors, parse_flags,
-                             quiet_backend_search, usage_error)
+                             quiet_backend_search, run_app, usage_error)
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
@@ -791,4 +791,4 @@ def main(ablation: Ablation) -> None:
 
   expose_flags()
   quiet_backend_search()
-  app.run(_main, flags_parser=parse_flags)
+  run_app(_main, flags_parser=parse_flags)

@@ -12,7 +12,7 @@ import sys
 import threading
 from typing import Iterator, NoReturn
 
-from absl import flags
+from absl import app, flags
 
 from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError
 from phoenix_flax.training.checkpoint import CheckpointError
@@ -74,15 +74,33 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
     sys.exit(128 + e.signum)
   except KeyboardInterrupt as e:
     signum = getattr(e, "signum", signal.SIGINT)
-    sys.stderr.write(f"interrupted by {signal.Signals(signum).name} before a checkpoint could "
-                     "be written; finished runs and checkpoints are kept: run the same "
-                     "command again\n")
+    sys.stderr.write(f"interrupted by {signal.Signals(signum).name} while no training chunk "
+                     "was running, so no new checkpoint was written; finished runs and "
+                     "checkpoints are kept: run the same command again\n")
     sys.exit(128 + signum)
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
   finally:
     if main_thread:
       signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def run_app(main, **kwargs) -> NoReturn:
+  """`absl.app.run(main, **kwargs)` for the scripts that stop on Ctrl-C or SIGTERM
+  (`exit_on_run_errors`): such an exit (status 130 or 143) flushes the logs and output and
+  leaves with `os._exit`, skipping the interpreter's teardown. Everything of the run is
+  on disk by then, while XLA's threads may still be busy with a compile or a computation
+  the signal cut short; tearing the interpreter down under them ended such exits with a
+  segmentation fault (status 139) in about half the tries."""
+  try:
+    app.run(main, **kwargs)
+  except SystemExit as e:
+    if e.code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+      logging.shutdown()
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(e.code)
+    raise
 
 
 def parse_flags(argv: list[str]) -> list[str]:

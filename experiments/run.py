@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import math
 
-from absl import app, flags
+from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
-from experiments.cli import exit_on_run_errors, quiet_backend_search, usage_error
+from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
 from phoenix_flax.training.schema import check_config
 from phoenix_flax.training.runner import finished_seeds
@@ -205,4 +205,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   quiet_backend_search()
-  app.run(main, flags_parser=parse_config_flags)
+  run_app(main, flags_parser=parse_config_flags)

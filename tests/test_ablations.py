@@ -529,7 +529,7 @@ def test_run_all_runs_every_registered_script():
   assert run_all.FLAGS["ablations"].default == list(run_all.ABLATIONS)
 
 
-def test_run_all_writes_one_combined_report(tmp_path, monkeypatch):
+def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
   monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation(),
                                              "toy2": toy_ablation(name="toy2")})
   make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
@@ -545,6 +545,13 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch):
   assert set(combined) == {"toy", "toy2"}
   assert combined["toy"]["variants"]["b"]["metrics"]["auc_mean"]["mean"] > 0.72
   assert (tmp_path / "toy" / "REPORT.md").exists()
+  # A later run of fewer ablations into the same workdir says what its report leaves out.
+  caplog.set_level("WARNING")
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=make),
+                  str(tmp_path))
+  assert any("now cover ['toy'] only, no longer ['toy2']" in r.getMessage()
+             for r in caplog.records)
+  assert set(json.loads((tmp_path / "results.json").read_text())) == {"toy"}
 
 
 def test_cli_rejects_bad_flags_before_work(tmp_path):
@@ -559,7 +566,9 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
       ("gqa_ratio", ["--override=model.num_kv_heads=1"], "would change nothing"),
       ("gqa_ratio", ["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
       ("gqa_ratio", [f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory"),
-      ("run_all", [f"--workdir={a_file}"], f"{a_file} is a file, not a directory")):
+      ("run_all", [f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
+      ("run_all", ["--ablations="], "--ablations is empty"),
+      ("run_all", ["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")):
     proc = subprocess.run(
         [sys.executable, "-m", f"ablations.{module}", f"--workdir={workdir}", *args],
         capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
@@ -644,13 +653,13 @@ def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
     with sweep.exit_on_interrupt():
       raise KeyboardInterrupt
   assert e.value.code == 130
-  assert capsys.readouterr().err.startswith("interrupted by SIGINT before a checkpoint")
+  assert capsys.readouterr().err.startswith("interrupted by SIGINT while no training chunk")
   previous = signal.getsignal(signal.SIGTERM)
   with pytest.raises(SystemExit) as e:   # SIGTERM there too: the same, not a silent kill
     with sweep.exit_on_interrupt():
       signal.raise_signal(signal.SIGTERM)
   assert e.value.code == 143
-  assert capsys.readouterr().err.startswith("interrupted by SIGTERM before a checkpoint")
+  assert capsys.readouterr().err.startswith("interrupted by SIGTERM while no training chunk")
   assert signal.getsignal(signal.SIGTERM) is previous   # restored
 
 

@@ -135,3 +135,24 @@ def test_progress_durations_and_the_summary_metrics():
       "batch 8 to go, a progress line every 10; compiling the training and evaluation "
       "programs first",
       "seed 4: resumed from the checkpoint at step 40, the last; evaluating"]
+
+
+def test_a_signal_exit_skips_the_interpreter_teardown():
+  """`cli.run_app` ends a run stopped by a signal (status 130/143) with `os._exit` after
+  flushing its output: tearing the interpreter down while XLA's threads were still busy
+  ended about half such exits with a segmentation fault. Other exits stay ordinary."""
+  script = """
+import atexit, sys
+from experiments.cli import run_app
+atexit.register(lambda: print("teardown ran"))
+def main(argv):
+  print("unflushed output")
+  sys.exit(int(argv[1]))
+run_app(main)
+"""
+  for code, teardown in ((143, False), (130, False), (3, True), (0, True)):
+    proc = subprocess.run([sys.executable, "-c", script, str(code)], capture_output=True,
+                          text=True, cwd=REPO, env=subprocess_env(), timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "unflushed output" in proc.stdout
+    assert ("teardown ran" in proc.stdout) == teardown

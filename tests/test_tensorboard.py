@@ -76,17 +76,22 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
 
 def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
-  named "<ablation>/<variant>"; a run in its workdir itself is a group of its own."""
+  named by the variant's directory, so that the same variant of another sweep (another
+  preset or workdir under the same logdir) is a group of its own; a run in its workdir
+  itself is a group of its own."""
+  variant_dir = tmp_path / "smoke" / "candidate_isolation" / "causal_corr0"
   for seed in (0, 1):
-    run_dir = str(tmp_path / "candidate_isolation" / "causal_corr0" / f"seed_{seed}")
+    run_dir = str(variant_dir / f"seed_{seed}")
     writer = RunWriter(run_dir, {"seed": seed}, None,
                        runner._hparams_group(run_dir, seed))
     writer.close(finished=True)
     content = _accumulator(run_dir).PluginTagToContent("hparams")
     start = plugin_data_pb2.HParamsPluginData.FromString(
         content["_hparams_/session_start_info"]).session_start_info
-    assert start.group_name == "candidate_isolation/causal_corr0"
+    assert start.group_name == str(variant_dir)
     assert start.hparams["seed"].number_value == seed
+  other = str(tmp_path / "cpu" / "candidate_isolation" / "causal_corr0" / "seed_0")
+  assert runner._hparams_group(other, 0) != runner._hparams_group(str(variant_dir / "seed_0"), 0)
   assert runner._hparams_group(str(tmp_path / "run"), 0) == ""
 
 

@@ -411,13 +411,14 @@ def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
 
 
 def _hparams_group(run_dir: str, seed: int) -> str:
-  """The HParams session group of a run in a seed subdirectory: the last two parts of
-  its workdir (in a sweep, "<ablation>/<variant>"), shared by the config's seeds; "" for
-  a run in the workdir itself."""
+  """The HParams session group of a run in a seed subdirectory: the absolute path of its
+  workdir (in a sweep, ".../<ablation>/<variant>"), shared by the config's seeds and by no
+  other sweep's, since TensorBoard averages every session of a group name under its
+  logdir (two sweeps' "<ablation>/<variant>" would merge); "" for a run in the workdir
+  itself."""
   if os.path.basename(run_dir) != os.path.basename(seed_dir("", seed)):
     return ""
-  workdir = os.path.dirname(os.path.abspath(run_dir))
-  return "/".join([os.path.basename(os.path.dirname(workdir)), os.path.basename(workdir)])
+  return os.path.dirname(os.path.abspath(run_dir))
 
 
 class _Group:
