@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig, TransformerConfig,
-                                 field_default)
+from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig,
+                                 TransformerConfig, field_default)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 
