@@ -101,7 +101,12 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
     raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected floats")
 
 
-INT32_MIN, INT32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+INT32 = np.iinfo(np.int32)
+
+
+def _beyond_int32(a: np.ndarray) -> np.ndarray:
+  """Where integers `a` do not fit int32, the dtype the model computes in."""
+  return (a > INT32.max) | (a < INT32.min)
 
 
 def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str,
@@ -166,7 +171,7 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
 
   for name, a in arrays.items():
     if jnp.issubdtype(a.dtype, jnp.integer):   # the model computes in int32
-      _check_values(name, a, (a > INT32_MAX) | (a < INT32_MIN), "values must fit int32"
+      _check_values(name, a, _beyond_int32(a), "values must fit int32"
                     + (" (timestamps are in seconds)" if "timestamps" in name else ""))
     if name.endswith("_hashes"):
       _check_values(name, a, a < 0, "hashes must be >= 0 (0 = padding)")
@@ -477,8 +482,7 @@ class RetrievalRunner:
                        "to match the corpus embeddings")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise ValueError(f"corpus post_ids has dtype {ids.dtype}, expected integers")
-    _check_values("post_ids", ids, (ids > INT32_MAX) | (ids < INT32_MIN), "post ids must fit int32",
-                  "corpus")
+    _check_values("post_ids", ids, _beyond_int32(ids), "post ids must fit int32", "corpus")
     self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
     self.corpus_post_ids = jnp.asarray(ids)
 

@@ -103,8 +103,9 @@ def _dataclass_section(cls, **overrides) -> ml_collections.ConfigDict:
     raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}; "
                       f"valid: {sorted(names)}")
   for f in dataclasses.fields(cls):
-    value = overrides.get(f.name, field_default(f))
-    section[f.name] = nullable(value) if field_default(f) is None else value
+    default = field_default(f)
+    value = overrides.get(f.name, default)
+    section[f.name] = nullable(value) if default is None else value
   return section
 
 
