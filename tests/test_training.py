@@ -22,7 +22,8 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint, provenance
-from phoenix_flax.training.loop import forward_with_new_companions, mix_companions, unstack
+from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
+                                        unstack)
 from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, final_metric_names,
                                           load_run)
 from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
@@ -121,7 +122,7 @@ def test_retrieval_evaluation_loss_groups_users_as_training_does():
     cand_BCD, _ = system.candidate_representation(sb.batch)
     groups = [trainer._retrieval_loss(jax.tree.map(lambda x: x[g], sb), user_BD[g], cand_BCD[g])
               for g in (slice(0, 8), slice(8, 16))]
-    return (trainer._eval_retrieval_loss(sb, user_BD, cand_BCD), groups,
+    return (trainer._eval_retrieval_loss(sb, user_BD, cand_BCD)[0], groups,
             trainer._retrieval_loss(sb, user_BD, cand_BCD)[0])
 
   # A fresh jit each time: the config is read when tracing.
@@ -133,6 +134,55 @@ def test_retrieval_evaluation_loss_groups_users_as_training_does():
   assert whole > got   # more users to contrast: a higher loss
   spec.config.train.batch_size = 6   # no whole number of groups: the whole batch
   np.testing.assert_allclose(float(traced()[0]), float(whole), rtol=1e-6)
+
+
+def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only():
+  """The training loss gathers each user's first positive before the candidate tower; loss
+  and gradients equal those of the tower run on every candidate and gathered after."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  trainer = Trainer(spec)
+  state = unstack(trainer.init([0]), 0)
+  sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
+
+  def reference(params, sb):
+    system = trainer.system(params)
+    user_BD, _ = system.user_forward(sb.batch)
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    return trainer._retrieval_loss(sb, user_BD, cand_BCD)[0]
+
+  grad = lambda f: eqx.filter_jit(jax.value_and_grad(f))(state.params, sb)
+  (got, got_g), (want, want_g) = grad(lambda p, b: trainer._loss(p, b)[0]), grad(reference)
+  assert float(want) > 0
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_retrieval_evaluation_loss_is_the_mean_over_all_users_with_a_positive():
+  """`eval/loss` pools the evaluation batches by their users with a positive (a batch
+  with fewer of them counts less), as the ranking loss pools candidates."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  trainer = Trainer(spec)
+  state = trainer.init([0])
+  got = float(trainer.evaluate(state)["eval/loss"][0])
+  system = trainer.system(unstack(state, 0).params)
+
+  @eqx.filter_jit
+  def group_losses(system, key):
+    sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], key)
+    user_BD, _ = system.user_forward(sb.batch)
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    return [trainer._retrieval_loss(jax.tree.map(lambda x: x[g], sb), user_BD[g],
+                                    cand_BCD[g]) for g in (slice(0, 8), slice(8, 16))]
+
+  per_batch = [group_losses(system, key) for key in eval_keys(spec.config)]
+  sums = [sum(float(loss) * float(has.sum()) for loss, has in b) for b in per_batch]
+  counts = [sum(float(has.sum()) for _, has in b) for b in per_batch]
+  np.testing.assert_allclose(got, sum(sums) / sum(counts), rtol=1e-5)
+  # The batches differ in size and loss, so the unweighted mean of their means is another
+  # figure: the check above tells the two apart.
+  unweighted = np.mean([s / c for s, c in zip(sums, counts)])
+  assert abs(unweighted - got) > 1e-3 * got, (counts, sums)
 
 
 def test_weight_decay_skips_hash_tables_and_norms():

@@ -12,7 +12,7 @@ that a seed's parameters and metrics equal those it would get alone.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
@@ -251,9 +251,14 @@ class Trainer:
       loss = ranking_loss(out.logits, sb.labels, sb.candidate_mask, w)
       return loss, {"max_attn_logit": diag.max_abs_attn_logit,
                     "residual_rms": diag.residual_rms}
+    # Only each user's first positive enters the loss, so the candidate tower runs on
+    # those B items, not on all B*C candidates (equal up to float reassociation).
     user_BD, diag = system.user_forward(sb.batch)
-    cand_BCD, _ = system.candidate_representation(sb.batch)
-    loss, has_B = self._retrieval_loss(sb, user_BD, cand_BCD)
+    b = sb.batch
+    loss, has_B = self._in_batch_loss(
+        sb.labels, sb.candidate_mask, sb.candidate_post_ids, user_BD,
+        lambda pick: system.corpus_representation(pick(b.candidate_post_hashes),
+                                                  pick(b.candidate_author_hashes)))
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
@@ -262,33 +267,42 @@ class Trainer:
     """In-batch softmax loss of the user and candidate vectors, and which users have a
     positive."""
     return self._in_batch_loss(sb.labels, sb.candidate_mask, sb.candidate_post_ids,
-                               user_BD, cand_BCD)
+                               user_BD, lambda pick: pick(cand_BCD))
 
   def _in_batch_loss(self, labels_BCA: Array, mask_BC: Array, post_ids_BC: Array,
-                     user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+                     user_BD: Array, positives_of: Callable[[Callable], Array]
+                     ) -> tuple[Array, Array]:
+    """The in-batch loss and which users have a positive. `positives_of(pick)` gives the
+    `[B, D]` vectors of each user's first positive, where `pick` takes that candidate's
+    row out of any `[B, C, ...]` array."""
     idx_B, has_B = first_positive(labels_BCA, mask_BC,
                                   self.spec.config.retrieval.positive_action)
     rows = jnp.arange(idx_B.shape[0])
-    loss = in_batch_softmax_loss(user_BD, cand_BCD[rows, idx_B], has_B,
-                                 self.spec.config.retrieval.temperature,
-                                 post_ids_BC[rows, idx_B])
+    pick = lambda x_BC: x_BC[rows, idx_B]
+    loss = in_batch_softmax_loss(user_BD, positives_of(pick), has_B,
+                                 self.spec.config.retrieval.temperature, pick(post_ids_BC))
     return loss, has_B
 
-  def _eval_retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array) -> Array:
+  def _eval_retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array
+                           ) -> tuple[Array, Array]:
     """The in-batch loss of an evaluation batch, on the training loss's scale: its users
     are split into groups of `train.batch_size` (where that divides the evaluation batch)
     and each group is its own batch of negatives, since the loss grows with the number of
     users it contrasts (about log B for a model that knows nothing). Mean over the users
-    with a positive."""
+    with a positive, and their number (to pool batches by)."""
     B, G = user_BD.shape[0], self.spec.config.train.batch_size
     if G >= B or B % G:
-      return self._retrieval_loss(sb, user_BD, cand_BCD)[0]
+      loss, has_B = self._retrieval_loss(sb, user_BD, cand_BCD)
+      return loss, jnp.sum(has_B).astype(jnp.float32)
     split = lambda x: x.reshape((B // G, G) + x.shape[1:])
     parts = jax.tree.map(split, (sb.labels, sb.candidate_mask, sb.candidate_post_ids,
                                  user_BD, cand_BCD))
-    loss_g, has_gB = jax.vmap(self._in_batch_loss)(*parts)
+    in_group = lambda labels, mask, ids, user, cand: self._in_batch_loss(
+        labels, mask, ids, user, lambda pick: pick(cand))
+    loss_g, has_gB = jax.vmap(in_group)(*parts)
     count_g = jnp.sum(has_gB, axis=1).astype(jnp.float32)
-    return jnp.sum(loss_g * count_g) / jnp.maximum(jnp.sum(count_g), 1.0)
+    count = jnp.sum(count_g)
+    return jnp.sum(loss_g * count_g) / jnp.maximum(count, 1.0), count
 
   def sample_train_batch(self, world: World, state: TrainState):
     """The training batch of the state's next step (drawn from the seed's data key)."""
@@ -387,15 +401,15 @@ class Trainer:
       sb = self._sample_eval(world, split, key)
       user_BD, diag = system.user_forward(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
-      loss = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
+      loss, loss_count = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
       model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
       bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,
                                      max(ks))
       res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
-                 loss=loss, max_logit=diag.max_abs_attn_logit, rms=diag.residual_rms,
-                 finite=jnp.all(jnp.isfinite(user_BD)))
+                 loss=loss, loss_count=loss_count, max_logit=diag.max_abs_attn_logit,
+                 rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)))
       for k in ks:
         res[f"found@{k}"], res["total"] = metrics.corpus_hits(
             model_top[:, :k], sb.candidate_post_ids, positive_BC)
@@ -407,7 +421,9 @@ class Trainer:
     flat = lambda x: x.reshape(-1)
     total, has = flat(r["total"]), flat(r["total"]) > 0
     per_user = lambda found: jnp.sum(jnp.where(has, flat(found) / jnp.maximum(total, 1), 0.0))
-    out = {"loss": jnp.mean(r["loss"])}
+    # Mean over every evaluation user with a positive, whatever batch it fell in.
+    out = {"loss": jnp.sum(r["loss"] * r["loss_count"])
+                   / jnp.maximum(jnp.sum(r["loss_count"]), 1.0)}
     # A model whose representations are not finite (a diverged run) ranks the corpus
     # arbitrarily: its recall is undefined (NaN, null in result.json), not 0.
     defined = jnp.all(r["finite"]) & jnp.all(jnp.isfinite(corpus_ND))
