@@ -1,4 +1,4 @@
-"""Data parallelism on 8 simulated CPU devices matches one device.
+"""Data parallelism on 8 simulated CPU devices matches one device (ranking and retrieval).
 
 Runs in a subprocess: `--xla_force_host_platform_device_count` must be set before JAX
 initialises, and must not leak into the other tests.
@@ -24,7 +24,7 @@ import json, re, sys
 import equinox as eqx
 import jax
 import numpy as np
-from experiments.configs import ranking
+from experiments.configs import ranking, retrieval
 from phoenix_flax.training import Trainer, make_placement, parse_config, run_experiment
 from phoenix_flax.training import runner
 
@@ -33,11 +33,11 @@ cfg = ranking.get_config("smoke")
 cfg.num_seeds = 2
 
 
-def train(placement):
-  # Four chunks of both seeds: the trainer, final state and every step's loss [seeds, steps].
+def train(placement, cfg=cfg, chunks=4):
+  # Chunks of both seeds: the trainer, final state and every step's loss [seeds, steps].
   trainer = Trainer(parse_config(cfg), placement)
   state, losses = trainer.init([0, 1]), []
-  for _ in range(4):
+  for _ in range(chunks):
     state, stats = trainer.train_chunk(state)
     losses.append(np.asarray(stats["loss"]))
   return trainer, state, np.concatenate(losses, axis=1).tolist()
@@ -71,6 +71,17 @@ table = mesh_trainer.init([0, 1]).params.tables.post_table
 out["mesh_devices"] = mesh_trainer.placement.num_devices
 out["table_shard_shape"] = list(table.addressable_shards[0].data.shape)
 out["table_devices"] = len(table.sharding.device_set)
+
+# The retrieval task (its in-batch loss contrasts users across the devices' shards), hash
+# tables sharded: every step's loss and the evaluation, against one device.
+rcfg = retrieval.get_config("smoke")
+rcfg.num_seeds = 2
+for name, placement in (("retrieval", make_placement(1, False)),
+                        ("mesh_retrieval", make_placement(8, True))):
+  trainer, state, out[name + "_loss"] = train(placement, rcfg, chunks=2)
+  ev = trainer.evaluate(state)
+  out[name + "_eval"] = {k: np.asarray(ev["eval/" + k]).tolist()
+                         for k in ("loss", "auc", "recall@5", "recall@20")}
 print("RESULT" + json.dumps(out))
 """
 
@@ -100,6 +111,13 @@ def test_eight_devices_match_one_device(tmp_path):
   assert out["mesh_devices"] == 8 and out["table_devices"] == 8
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
+  # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, hence rtol.
+  assert np.asarray(out["retrieval_loss"]).shape == (2, 20)
+  np.testing.assert_allclose(out["mesh_retrieval_loss"], out["retrieval_loss"], rtol=2e-4)
+  single, mesh = out["retrieval_eval"], out["mesh_retrieval_eval"]
+  np.testing.assert_allclose(mesh["loss"], single["loss"], rtol=2e-4)
+  for k in ("auc", "recall@5", "recall@20"):
+    np.testing.assert_allclose(mesh[k], single[k], atol=2e-3, err_msg=k)
 
 
 def _free_port() -> int:
