@@ -702,8 +702,9 @@ def hypothesis(doc: str) -> str:
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "smoke: a tiny world and model, for tests (a sweep still takes a "
-                  "few minutes on 2 CPU cores, mostly compilation); cpu: 2-10 minutes "
-                  "an ablation on 2 CPU cores; full: accelerator scale.")
+                  "few minutes on 2 CPU cores, mostly compilation); cpu: about 3-15 "
+                  "minutes an ablation on 2 CPU cores (sandwich_norm, 16 runs, the "
+                  "longest); full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
                     "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>; for "

@@ -32,7 +32,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
     "Experiment config file, optionally with a preset after a colon: "
     "experiments/configs/ranking.py (ranking task, default preset 'cpu'), "
-    "experiments/configs/ranking.py:smoke, experiments/configs/retrieval.py[:smoke|full]. "
+    "experiments/configs/ranking.py[:smoke|full], experiments/configs/retrieval.py[:smoke|full]. "
     "Any field can then be overridden with --config.<section>.<field>=<value>, e.g. "
     "--config.model.num_layers=4, --config.optim.learning_rate=1e-3, "
     "--config.model.attn_logit_cap=None, --config.num_seeds=3. Sections: task, seed, "

@@ -85,16 +85,20 @@ def weighted_score(probs: ArrayLike, weights: Union[Mapping[str, float], ArrayLi
   return probs @ jnp.asarray(w, probs.dtype)
 
 
-def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: str) -> None:
-  """Checks presence, shape and dtype without copying the values to the host."""
+def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: str,
+           origins: tuple[str, ...] = ()) -> None:
+  """Checks presence, shape and dtype without copying the values to the host. `origins`
+  say where the sizes of `dims` were read (such as "C=5 from batch.candidate_post_hashes"),
+  so a wrong shape there is not blamed on a field alone."""
   if x is None:
     raise ValueError(f"{prefix}.{name} is required but is None")
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     raise ValueError(f"{prefix}.{name} is a {type(x).__name__}; pass a numpy or jax array")
   dtype = x.dtype
   if tuple(np.shape(x)) != shape:
+    named = [o for o in origins if o.split("=")[0] in dims.split(", ")]
     raise ValueError(f"{prefix}.{name} has shape {tuple(np.shape(x))}, expected {shape} "
-                     f"[{dims}]")
+                     f"[{dims}]" + (f" ({'; '.join(named)})" if named else ""))
   if kind == "int" and not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected integers")
   if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
@@ -165,8 +169,10 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
                 ("candidate_post_timestamps", (B, C), "B, C", "int")]
   if "history_dwell_times" in config.optional_batch_fields:
     specs.append(("history_dwell_times", (B, S), "B, history_seq_len", "any"))
+  origins = (f"B={B} from batch.user_hashes",) + (
+      (f"C={C} from batch.candidate_post_hashes",) if C else ())
   for name, shape, dims, kind in specs:
-    _field("batch", name, getattr(batch, name), shape, dims, kind)
+    _field("batch", name, getattr(batch, name), shape, dims, kind, origins)
   arrays = {name: np.asarray(getattr(batch, name)) for name, *_ in specs}
 
   for name, a in arrays.items():
@@ -204,7 +210,7 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
                   ("candidate_author_embeddings", (B, C, Au, D),
                    "B, C, num_author_hashes, emb_size")]
   for name, shape, dims in emb_specs:
-    _field("embeddings", name, getattr(embeddings, name), shape, dims, "float")
+    _field("embeddings", name, getattr(embeddings, name), shape, dims, "float", origins)
     _check_finite("embeddings", name, getattr(embeddings, name))
   return B, C
 

@@ -478,8 +478,8 @@ def test_presets_grow_and_fit_the_budget():
   smoke, cpu = sweep.preset_config("smoke"), sweep.preset_config("cpu")
   assert smoke.train.num_steps <= 20 and smoke.world.history_len <= 8
   assert cpu.train.num_steps < sweep.preset_config("full").train.num_steps
-  # At the cpu preset an ablation trains at most 16 runs (sandwich_norm's 16 took about
-  # 10 minutes on 2 cores).
+  # At the cpu preset an ablation trains at most 16 runs (sandwich_norm's 16 took 848 s on
+  # the 2-core AVX2 host of docs/results).
   runs = {m.ABLATION.name: len(sweep.Sweep(m.ABLATION, "cpu", "/x").variants) for m in SCRIPTS}
   assert max(runs.values()) <= 16, runs
 
