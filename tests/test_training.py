@@ -21,7 +21,8 @@ from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
-from phoenix_flax.training import checkpoint, provenance
+from phoenix_flax.training import checkpoint, metrics, provenance
+from phoenix_flax.training.loss import binary_cross_entropy
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         unstack)
 from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, final_metric_names,
@@ -79,6 +80,32 @@ def test_ranking_loss_is_weighted_masked_bce():
   np.testing.assert_allclose(ranking_loss(logits, labels, mask, 3 * w), expected, rtol=1e-5)
   np.testing.assert_allclose(ranking_loss(logits, labels, mask),
                              bce[mask].mean(), rtol=1e-5)
+
+
+def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
+  """Padded candidates are selected out (NaN or -inf there leaves loss and gradient as
+  without them), and an infinite logit gives the BCE's limit in the training loss, never
+  NaN. (The log-loss metric keeps `softplus(x) - y x`, NaN at an infinite valid logit:
+  changing its formula changed the committed results' figures in the last digits.)"""
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(64,)).astype(np.float32) * 5
+  y = (rng.random(64) < 0.5).astype(np.float32)
+  np.testing.assert_array_equal(binary_cross_entropy(x, y),
+                                optax.sigmoid_binary_cross_entropy(x, y))
+  labels = jnp.array([[[1.0], [0.0], [1.0]]])
+  mask = jnp.array([[True, True, False]])
+  want = float(ranking_loss(jnp.array([[[0.5], [-1.0], [0.0]]]), labels, mask))
+  for pad in (np.nan, np.inf, -np.inf):
+    logits = jnp.array([[[0.5], [-1.0], [pad]]])
+    for loss in (ranking_loss, metrics.log_loss):   # the log-loss metric selects too
+      np.testing.assert_allclose(float(loss(logits, labels, mask)), want, rtol=1e-6)
+    grad = jax.grad(lambda l: ranking_loss(l, labels, mask))(logits)
+    assert np.all(np.isfinite(grad)) and float(grad[0, 2, 0]) == 0.0, (pad, grad)
+  bce = lambda l, y: float(binary_cross_entropy(jnp.float32(l), jnp.float32(y)))
+  assert bce(np.inf, 1.0) == bce(-np.inf, 0.0) == 0.0
+  assert bce(np.inf, 0.0) == bce(-np.inf, 1.0) == bce(np.inf, 0.5) == np.inf
+  one = jnp.ones((1, 1), bool)
+  assert float(ranking_loss(jnp.full((1, 1, 1), np.inf), jnp.ones((1, 1, 1)), one)) == 0.0
 
 
 def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():

@@ -6,24 +6,42 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import optax
 from jaxtyping import Array
+
+
+def binary_cross_entropy(logits: Array, labels: Array) -> Array:
+  """Elementwise binary cross-entropy with logits, `-y log p - (1 - y) log(1 - p)`.
+
+  The same values as `optax.sigmoid_binary_cross_entropy` for finite logits, and the
+  limits at infinite ones: 0 where the label agrees, +inf where it does not (optax's
+  `0 * inf` gives NaN there, and so would `softplus(x) - y x`).
+  """
+  logits = jnp.asarray(logits)
+  labels = jnp.asarray(labels, logits.dtype)
+  agree_p = -jnp.where(labels == 0, 0.0, labels * jax.nn.log_sigmoid(logits))
+  return agree_p - jnp.where(labels == 1, 0.0, (1.0 - labels) * jax.nn.log_sigmoid(-logits))
+
 
 def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
                  action_weights_A: Optional[Array] = None) -> Array:
   """Weighted mean binary cross-entropy over valid candidates and actions.
 
   `sum_{b,c valid} sum_a w_a * bce(b,c,a) / (#valid * sum_a w_a)`; with no weights this
-  is the mean BCE per (candidate, action), the same scale as the log-loss metric.
+  is the mean BCE per (candidate, action), the same scale as the log-loss metric. Padded
+  candidates are selected out, not multiplied by 0: whatever their logits hold (NaN, or
+  -inf as some callers pad), neither the loss nor its gradient sees it.
   """
-  logits = logits_BCA.astype(jnp.float32)
-  per_BCA = optax.sigmoid_binary_cross_entropy(logits, labels_BCA.astype(jnp.float32))
+  m_BC1 = jnp.asarray(mask_BC, bool)[..., None]
+  # Padded logits are replaced before the BCE as well as after it: a NaN that the
+  # forward pass drops would still reach the gradient through the unselected branch.
+  logits = jnp.where(m_BC1, jnp.asarray(logits_BCA, jnp.float32), 0.0)
+  per_BCA = binary_cross_entropy(logits, jnp.asarray(labels_BCA, jnp.float32))
   A = logits.shape[-1]
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)
-  m_BC = mask_BC.astype(jnp.float32)
-  total = jnp.sum(per_BCA * w_A * m_BC[..., None])
-  return total / jnp.maximum(jnp.sum(m_BC) * jnp.sum(w_A), 1e-9)
+  total = jnp.sum(jnp.where(m_BC1, per_BCA * w_A, 0.0))
+  count = jnp.sum(jnp.asarray(mask_BC, jnp.float32))
+  return total / jnp.maximum(count * jnp.sum(w_A), 1e-9)
 
 
 def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Array, Array]:
