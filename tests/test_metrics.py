@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -223,17 +222,38 @@ def test_a_constant_model_gets_the_chance_level_whatever_the_order():
 
 def test_corpus_hits_match_reference():
   rng = np.random.default_rng(8)
-  B, C, K = 6, 9, 4
-  ids = rng.integers(0, 15, (B, C))             # repeats: a post can fill two slots
-  top = np.stack([rng.permutation(15)[:K] for _ in range(B)])
+  B, C, N, ks = 6, 9, 15, (1, 4, 15)
+  ids = rng.integers(0, N, (B, C))              # repeats: a post can fill two slots
   positive = rng.random((B, C)) < 0.4
   positive[2] = False
-  found, total = metrics.corpus_hits(jnp.asarray(top), jnp.asarray(ids), jnp.asarray(positive))
+  hits = jax.jit(metrics.corpus_hits, static_argnums=3)
+  # Distinct scores: the positives whose id is among the k best-scored.
+  scores = rng.normal(size=(B, N)).astype(np.float32)
+  found, total = hits(scores, ids, positive, ks)
   np.testing.assert_array_equal(total, positive.sum(axis=1))
-  expected = [sum(positive[b, c] and ids[b, c] in set(top[b]) for c in range(C))
-              for b in range(B)]
-  np.testing.assert_array_equal(found, expected)
-  assert int(found[2]) == int(total[2]) == 0
+  for j, k in enumerate(ks):
+    top = np.argsort(-scores, axis=1)[:, :k]
+    expected = [sum(positive[b, c] and ids[b, c] in set(top[b]) for c in range(C))
+                for b in range(B)]
+    np.testing.assert_array_equal(found[:, j], expected)
+  assert float(found[2].sum()) == int(total[2]) == 0
+  # A constant score finds k/N of the positives, whatever their ids (top_k's order would
+  # find the low ids only).
+  found, _ = hits(np.zeros((B, N), np.float32), ids, positive, ks)
+  np.testing.assert_allclose(found, positive.sum(1)[:, None] * np.array(ks) / N, rtol=1e-6)
+  # Scores on a coarse grid (ties at the k-th place): the mean over random tie orders.
+  scores = rng.integers(0, 4, (B, N)).astype(np.float32)
+  found, _ = hits(scores, ids, positive, ks)
+  R = 4000
+  order = np.lexsort((rng.random((R, B, N)), np.broadcast_to(-scores, (R, B, N))), axis=-1)
+  rank = np.argsort(order, axis=-1)                          # [R, B, N]: place of each item
+  own_rank = np.take_along_axis(rank, np.broadcast_to(ids, (R, B, C)), axis=-1)
+  for j, k in enumerate(ks):
+    mc = ((own_rank < k) & positive).sum(-1).mean(0)
+    np.testing.assert_allclose(found[:, j], mc, atol=0.05, err_msg=f"k={k}")
+  assert np.any(found % 1 != 0)     # the ties did fall at the k-th place
+  with pytest.raises(ValueError, match="ks"):
+    metrics.corpus_hits(scores, ids, positive, (16,))
 
 
 def test_ranking_metrics_bayes_and_keys():

@@ -858,7 +858,7 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
   topic softmax) times the favorite probability scores above it, on the cpu preset's
   first 40 evaluation batches of 128 lists (README, "Training on the synthetic world")."""
   from phoenix_flax.synthetic import true_logits
-  from phoenix_flax.training.loop import bayes_corpus_top_k
+  from phoenix_flax.training.loop import bayes_corpus_hits, bayes_corpus_top_k
   spec = parse_config(retrieval_configs.get_config("cpu"))
   world = make_world(spec.world, jax.random.PRNGKey(spec.config.world_seed))   # the run's
   split, wc = spec.eval_splits["eval"], spec.world
@@ -879,6 +879,13 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
                                           budget=16 * N * (wc.latent_dim + wc.num_actions)))
       np.testing.assert_array_equal(np.sort(top, 1),
                                     np.sort(np.argsort(-logit_BN, 1)[:, :K], 1))
+      positive_BC = (np.asarray(sb.labels)[..., 0] > 0) & np.asarray(sb.candidate_mask)
+      ids = np.asarray(sb.candidate_post_ids)
+      found, _ = bayes_corpus_hits(world, sb.interest, bias_B, 0, ids, positive_BC, (K,),
+                                   budget=16 * N * (wc.latent_dim + wc.num_actions))
+      want = [sum(p and i in set(top[b]) for i, p in zip(ids[b], positive_BC[b]))
+              for b in range(len(ids))]
+      np.testing.assert_array_equal(found[:, 0], want)
     topic_logits_BT = wc.retrieval_sharpness * np.asarray(sb.interest) @ np.asarray(
         world.topic_vecs_TL).T
     topic_BT = np.exp(topic_logits_BT - topic_logits_BT.max(1, keepdims=True))

@@ -22,7 +22,6 @@ from jaxtyping import Array, PyTree
 
 from phoenix_flax import xla_options
 from phoenix_flax.ranking import Diagnostics
-from phoenix_flax.retrieval import retrieve_top_k
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
@@ -124,6 +123,40 @@ def forward_with_new_companions(system: RankingSystem, batch: RecsysBatch, mask_
           jnp.sum(m_BCA))
 
 
+def _over_corpus_logits(world: World, interest_BL: Array, bias_B: Array, action: int,
+                        budget: int, fn: Callable, *per_user: Array) -> Any:
+  """`fn(logits_cN, *per_user_c)` over chunks of users, where `logits_cN` are the true
+  logits of `action` for the whole corpus (surface 0, age 0), chunks holding at most
+  ~`budget` intermediate elements; outputs joined back to `[B, ...]`."""
+  B, L = interest_BL.shape
+  N, A = world.cfg.num_posts, world.cfg.num_actions
+  chunk = max(1, min(B, budget // (N * (L + A))))
+  while B % chunk:
+    chunk -= 1
+  ids_1N = jnp.arange(N)[None, :]
+  zeros_1N = jnp.zeros((1, N), jnp.int32)
+
+  def one(args):
+    interest_cL, bias_c, *rest = args
+    logits = true_logits(world, interest_cL[:, None, :], ids_1N, zeros_1N, zeros_1N,
+                         bias_c[:, None])[..., action]
+    return fn(logits, *rest)
+
+  split = lambda x: x.reshape((B // chunk, chunk) + x.shape[1:])
+  out = jax.lax.map(one, tuple(split(x) for x in (interest_BL, bias_B) + per_user))
+  return jax.tree.map(lambda x: x.reshape((B,) + x.shape[2:]), out)
+
+
+def bayes_corpus_hits(world: World, interest_BL: Array, bias_B: Array, action: int,
+                      ids_BC: Array, positive_BC: Array, ks: Sequence[int],
+                      budget: int = 1 << 24) -> tuple[Array, Array]:
+  """`metrics.corpus_hits` of the oracle that scores the corpus by the true logit of
+  `action` (surface 0, age 0): `bayes_recall@K`'s counts (see `bayes_corpus_top_k`)."""
+  hits = lambda logits, ids, positive: metrics.corpus_hits(logits, ids, positive, ks)
+  return _over_corpus_logits(world, interest_BL, bias_B, action, budget, hits, ids_BC,
+                             positive_BC)
+
+
 def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: int, k: int,
                        budget: int = 1 << 24) -> Array:
   """Post ids `[B, k]` with the highest true logit of `action` over the whole corpus
@@ -135,23 +168,8 @@ def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: 
   to be drawn for a user and can score above it (README, "Training on the synthetic
   world").
   """
-  B, L = interest_BL.shape
-  N, A = world.cfg.num_posts, world.cfg.num_actions
-  chunk = max(1, min(B, budget // (N * (L + A))))
-  while B % chunk:
-    chunk -= 1
-  ids_1N = jnp.arange(N)[None, :]
-  zeros_1N = jnp.zeros((1, N), jnp.int32)
-
-  def top(args):
-    interest_cL, bias_c = args
-    logits = true_logits(world, interest_cL[:, None, :], ids_1N, zeros_1N, zeros_1N,
-                         bias_c[:, None])[..., action]
-    return jax.lax.top_k(logits, k)[1]
-
-  out = jax.lax.map(top, (interest_BL.reshape(B // chunk, chunk, L),
-                          bias_B.reshape(B // chunk, chunk)))
-  return out.reshape(B, k)
+  return _over_corpus_logits(world, interest_BL, bias_B, action, budget,
+                             lambda logits: jax.lax.top_k(logits, k)[1])
 
 
 def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
@@ -403,18 +421,18 @@ class Trainer:
       cand_BCD, _ = system.candidate_representation(sb.batch)
       loss, loss_count = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
-      model_top = retrieve_top_k(user_BD, corpus_ND, max(ks)).top_k_indices
-      bayes_top = bayes_corpus_top_k(world, sb.interest, world.user_bias_U[sb.user_ids], a,
-                                     max(ks))
+      # retrieve_top_k's scores, counted with ties shared (metrics.corpus_hits).
+      found_BK, total_B = metrics.corpus_hits(
+          user_BD @ corpus_ND.astype(user_BD.dtype).T, sb.candidate_post_ids, positive_BC, ks)
+      bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
+                                            a, sb.candidate_post_ids, positive_BC, ks)
       res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
                  loss=loss, loss_count=loss_count, max_logit=diag.max_abs_attn_logit,
                  rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)))
-      for k in ks:
-        res[f"found@{k}"], res["total"] = metrics.corpus_hits(
-            model_top[:, :k], sb.candidate_post_ids, positive_BC)
-        res[f"bayes_found@{k}"], _ = metrics.corpus_hits(
-            bayes_top[:, :k], sb.candidate_post_ids, positive_BC)
+      res["total"] = total_B
+      for j, k in enumerate(ks):
+        res[f"found@{k}"], res[f"bayes_found@{k}"] = found_BK[:, j], bayes_found_BK[:, j]
       return res
 
     r = jax.lax.map(one, self._eval_keys())

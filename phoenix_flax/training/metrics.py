@@ -1,6 +1,9 @@
-"""Ranking metrics computed on device: every function is jittable and takes a mask.
+"""Ranking metrics computed on device: every function is jittable, and every one over
+candidate lists takes a mask (`corpus_hits` takes the positives, already masked).
 
 Shapes: B lists, C candidates per list, A actions; `mask [B, C]` marks valid candidates.
+Tied scores never favour a slot or an id: the rank metrics count the expectation over a
+uniformly random order of the tied entries.
 """
 
 from __future__ import annotations
@@ -138,12 +141,33 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
   return jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1)
 
 
-def corpus_hits(top_BK: Array, ids_BC: Array, positive_BC: Array) -> tuple[Array, Array]:
-  """Retrieval against a corpus: per list, how many positive candidates have their post id
-  among the retrieved ids `top_BK`, and how many positives the list has (recall@K of a
-  list is their ratio)."""
-  found_BC = jnp.any(ids_BC[:, :, None] == top_BK[:, None, :], axis=-1) & positive_BC
-  return jnp.sum(found_BC, axis=1), jnp.sum(positive_BC, axis=1)
+def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequence[int]
+                ) -> tuple[Array, Array]:
+  """Retrieval against a corpus of N items scored `scores_BN` for each list: for each k of
+  `ks`, the expected number of the list's positive candidates whose post id (`ids_BC`, a
+  corpus row) is among the k best-scored items, and how many positives the list has.
+  Returns `found [B, len(ks)]` (floats) and `total [B]`; recall@k of a list is their
+  ratio. Items tied with the k-th score share the places left at random (a constant score
+  finds k/N of the positives whatever their ids), where `lax.top_k` would keep the lowest
+  ids. A NaN score leaves the order undefined (the caller reports NaN)."""
+  ks = tuple(int(k) for k in ks)
+  N = scores_BN.shape[1]
+  if not ks or min(ks) < 1 or max(ks) > N:
+    raise ValueError(f"ks={ks} must lie in [1, corpus size {N}]")
+  # One materialised array: the k-th score and each positive's own score must be the same
+  # bits, not two fusions' recomputations of them.
+  scores_BN = jax.lax.optimization_barrier(scores_BN)
+  kth_BK = jax.lax.top_k(scores_BN, max(ks))[0][:, jnp.asarray(ks) - 1]
+  own_BC = jnp.take_along_axis(scores_BN, jnp.clip(ids_BC, 0, N - 1), axis=1)
+  found = []
+  for j, k in enumerate(ks):
+    kth_B1 = kth_BK[:, j, None]
+    above_B1 = jnp.sum(scores_BN > kth_B1, axis=1, keepdims=True)
+    tied_B1 = jnp.sum(scores_BN == kth_B1, axis=1, keepdims=True)
+    share_B1 = (k - above_B1) / jnp.maximum(tied_B1, 1)
+    in_top_BC = jnp.where(own_BC > kth_B1, 1.0, jnp.where(own_BC == kth_B1, share_B1, 0.0))
+    found.append(jnp.sum(jnp.where(positive_BC, in_top_BC, 0.0), axis=1))
+  return jnp.stack(found, axis=1), jnp.sum(positive_BC, axis=1)
 
 
 def _mean_valid(values_A: Array, valid_A: Array) -> Array:
