@@ -84,9 +84,8 @@ def test_ranking_loss_is_weighted_masked_bce():
 
 def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
   """Padded candidates are selected out (NaN or -inf there leaves loss and gradient as
-  without them), and an infinite logit gives the BCE's limit in the training loss, never
-  NaN. (The log-loss metric keeps `softplus(x) - y x`, NaN at an infinite valid logit:
-  changing its formula changed the committed results' figures in the last digits.)"""
+  without them), and an infinite logit gives the BCE's limit, never NaN, in the training
+  loss and the log-loss metric."""
   rng = np.random.default_rng(2)
   x = rng.normal(size=(64,)).astype(np.float32) * 5
   y = (rng.random(64) < 0.5).astype(np.float32)
@@ -104,6 +103,11 @@ def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
   bce = lambda l, y: float(binary_cross_entropy(jnp.float32(l), jnp.float32(y)))
   assert bce(np.inf, 1.0) == bce(-np.inf, 0.0) == 0.0
   assert bce(np.inf, 0.0) == bce(-np.inf, 1.0) == bce(np.inf, 0.5) == np.inf
+  # The metric: an agreeing infinite logit adds 0, a disagreeing one makes it +inf.
+  logits = jnp.array([[[np.inf], [-1.0], [-np.inf]]])
+  np.testing.assert_allclose(float(metrics.log_loss(logits, labels, mask)),
+                             float(jax.nn.softplus(-1.0)) / 2, rtol=1e-6)
+  assert float(metrics.log_loss(-logits, labels, mask)) == np.inf
   one = jnp.ones((1, 1), bool)
   assert float(ranking_loss(jnp.full((1, 1, 1), np.inf), jnp.ones((1, 1, 1)), one)) == 0.0
 

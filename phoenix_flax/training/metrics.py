@@ -57,10 +57,20 @@ def _masked_mean(x_BCA: Array, mask_BC: Array) -> Array:
 
 
 def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
-  """Mean binary cross-entropy with logits over valid candidates and all actions."""
+  """Mean binary cross-entropy with logits over valid candidates and all actions; an
+  infinite logit counts its limit (0 where the label agrees, +inf where it does not)."""
   logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
   bce_BCA = jax.nn.softplus(logits_BCA) - labels_BCA * logits_BCA
-  return _masked_mean(bce_BCA, mask_BC)
+  plain = _masked_mean(bce_BCA, mask_BC)
+  # `softplus(x) - y x` is inf - inf or 0 * inf at an infinite x: such entries take the
+  # limit instead, in a second sum used only when there is one (the first, which every
+  # finite evaluation returns, keeps its rounding).
+  inf_BCA = jnp.isinf(logits_BCA)
+  agrees_BCA = jnp.where(logits_BCA > 0, labels_BCA == 1, labels_BCA == 0)
+  limit_BCA = jnp.where(agrees_BCA, 0.0, jnp.inf)
+  any_inf = jnp.any(inf_BCA & jnp.broadcast_to(mask_BC[..., None], inf_BCA.shape))
+  return jnp.where(any_inf, _masked_mean(jnp.where(inf_BCA, limit_BCA, bce_BCA), mask_BC),
+                   plain)
 
 
 def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
