@@ -146,6 +146,11 @@ class PhoenixRetrievalModel(eqx.Module):
     return retrieve_top_k(user, corpus_embeddings, top_k, corpus_mask)
 
 
+def retrieval_scores(user_BD: Array, corpus_ND: Array) -> Array:
+  """Every user's dot product with every corpus item `[B, N]`, in the user's dtype."""
+  return user_BD @ corpus_ND.astype(user_BD.dtype).T
+
+
 def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
                    corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
   """`scores = user @ corpus.T`, masked entries at -1e12, then `lax.top_k`."""
@@ -157,7 +162,7 @@ def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
                      f"has {user_BD.shape[1]}")
   if not 1 <= top_k <= corpus_ND.shape[0]:
     raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
-  scores = user_BD @ corpus_ND.astype(user_BD.dtype).T
+  scores = retrieval_scores(user_BD, corpus_ND)
   if corpus_mask_N is not None:
     chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
     if corpus_mask_N.dtype != jnp.bool_:

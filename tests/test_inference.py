@@ -273,10 +273,14 @@ BAD_INPUTS = {
     # C is read from candidate_post_hashes: a wrong one is named beside the field it fails.
     "candidate post count": (_replace_batch("candidate_post_hashes", lambda x: x[:, :5]),
                              r"candidate_author_hashes has shape \(2, 6, 2\), expected "
-                             r"\(2, 5, 2\) \[B, C, num_author_hashes\] \(B=2 from "
-                             r"batch.user_hashes; C=5 from batch.candidate_post_hashes\)$"),
+                             r"\(2, 5, 2\) \[B, C, num_author_hashes\] "
+                             r"\(C=5 from batch.candidate_post_hashes\)$"),
     "user count": (_replace_batch("user_hashes", lambda x: x[:1]),
                    r"history_post_hashes has shape .* \(B=1 from batch.user_hashes\)$"),
+    "history length, B and C right": (
+        _replace_batch("history_post_hashes", lambda x: x[:, :7]),
+        r"history_post_hashes has shape \(2, 7, 2\), expected \(2, 8, 2\) "
+        r"\[B, history_seq_len, num_item_hashes\]$"),
     "candidate embeddings": (_replace_emb("candidate_post_embeddings", lambda x: x[:, :5]),
                              r"embeddings.candidate_post_embeddings has shape \(2, 5, 2, 32\)"),
     "user embedding size": (_replace_emb("user_embeddings", lambda x: x[..., :16]),

@@ -254,6 +254,15 @@ def test_corpus_hits_match_reference():
   assert np.any(found % 1 != 0)     # the ties did fall at the k-th place
   with pytest.raises(ValueError, match="ks"):
     metrics.corpus_hits(scores, ids, positive, (16,))
+  # An id outside the corpus is never found (not clipped onto its last row), and a list
+  # with a NaN score has an undefined order: NaN, not a count above its positives.
+  found, total = hits(np.arange(5.0, dtype=np.float32)[None], np.array([[7, 4]]),
+                      np.array([[True, True]]), (1,))
+  assert (float(found[0, 0]), int(total[0])) == (1.0, 2)
+  scores = np.array([[np.nan, 3, 2, 1, 0], [4, 3, 2, 1, 0]], np.float32)
+  found, _ = hits(scores, np.array([[1, 2], [0, 2]]), np.array([[True, False], [True, True]]),
+                  (2,))
+  assert np.isnan(found[0, 0]) and float(found[1, 0]) == 1.0
 
 
 def test_ranking_metrics_bayes_and_keys():

@@ -76,12 +76,14 @@ out["table_devices"] = len(table.sharding.device_set)
 # tables sharded: every step's loss and the evaluation, against one device.
 rcfg = retrieval.get_config("smoke")
 rcfg.num_seeds = 2
+rcfg.retrieval.recall_k = (5, 200)   # half the corpus: a 20-step model finds some
 for name, placement in (("retrieval", make_placement(1, False)),
                         ("mesh_retrieval", make_placement(8, True))):
   trainer, state, out[name + "_loss"] = train(placement, rcfg, chunks=2)
   ev = trainer.evaluate(state)
   out[name + "_eval"] = {k: np.asarray(ev["eval/" + k]).tolist()
-                         for k in ("loss", "auc", "recall@5", "recall@20")}
+                         for k in ("loss", "auc", "recall@5", "recall@200", "bayes_recall@5",
+                                   "bayes_recall@200")}
 print("RESULT" + json.dumps(out))
 """
 
@@ -116,8 +118,9 @@ def test_eight_devices_match_one_device(tmp_path):
   np.testing.assert_allclose(out["mesh_retrieval_loss"], out["retrieval_loss"], rtol=2e-4)
   single, mesh = out["retrieval_eval"], out["mesh_retrieval_eval"]
   np.testing.assert_allclose(mesh["loss"], single["loss"], rtol=2e-4)
-  for k in ("auc", "recall@5", "recall@20"):
+  for k in ("auc", "recall@5", "recall@200", "bayes_recall@5", "bayes_recall@200"):
     np.testing.assert_allclose(mesh[k], single[k], atol=2e-3, err_msg=k)
+  assert min(single["recall@200"]) > 0 and min(single["bayes_recall@5"]) > 0, single
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
+from phoenix_flax.retrieval import CandidateTower
 from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
@@ -110,6 +111,13 @@ def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
   assert float(metrics.log_loss(-logits, labels, mask)) == np.inf
   one = jnp.ones((1, 1), bool)
   assert float(ranking_loss(jnp.full((1, 1, 1), np.inf), jnp.ones((1, 1, 1)), one)) == 0.0
+  # An action weighted 0 is dropped as a padded candidate is, gradient included.
+  w = jnp.array([0.0, 1.0])
+  for bad in (np.inf, np.nan):
+    logits = jnp.array([[[bad, 0.0]]])
+    loss, grad = jax.value_and_grad(ranking_loss)(logits, jnp.array([[[0.0, 1.0]]]), one, w)
+    np.testing.assert_allclose(float(loss), np.log(2), rtol=1e-6)
+    assert np.all(np.isfinite(grad)) and float(grad[0, 0, 0]) == 0.0
 
 
 def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
@@ -167,7 +175,7 @@ def test_retrieval_evaluation_loss_groups_users_as_training_does():
   np.testing.assert_allclose(float(traced()[0]), float(whole), rtol=1e-6)
 
 
-def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only():
+def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only(monkeypatch):
   """The training loss gathers each user's first positive before the candidate tower; loss
   and gradients equal those of the tower run on every candidate and gathered after."""
   spec = parse_config(retrieval_configs.get_config("smoke"))
@@ -182,7 +190,15 @@ def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only():
     return trainer._retrieval_loss(sb, user_BD, cand_BCD)[0]
 
   grad = lambda f: eqx.filter_jit(jax.value_and_grad(f))(state.params, sb)
-  (got, got_g), (want, want_g) = grad(lambda p, b: trainer._loss(p, b)[0]), grad(reference)
+  seen = []    # the candidate tower's input shapes, recorded while tracing
+  tower = CandidateTower.__call__
+  monkeypatch.setattr(CandidateTower, "__call__",
+                      lambda self, x: seen.append(x.shape) or tower(self, x))
+  got, got_g = grad(lambda p, b: trainer._loss(p, b)[0])
+  B = spec.config.train.batch_size
+  assert [s[:-2] for s in seen] == [(1, B)], seen    # B items, not B x C candidates
+  monkeypatch.undo()
+  want, want_g = grad(reference)
   assert float(want) > 0
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
@@ -856,13 +872,13 @@ def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs, cli):
 
 
 def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
-  """`bayes_corpus_top_k` is the top k of the true favorite logit over the whole corpus,
+  """`bayes_corpus_hits` counts the top k of the true favorite logit over the whole corpus,
   in user chunks of any size. Its recall is not a ceiling: recall counts favorites among
   the candidates the sampler drew, and ranking by the chance of being drawn (the sampler's
   topic softmax) times the favorite probability scores above it, on the cpu preset's
   first 40 evaluation batches of 128 lists (README, "Training on the synthetic world")."""
   from phoenix_flax.synthetic import true_logits
-  from phoenix_flax.training.loop import bayes_corpus_hits, bayes_corpus_top_k
+  from phoenix_flax.training.loop import bayes_corpus_hits
   spec = parse_config(retrieval_configs.get_config("cpu"))
   world = make_world(spec.world, jax.random.PRNGKey(spec.config.world_seed))   # the run's
   split, wc = spec.eval_splits["eval"], spec.world
@@ -878,18 +894,16 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
     logit_BN = np.asarray(true_logits(world, sb.interest[:, None, :], jnp.arange(N)[None],
                                       jnp.zeros((1, N), jnp.int32), jnp.zeros((1, N)),
                                       bias_B[:, None])[..., 0])
-    if i == 0:   # the oracle's own top k (in chunks of 16 users) is the true one
-      top = np.asarray(bayes_corpus_top_k(world, sb.interest, bias_B, 0, K,
-                                          budget=16 * N * (wc.latent_dim + wc.num_actions)))
-      np.testing.assert_array_equal(np.sort(top, 1),
-                                    np.sort(np.argsort(-logit_BN, 1)[:, :K], 1))
+    if i == 0:   # the oracle's counts (in chunks of 16 users) are those of the true top k
       positive_BC = (np.asarray(sb.labels)[..., 0] > 0) & np.asarray(sb.candidate_mask)
       ids = np.asarray(sb.candidate_post_ids)
       found, _ = bayes_corpus_hits(world, sb.interest, bias_B, 0, ids, positive_BC, (K,),
                                    budget=16 * N * (wc.latent_dim + wc.num_actions))
+      top = np.argsort(-logit_BN, 1)[:, :K]
       want = [sum(p and i in set(top[b]) for i, p in zip(ids[b], positive_BC[b]))
               for b in range(len(ids))]
       np.testing.assert_array_equal(found[:, 0], want)
+      assert sum(want) > 0
     topic_logits_BT = wc.retrieval_sharpness * np.asarray(sb.interest) @ np.asarray(
         world.topic_vecs_TL).T
     topic_BT = np.exp(topic_logits_BT - topic_logits_BT.max(1, keepdims=True))

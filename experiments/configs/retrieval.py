@@ -3,7 +3,7 @@ trained with an in-batch sampled softmax (a user's positive is its first favorit
 candidate; the other users' positives are its negatives) and evaluated by recall@K
 against the corpus of every post, beside `bayes_recall@K`: the recall of an oracle that
 ranks the corpus by the generator's true favorite probability (a reference, not a
-ceiling; see `training.loop.bayes_corpus_top_k`).
+ceiling; see `training.loop.bayes_corpus_hits`).
 
     python -m experiments.run --config=experiments/configs/retrieval.py --workdir=/tmp/ret
 

@@ -2,8 +2,8 @@
 
 from phoenix_flax.training.loop import (Trainer, TrainState, make_optimizer, make_schedule,
                                         make_system)
-from phoenix_flax.training.loss import (binary_cross_entropy, first_positive, in_batch_softmax_loss,
-                                        ranking_loss)
+from phoenix_flax.training.loss import (binary_cross_entropy, first_positive,
+                                        in_batch_softmax_loss, ranking_loss)
 from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, RunInUseError,
                                           check_run_dirs, load_checkpoint, load_run, run_dirs,
                                           run_experiment)
@@ -17,7 +17,7 @@ __all__ = [
     "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "RunInterrupted",
     "TrainState", "Trainer",
     "base_config", "binary_cross_entropy", "check_run_dirs", "first_positive",
-    "in_batch_softmax_loss", "load_checkpoint", "load_run", "make_optimizer", "make_placement", "make_schedule", "make_system",
-    "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",
+    "in_batch_softmax_loss", "load_checkpoint", "load_run", "make_optimizer",
+    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",
     "world_config",
 ]

@@ -22,6 +22,7 @@ from jaxtyping import Array, PyTree
 
 from phoenix_flax import xla_options
 from phoenix_flax.ranking import Diagnostics
+from phoenix_flax.retrieval import retrieval_scores
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
@@ -150,26 +151,18 @@ def _over_corpus_logits(world: World, interest_BL: Array, bias_B: Array, action:
 def bayes_corpus_hits(world: World, interest_BL: Array, bias_B: Array, action: int,
                       ids_BC: Array, positive_BC: Array, ks: Sequence[int],
                       budget: int = 1 << 24) -> tuple[Array, Array]:
-  """`metrics.corpus_hits` of the oracle that scores the corpus by the true logit of
-  `action` (surface 0, age 0): `bayes_recall@K`'s counts (see `bayes_corpus_top_k`)."""
+  """`metrics.corpus_hits` of the oracle that scores the whole corpus by the true logit of
+  `action` (surface 0, age 0), in user chunks of at most ~`budget` elements: the counts
+  of `bayes_recall@K`.
+
+  That recall is an oracle reference, not a ceiling: it knows the link but not how
+  candidate lists are drawn, and recall counts positives among the drawn candidates. A
+  model trained with the in-batch loss also learns which posts tend to be drawn for a
+  user and can score above it (README, "Training on the synthetic world").
+  """
   hits = lambda logits, ids, positive: metrics.corpus_hits(logits, ids, positive, ks)
   return _over_corpus_logits(world, interest_BL, bias_B, action, budget, hits, ids_BC,
                              positive_BC)
-
-
-def bayes_corpus_top_k(world: World, interest_BL: Array, bias_B: Array, action: int, k: int,
-                       budget: int = 1 << 24) -> Array:
-  """Post ids `[B, k]` with the highest true logit of `action` over the whole corpus
-  (surface 0, age 0), scored in user chunks of at most ~`budget` elements.
-
-  Its recall (`bayes_recall@K`) is an oracle reference, not a ceiling: it knows the
-  link but not how candidate lists are drawn, and recall counts positives among the
-  drawn candidates. A model trained with the in-batch loss also learns which posts tend
-  to be drawn for a user and can score above it (README, "Training on the synthetic
-  world").
-  """
-  return _over_corpus_logits(world, interest_BL, bias_B, action, budget,
-                             lambda logits: jax.lax.top_k(logits, k)[1])
 
 
 def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
@@ -272,11 +265,10 @@ class Trainer:
     # Only each user's first positive enters the loss, so the candidate tower runs on
     # those B items, not on all B*C candidates (equal up to float reassociation).
     user_BD, diag = system.user_forward(sb.batch)
-    b = sb.batch
-    loss, has_B = self._in_batch_loss(
-        sb.labels, sb.candidate_mask, sb.candidate_post_ids, user_BD,
-        lambda pick: system.corpus_representation(pick(b.candidate_post_hashes),
-                                                  pick(b.candidate_author_hashes)))
+    at, has_B = self._first_positive(sb.labels, sb.candidate_mask)
+    positive_BD = system.corpus_representation(sb.batch.candidate_post_hashes[at],
+                                               sb.batch.candidate_author_hashes[at])
+    loss = self._contrast(user_BD, positive_BD, has_B, sb.candidate_post_ids[at])
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
@@ -285,21 +277,27 @@ class Trainer:
     """In-batch softmax loss of the user and candidate vectors, and which users have a
     positive."""
     return self._in_batch_loss(sb.labels, sb.candidate_mask, sb.candidate_post_ids,
-                               user_BD, lambda pick: pick(cand_BCD))
+                               user_BD, cand_BCD)
 
-  def _in_batch_loss(self, labels_BCA: Array, mask_BC: Array, post_ids_BC: Array,
-                     user_BD: Array, positives_of: Callable[[Callable], Array]
-                     ) -> tuple[Array, Array]:
-    """The in-batch loss and which users have a positive. `positives_of(pick)` gives the
-    `[B, D]` vectors of each user's first positive, where `pick` takes that candidate's
-    row out of any `[B, C, ...]` array."""
+  def _first_positive(self, labels_BCA: Array, mask_BC: Array
+                      ) -> tuple[tuple[Array, Array], Array]:
+    """The index `(rows_B, cols_B)` of each user's first positive candidate (it picks
+    that candidate out of any `[B, C, ...]` array), and which users have one."""
     idx_B, has_B = first_positive(labels_BCA, mask_BC,
                                   self.spec.config.retrieval.positive_action)
-    rows = jnp.arange(idx_B.shape[0])
-    pick = lambda x_BC: x_BC[rows, idx_B]
-    loss = in_batch_softmax_loss(user_BD, positives_of(pick), has_B,
-                                 self.spec.config.retrieval.temperature, pick(post_ids_BC))
-    return loss, has_B
+    return (jnp.arange(idx_B.shape[0]), idx_B), has_B
+
+  def _contrast(self, user_BD: Array, positive_BD: Array, has_B: Array,
+                positive_ids_B: Array) -> Array:
+    return in_batch_softmax_loss(user_BD, positive_BD, has_B,
+                                 self.spec.config.retrieval.temperature, positive_ids_B)
+
+  def _in_batch_loss(self, labels_BCA: Array, mask_BC: Array, post_ids_BC: Array,
+                     user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+    """The in-batch loss of candidate vectors already computed, and which users have a
+    positive."""
+    at, has_B = self._first_positive(labels_BCA, mask_BC)
+    return self._contrast(user_BD, cand_BCD[at], has_B, post_ids_BC[at]), has_B
 
   def _eval_retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array
                            ) -> tuple[Array, Array]:
@@ -315,9 +313,7 @@ class Trainer:
     split = lambda x: x.reshape((B // G, G) + x.shape[1:])
     parts = jax.tree.map(split, (sb.labels, sb.candidate_mask, sb.candidate_post_ids,
                                  user_BD, cand_BCD))
-    in_group = lambda labels, mask, ids, user, cand: self._in_batch_loss(
-        labels, mask, ids, user, lambda pick: pick(cand))
-    loss_g, has_gB = jax.vmap(in_group)(*parts)
+    loss_g, has_gB = jax.vmap(self._in_batch_loss)(*parts)
     count_g = jnp.sum(has_gB, axis=1).astype(jnp.float32)
     count = jnp.sum(count_g)
     return jnp.sum(loss_g * count_g) / jnp.maximum(count, 1.0), count
@@ -421,16 +417,14 @@ class Trainer:
       cand_BCD, _ = system.candidate_representation(sb.batch)
       loss, loss_count = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
-      # retrieve_top_k's scores, counted with ties shared (metrics.corpus_hits).
-      found_BK, total_B = metrics.corpus_hits(
-          user_BD @ corpus_ND.astype(user_BD.dtype).T, sb.candidate_post_ids, positive_BC, ks)
+      found_BK, total_B = metrics.corpus_hits(retrieval_scores(user_BD, corpus_ND),
+                                              sb.candidate_post_ids, positive_BC, ks)
       bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
                                             a, sb.candidate_post_ids, positive_BC, ks)
       res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
                  loss=loss, loss_count=loss_count, max_logit=diag.max_abs_attn_logit,
-                 rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)))
-      res["total"] = total_B
+                 rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)), total=total_B)
       for j, k in enumerate(ks):
         res[f"found@{k}"], res[f"bayes_found@{k}"] = found_BK[:, j], bayes_found_BK[:, j]
       return res

@@ -28,18 +28,20 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
 
   `sum_{b,c valid} sum_a w_a * bce(b,c,a) / (#valid * sum_a w_a)`; with no weights this
   is the mean BCE per (candidate, action), the same scale as the log-loss metric. Padded
-  candidates are selected out, not multiplied by 0: whatever their logits hold (NaN, or
-  -inf as some callers pad), neither the loss nor its gradient sees it.
+  candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
+  their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
   """
   m_BC1 = jnp.asarray(mask_BC, bool)[..., None]
-  # Padded logits are replaced before the BCE as well as after it: a NaN that the
-  # forward pass drops would still reach the gradient through the unselected branch.
-  logits = jnp.where(m_BC1, jnp.asarray(logits_BCA, jnp.float32), 0.0)
-  per_BCA = binary_cross_entropy(logits, jnp.asarray(labels_BCA, jnp.float32))
-  A = logits.shape[-1]
+  A = jnp.shape(logits_BCA)[-1]
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)
-  total = jnp.sum(jnp.where(m_BC1, per_BCA * w_A, 0.0))
+  # (Unweighted, the plain mask: the program, and so its rounding, of the committed runs.)
+  kept = m_BC1 if action_weights_A is None else m_BC1 & (w_A > 0)
+  # Dropped logits are replaced before the BCE as well as after it: a NaN that the
+  # forward pass drops would still reach the gradient through the unselected branch.
+  logits = jnp.where(kept, jnp.asarray(logits_BCA, jnp.float32), 0.0)
+  per_BCA = binary_cross_entropy(logits, jnp.asarray(labels_BCA, jnp.float32))
+  total = jnp.sum(jnp.where(kept, per_BCA * w_A, 0.0))
   count = jnp.sum(jnp.asarray(mask_BC, jnp.float32))
   return total / jnp.maximum(count * jnp.sum(w_A), 1e-9)
 

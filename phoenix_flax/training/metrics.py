@@ -159,7 +159,8 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
   Returns `found [B, len(ks)]` (floats) and `total [B]`; recall@k of a list is their
   ratio. Items tied with the k-th score share the places left at random (a constant score
   finds k/N of the positives whatever their ids), where `lax.top_k` would keep the lowest
-  ids. A NaN score leaves the order undefined (the caller reports NaN)."""
+  ids. A positive whose id is not a corpus row is never found; a list with a NaN score
+  has an undefined order, and NaN `found`."""
   ks = tuple(int(k) for k in ks)
   N = scores_BN.shape[1]
   if not ks or min(ks) < 1 or max(ks) > N:
@@ -169,14 +170,17 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
   scores_BN = jax.lax.optimization_barrier(scores_BN)
   kth_BK = jax.lax.top_k(scores_BN, max(ks))[0][:, jnp.asarray(ks) - 1]
   own_BC = jnp.take_along_axis(scores_BN, jnp.clip(ids_BC, 0, N - 1), axis=1)
+  counted_BC = positive_BC & (ids_BC >= 0) & (ids_BC < N)
+  undefined_B1 = jnp.any(jnp.isnan(scores_BN), axis=1, keepdims=True)
   found = []
   for j, k in enumerate(ks):
     kth_B1 = kth_BK[:, j, None]
     above_B1 = jnp.sum(scores_BN > kth_B1, axis=1, keepdims=True)
     tied_B1 = jnp.sum(scores_BN == kth_B1, axis=1, keepdims=True)
-    share_B1 = (k - above_B1) / jnp.maximum(tied_B1, 1)
+    share_B1 = jnp.clip(k - above_B1, 0, tied_B1) / jnp.maximum(tied_B1, 1)
     in_top_BC = jnp.where(own_BC > kth_B1, 1.0, jnp.where(own_BC == kth_B1, share_B1, 0.0))
-    found.append(jnp.sum(jnp.where(positive_BC, in_top_BC, 0.0), axis=1))
+    in_top_BC = jnp.where(undefined_B1, jnp.nan, in_top_BC)
+    found.append(jnp.sum(jnp.where(counted_BC, in_top_BC, 0.0), axis=1))
   return jnp.stack(found, axis=1), jnp.sum(positive_BC, axis=1)
 
 
