@@ -94,15 +94,15 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
     raise ValueError(f"{prefix}.{name} is required but is None")
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
     raise ValueError(f"{prefix}.{name} is a {type(x).__name__}; pass a numpy or jax array")
-  dtype = x.dtype
-  if tuple(np.shape(x)) != shape:
+  dtype, got = x.dtype, tuple(np.shape(x))
+  if got != shape:
     # Name where a size came from only where that dimension is the one that differs.
-    labels, got = dims.split(", "), tuple(np.shape(x))
-    wrong = {l for i, l in enumerate(labels)
-             if len(got) != len(shape) or i >= len(got) or got[i] != shape[i]}
+    labels = dims.split(", ")
+    wrong = set(labels) if len(got) != len(shape) else {
+        label for label, g, s in zip(labels, got, shape) if g != s}
     named = [o for o in origins if o.split("=")[0] in wrong]
-    raise ValueError(f"{prefix}.{name} has shape {tuple(np.shape(x))}, expected {shape} "
-                     f"[{dims}]" + (f" ({'; '.join(named)})" if named else ""))
+    raise ValueError(f"{prefix}.{name} has shape {got}, expected {shape} [{dims}]"
+                     + (f" ({'; '.join(named)})" if named else ""))
   if kind == "int" and not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected integers")
   if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):

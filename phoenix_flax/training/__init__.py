@@ -18,6 +18,6 @@ __all__ = [
     "TrainState", "Trainer",
     "base_config", "binary_cross_entropy", "check_run_dirs", "first_positive",
     "in_batch_softmax_loss", "load_checkpoint", "load_run", "make_optimizer",
-    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss", "run_dirs", "run_experiment", "split_config",
-    "world_config",
+    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss",
+    "run_dirs", "run_experiment", "split_config", "world_config",
 ]
