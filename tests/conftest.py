@@ -22,29 +22,37 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # undone at the end, cut it; the xdist workers and every subprocess inherit them through
 # the environment.
 #
-# 1. The tests compile unoptimised backend code (`--xla_backend_optimization_level=0`,
-#    added to the caller's XLA_FLAGS): the same HLO, fused alike, but LLVM does not
-#    optimise the kernels, which cuts compile time by about 40%. Float results move by a
-#    few ulps (no fused multiply-adds, other exp code), within every tolerance here; the
-#    suite passes as users compile too: `PHOENIX_FLAX_TEST_OPTIMIZED=1 pytest ...` runs
-#    it with XLA's defaults.
+# 1. The tests compile quickly: unoptimised backend code
+#    (`--xla_backend_optimization_level=0`: the same HLO, fused alike, but LLVM does not
+#    optimise the kernels) and XLA:CPU's older elemental emitter instead of its MLIR fusion
+#    emitters (`--xla_cpu_use_fusion_emitters=false`), both added to the caller's
+#    XLA_FLAGS. A cold `python -m experiments.run` at the smoke preset took 32-48 s of CPU
+#    time with neither, 19-28 s with the first alone, 35-46 s with the second alone and
+#    10-14 s with both (6.5 s with every program already in the compilation cache; two
+#    rounds on the 2-core AVX2 host). Float results move by a few ulps (no fused
+#    multiply-adds, other exp code), within every tolerance here; the suite passes as
+#    users compile too: `PHOENIX_FLAX_TEST_OPTIMIZED=1 pytest ...` runs it with XLA's
+#    defaults.
 # 2. One JAX persistent compilation cache for the session: many programs are compiled
 #    again by another test, by a subprocess (command lines, notebooks, killed-and-resumed
 #    runs) or by xdist's other worker. A cache hit loads the executable that compiling
 #    would give, so no result depends on it. A JAX_COMPILATION_CACHE_DIR set by the caller
 #    is left as it is (and kept).
 OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
-_QUICK_FLAG = "--xla_backend_optimization_level=0"
+_QUICK_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def quick_xla_flags(*flags: str) -> str:
-  """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, unoptimised
-  backend code (unless PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
+  """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, the quick-compile
+  flags it does not set already (unless PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
   current = os.environ.get("XLA_FLAGS", "")
-  quick = os.environ.get(OPTIMIZED_ENV) != "1" and _QUICK_FLAG not in current.split()
-  return " ".join(filter(None, [current, _QUICK_FLAG if quick else "", *flags]))
+  quick = []
+  if os.environ.get(OPTIMIZED_ENV) != "1":
+    named = {flag.split("=", 1)[0] for flag in current.split()}
+    quick = [flag for flag in _QUICK_FLAGS if flag.split("=", 1)[0] not in named]
+  return " ".join(filter(None, [current, *quick, *flags]))
 
 
 def subprocess_env(*xla_flags: str, **variables: str) -> dict:

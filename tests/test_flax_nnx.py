@@ -19,8 +19,8 @@ from conftest import forward, ranking_config, retrieval_config, transformer_conf
 
 import phoenix_flax as pf
 from experiments.configs import ranking as ranking_configs
-from phoenix_flax.training import (RetrievalSystem, Trainer, make_optimizer, make_system,
-                                   parse_config, ranking_loss)
+from phoenix_flax.training import (RetrievalSystem, Trainer, make_optimizer, make_schedule,
+                                   make_system, parse_config, ranking_loss)
 from phoenix_flax.training.loop import _decay_mask
 
 try:
@@ -255,15 +255,21 @@ def trained(spec):
 
 
 @needs_flax
-def test_nnx_training_matches_the_equinox_trainer(trained):
+def test_nnx_training_matches_the_equinox_trainer(spec, trained):
   np.testing.assert_allclose(trained["nnx_losses"], trained["eqx_losses"], rtol=1e-5)
   assert trained["eqx_losses"][0] != trained["eqx_losses"][-1]
   state = trained["state"]
   assert int(state.step) == 4 and not bool(state.diverged)
   got = eqx.filter(flax_nnx.to_equinox(trained["model"]), eqx.is_array)
   assert jax.tree.structure(got) == jax.tree.structure(state.params)
+  # Adam moves a parameter by about the learning rate whatever its gradient's size, so where
+  # the gradient is a near-cancelling sum (a hash row's occurrences) or below Adam's eps,
+  # the two programs' rounding changes the step by a visible fraction of the learning rate
+  # (0.06% of the four steps' reach in one post-table entry, compiled as the test session
+  # compiles). The optimizer moments below are compared tightly.
+  reach = sum(float(make_schedule(spec)(step)) for step in range(4))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state.params)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-3 * reach)
   opt_state = by_path(nnx.as_pure(trained["optimizer"].opt_state))   # Equinox paths
   want = by_path(state.opt_state)
   assert set(opt_state) == set(want) and "1/0/mu/model/transformer/layers/dense/out/weight" in want
