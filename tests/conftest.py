@@ -25,10 +25,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 1. The tests compile quickly: unoptimised backend code
 #    (`--xla_backend_optimization_level=0`: LLVM does not optimise the kernels) emitted by
 #    XLA:CPU's older elemental emitter instead of its MLIR fusion emitters
-#    (`--xla_cpu_use_fusion_emitters=false`), both added to the caller's XLA_FLAGS. A cold `python -m experiments.run` at the smoke preset took 32-48 s of CPU
-#    time with neither, 18.5-28 s with the first alone, 35-46 s with the second alone and
-#    10-14 s with both (6.5 s with every program already in the compilation cache; two
-#    rounds on the 2-core AVX2 host). Float results move by a few ulps (no fused
+#    (`--xla_cpu_use_fusion_emitters=false`), both added to the caller's XLA_FLAGS. A
+#    cold `python -m experiments.run` at the smoke preset took 32-48 s of CPU time with
+#    neither, 18.5-28 s with the first alone, 35-46 s with the second alone and 10-14 s
+#    with both (6.5 s with every program already in the compilation cache; two rounds on
+#    the 2-core AVX2 host). Float results move by a few ulps (no fused
 #    multiply-adds, other exp code), within every tolerance here; the suite passes as
 #    users compile too: `PHOENIX_FLAX_TEST_OPTIMIZED=1 pytest ...` runs it with XLA's
 #    defaults.

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from phoenix_flax.inference import ACTIONS
+from phoenix_flax.training.loss import binary_cross_entropy
 
 
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
@@ -63,11 +64,10 @@ def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
   bce_BCA = jax.nn.softplus(logits_BCA) - labels_BCA * logits_BCA
   plain = _masked_mean(bce_BCA, mask_BC)
   # `softplus(x) - y x` is inf - inf or 0 * inf at an infinite x: such entries take the
-  # limit instead, in a second sum used only when there is one (the first, which every
-  # finite evaluation returns, keeps its rounding).
+  # limit (the training loss's BCE gives it) instead, in a second sum used only when there
+  # is one (the first, which every finite evaluation returns, keeps its rounding).
   inf_BCA = jnp.isinf(logits_BCA)
-  agrees_BCA = jnp.where(logits_BCA > 0, labels_BCA == 1, labels_BCA == 0)
-  limit_BCA = jnp.where(agrees_BCA, 0.0, jnp.inf)
+  limit_BCA = binary_cross_entropy(logits_BCA, labels_BCA)
   any_inf = jnp.any(inf_BCA & jnp.broadcast_to(mask_BC[..., None], inf_BCA.shape))
   return jnp.where(any_inf, _masked_mean(jnp.where(inf_BCA, limit_BCA, bce_BCA), mask_BC),
                    plain)
