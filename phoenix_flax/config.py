@@ -4,7 +4,8 @@ Field order of the release's configs is kept (positional construction ports), an
 switches follow. Their defaults are the release's, with two exceptions made for training
 from scratch on any backend: `param_init` defaults to variance scaling (the release
 initialises every transformer weight and norm scale to zero, placeholders for a
-checkpoint, which cannot train; "zeros" reproduces them) and `fprop_dtype` to float32
+checkpoint: every transformer gradient is then exactly zero, so only the input
+projections, final norm and unembedding could learn; "zeros" reproduces them) and `fprop_dtype` to float32
 (the release runs bfloat16).
 """
 
@@ -83,8 +84,9 @@ class TransformerConfig:
   Attributes:
     attn_logit_cap: soft cap ``c * tanh(logits / c)`` on attention logits; None = off.
     norm_layout: "sandwich" (release: norm before and after each block), "pre", "post".
-    param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, which
-      cannot train), "rezero" (variance-scaled weights, zero post-block norm scales).
+    param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, whose
+      transformer gets exactly zero gradients and never trains), "rezero" (variance-scaled
+      weights, zero post-block norm scales).
     scan_unroll: layers per iteration of the layer scan. 1 (default) compiles one layer
       whatever the depth (the ranking model's logits-only `__call__` compiles its last
       layer on its own too); values >= num_layers unroll the stack fully, which makes

@@ -1,4 +1,5 @@
-"""Independent dm-haiku reference of the released (Jan release) Phoenix models.
+"""Independent dm-haiku reference of the released (Jan release) Phoenix models, plus the
+later release's right-anchored RoPE positions for the ranking model.
 
 Written from the project's written specification of the released code alone (not shipped:
 it records the release's semantics and parameter names, which this file and
@@ -40,6 +41,7 @@ class ReferenceConfig:
   product_surface_vocab_size: int = 16
   enable_linear_proj: bool = True
   fprop_dtype: jnp.dtype = jnp.float32
+  right_anchored_rope: bool = False   # later release (ranking model)
 
 
 def ffn_size(emb_size: int, widening_factor: float) -> int:
@@ -137,6 +139,18 @@ def make_recsys_attn_mask(seq_len: int, offset: int, dtype=jnp.float32):
   return mask[None, None]
 
 
+def right_anchored_rope_positions(padding_mask, history_seq_len: int, prefix: int):
+  """Later release's positions `[B, T]`: prefix tokens keep their index, the history
+  window `[hs, he)` ends its valid entries at `he - 1`, every later token sits at `he`,
+  padded tokens at 0."""
+  T = padding_mask.shape[1]
+  hs, he = prefix, prefix + history_seq_len
+  n = jnp.sum(padding_mask[:, hs:he].astype(jnp.int32), axis=1, keepdims=True)
+  index = jnp.arange(T)[None, :]
+  positions = jnp.where(index < hs, index, jnp.where(index < he, he - n + (index - hs), he))
+  return jnp.where(padding_mask, positions, 0).astype(jnp.float32)
+
+
 class Transformer(hk.Module):
 
   def __init__(self, cfg: ReferenceConfig):
@@ -221,7 +235,10 @@ class PhoenixModel(_UserHistoryTokens):
     offset = context.shape[1]
     tokens = jnp.concatenate([context, candidates], axis=1).astype(cfg.fprop_dtype)
     mask = jnp.concatenate([context_mask, batch.candidate_post_hashes[:, :, 0] != 0], axis=1)
-    h = self.transformer(tokens, mask, candidate_start_offset=offset)
+    positions = None
+    if cfg.right_anchored_rope:
+      positions = right_anchored_rope_positions(mask, batch.history_post_hashes.shape[1], 1)
+    h = self.transformer(tokens, mask, candidate_start_offset=offset, positions=positions)
     h = RMSNorm()(h)[:, offset:]
     unembeddings = hk.get_parameter("unembeddings", [D, cfg.num_actions], jnp.float32,
                                     init=ZEROS)

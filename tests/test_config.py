@@ -20,7 +20,7 @@ def test_defaults_are_the_release_forward_pass_except_dtype_and_init():
   tc = transformer_config()
   assert tc.attn_logit_cap == 30.0
   assert tc.norm_layout == "sandwich"
-  assert tc.param_init == "variance_scaling"       # the release's zeros cannot train
+  assert tc.param_init == "variance_scaling"       # the release's zeros: no transformer gradient
   cfg = ranking_config(transformer=tc)
   assert cfg.right_anchored_rope is False
   assert cfg.candidate_isolation is True

@@ -473,6 +473,34 @@ def test_ranking_logits_match_reference_at_a_larger_size():
     np.testing.assert_allclose(logits, expected, rtol=0, atol=PARITY_ATOL, err_msg=impl)
 
 
+@pytest.mark.parametrize("heads, right_anchored",
+                         [((4, 1), False), ((4, 4), False), ((8, 2), False), ((4, 2), True)],
+                         ids=["H4-KV1", "H4-KV4", "H8-KV2", "H4-KV2-right-anchored"])
+def test_ranking_logits_match_reference_across_variants(inputs, heads, right_anchored):
+  """Other query/KV head splits (one shared KV head, plain multi-head, four queries per
+  KV head) and the later release's right-anchored positions, each against the reference
+  built with the same setting, on both paths. The inputs' second user has a hole in its
+  history, which the positions' formula counts like any padding."""
+  H, KV = heads
+  shape = dict(emb_size=64, key_size=32, num_q_heads=H, num_kv_heads=KV, num_layers=2,
+               widening_factor=2.0, attn_output_multiplier=0.125)
+  transformed = ref.ranking_transform(ref.ReferenceConfig(**shape,
+                                                          right_anchored_rope=right_anchored))
+  tree = _random_tree(jax.eval_shape(transformed.init, jax.random.PRNGKey(0), *inputs),
+                      seed=3)
+  expected = jax.jit(transformed.apply)(tree, *inputs)
+  if right_anchored:   # the positions matter at these inputs
+    sequential = ref.ranking_transform(ref.ReferenceConfig(**shape)).apply(tree, *inputs)
+    assert float(jnp.max(jnp.abs(sequential - expected))) > 0.1
+  for impl in ("isolated", "dense"):
+    config = pf.PhoenixModelConfig(model=pf.TransformerConfig(**shape), emb_size=64,
+                                   history_seq_len=S, candidate_seq_len=C,
+                                   right_anchored_rope=right_anchored, attention_impl=impl)
+    logits = eqx.filter_jit(haiku_compat.ranking_model_from_haiku(tree, config))(*inputs)
+    np.testing.assert_allclose(logits.logits, expected, rtol=0, atol=PARITY_ATOL,
+                               err_msg=impl)
+
+
 @pytest.mark.parametrize("attention_impl", ["isolated", "dense"])
 def test_a_user_with_no_valid_context_matches_on_valid_candidates(inputs, ranking_params,
                                                                   ranking_reference,

@@ -179,6 +179,9 @@ def test_zeros_init_gradients_are_exactly_zero():
   leaves = jax.tree.leaves(eqx.filter(grads.transformer, eqx.is_array))
   assert len(leaves) == 8 and all(np.all(g == 0) for g in leaves)
   np.testing.assert_array_equal(forward(placeholders, *padded_batch(cfg))[0].logits, 0.0)
+  # Outside the transformer the zeros stop nothing: the final norm's scale multiplies the
+  # untouched residual stream, so it (and what feeds it) gets a gradient.
+  assert np.any(grads.final_norm.scale != 0)
 
 
 def test_vmap_over_batches():
