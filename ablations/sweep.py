@@ -90,7 +90,8 @@ from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
-from phoenix_flax.training.schema import ExperimentSpec, check_config, flatten
+from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
+                                         not_in_model_section)
 from phoenix_flax.training.sharding import initialize_distributed
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           final_metric_names, finished_seeds, seed_dir)
@@ -275,6 +276,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
         if not isinstance(node, ml_collections.ConfigDict) or key not in node:
           fields = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
           near = difflib.get_close_matches(key, fields, n=1)
+          why = not_in_model_section(key) if where == "config.model" else None
+          if why:
+            raise ValueError(why)
           raise ValueError(
               f"{where} has no field {key!r}"
               + (f" (did you mean {near[0]!r}?)" if near else f" (fields: {fields})")

@@ -25,7 +25,7 @@ from ml_collections import config_flags
 
 from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import check_config
+from phoenix_flax.training.schema import check_config, not_in_model_section
 from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -138,6 +138,10 @@ def _key_error_message(e: BaseException) -> str:
 def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
   and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
+  overrides = [a for a in argv[1:] if a.startswith("--config.")]
+  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    _fail(f"--config is required: the overrides {overrides} apply to a config file, e.g. "
+          "--config=experiments/configs/ranking.py")
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -146,6 +150,11 @@ def parse_config_flags(argv: list[str]) -> list[str]:
       lines = [lines[0], lines[-1]]
     usage_error("\n".join(lines))
   except (AttributeError, KeyError) as e:
+    for arg in overrides:
+      path = arg[len("--config."):].split("=", 1)[0]
+      why = not_in_model_section(path[len("model."):]) if path.startswith("model.") else None
+      if why:
+        _fail(f"{arg.split('=', 1)[0]}: {why}")
     _fail("a --config.* override names a field the config does not have:\n  "
           + _key_error_message(e).replace("\n", "\n  ")
           + "\nThe schema is in phoenix_flax/training/schema.py")

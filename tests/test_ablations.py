@@ -115,6 +115,10 @@ def test_overrides():
   with pytest.raises(ValueError, match=r"config.model has no field 'zzz' \(fields: "
                                        r"\['attention_impl'.*'num_layers'.*base_config"):
     sweep.apply_overrides(base, {"model.zzz": 3})
+  with pytest.raises(ValueError, match=r"model.micro_batch_rows=64 is invalid: "
+                                       r"'micro_batch_rows' is a field of PhoenixModelConfig "
+                                       r"that the experiment config does not expose"):
+    sweep.apply_overrides(base, {"model.micro_batch_rows": 64})
   with pytest.raises(ValueError, match=r"config has no field 'modle' \(did you mean "
                                        r"'model'\?\)$"):   # a section typo: no switch hint
     sweep.apply_overrides(base, {"modle.num_layers": 3})

@@ -59,6 +59,12 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
   cases = [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}", *extra],
             needle) for extra, needle in cases]
   cases += [([f"--workdir={workdir}"], "--config is required"),
+            ([f"--workdir={workdir}", "--config.model.num_layers=2"],
+             "--config is required: the overrides ['--config.model.num_layers=2']"),
+            (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
+              "--config.model.dwell_time_norm=30.0"],
+             "'dwell_time_norm' is a field of PhoenixModelConfig that the experiment config "
+             "does not expose: the synthetic world draws no dwell times"),
             # the config file's own error, without the traceback around it
             (["--config=experiments/configs/ranking.py:nopreset", f"--workdir={workdir}"],
              "unknown preset 'nopreset'")]

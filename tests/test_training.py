@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,12 +18,13 @@ import pytest
 from conftest import REPO, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
+import phoenix_flax as pf
 from phoenix_flax.retrieval import CandidateTower
 from phoenix_flax.synthetic import make_world, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
-from phoenix_flax.training import checkpoint, metrics, provenance
+from phoenix_flax.training import checkpoint, metrics, provenance, schema
 from phoenix_flax.training.loss import binary_cross_entropy
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         unstack)
@@ -472,6 +474,25 @@ def test_every_model_key_reaches_its_model_config_field():
       3, "dense", True)
   c.model.qk_norm = True
   with pytest.raises(ConfigError, match=r"config.model=\['qk_norm'\].*phoenix_flax/config.py"):
+    parse_config(c)
+
+
+def test_every_model_config_field_is_in_the_model_section_or_says_why_not():
+  """A field added to the model configs needs its default in `base_config` (or a reason
+  in `NOT_IN_MODEL_SECTION`); an unexposed field set in a config file is refused with the
+  reason, not passed to a model the synthetic world cannot feed."""
+  fields = set()
+  for cls in (pf.TransformerConfig, pf.PhoenixModelConfig, pf.PhoenixRetrievalModelConfig):
+    fields |= {f.name for f in dataclasses.fields(cls)}
+  section = set(base_config("ranking").model) - set(schema.TRAINING_MODEL_KEYS)
+  assert section == set(base_config("retrieval").model) - set(schema.TRAINING_MODEL_KEYS)
+  unexposed = set(schema.NOT_IN_MODEL_SECTION)
+  assert not section & unexposed
+  assert section | unexposed == fields, sorted(fields - section - unexposed)
+  c = smoke_config()
+  c.model.num_continuous_actions = 2
+  with pytest.raises(ConfigError, match=r"config.model.num_continuous_actions is invalid: "
+                                        r".*PhoenixModelConfig.*no continuous labels"):
     parse_config(c)
 
 

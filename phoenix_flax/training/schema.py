@@ -27,7 +27,9 @@ command line as `--config.<section>.<field>=value`):
                       hash tables; `enable_linear_proj` is the retrieval candidate tower;
                       `scan_unroll` is layers per scan iteration (a speed knob, not a
                       switch; the cpu preset's 8 unrolls any stack of up to 8 layers).
-                      S, C, A, hash counts and the surface vocabulary come from `world`.
+                      S, C, A, hash counts and the surface vocabulary come from `world`;
+                      the other model-config fields the section lacks are in
+                      `NOT_IN_MODEL_SECTION`, with the reason an override of one is refused.
   optim.*             AdamW: `learning_rate` (peak), `warmup_steps` (linear from 0; fewer
                       than `train.num_steps`), then
                       cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
@@ -206,6 +208,36 @@ def default_fprop_dtype() -> str:
 # `config.model` keys that are not fields of the model configs.
 TRAINING_MODEL_KEYS = ("embedding_init_scale",)
 
+# Fields of the model configs that `config.model` does not hold, and why (an override of
+# one names the reason instead of only "no such field"; tests/test_config_schema.py keeps
+# this list and `base_config` covering every field).
+NOT_IN_MODEL_SECTION = {
+    "name": "the module name is fixed",
+    "model": "the transformer's fields are the model section's own keys",
+    "history_seq_len": "set world.history_len",
+    "candidate_seq_len": "set world.num_candidates",
+    "hash_config": "set world.num_user_hashes, num_item_hashes, num_author_hashes",
+    "num_actions": "the world's 19 actions fix it",
+    "product_surface_vocab_size": "set world.product_surface_vocab_size",
+    "dwell_time_norm": "the synthetic world draws no dwell times (dwell is its binary "
+                       "dwell action), so the dwell-time embedding would read nothing",
+    "dwell_hidden_size": "the synthetic world draws no dwell times",
+    "num_continuous_actions": "the synthetic world has no continuous labels to train a "
+                              "continuous head on",
+    "micro_batch_rows": "a serving setting of `model(...)`; training and evaluation run "
+                        "`forward`, which takes the whole batch",
+}
+
+
+def not_in_model_section(key: str) -> Optional[str]:
+  """Why `config.model` has no `key`, when `key` is a model-config field; else None."""
+  if key not in NOT_IN_MODEL_SECTION:
+    return None
+  owners = [cls.__name__ for cls in (TransformerConfig, PhoenixModelConfig,
+                                     PhoenixRetrievalModelConfig) if key in _fields(cls)]
+  return (f"{key!r} is a field of {' / '.join(owners)} that the experiment config does not "
+          f"expose: {NOT_IN_MODEL_SECTION[key]}")
+
 
 def _fields(cls) -> set[str]:
   return {f.name for f in dataclasses.fields(cls)}
@@ -219,6 +251,8 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
   tc_fields = _fields(TransformerConfig)
   known = (tc_fields | _fields(PhoenixModelConfig) | _fields(PhoenixRetrievalModelConfig)
            | set(TRAINING_MODEL_KEYS))
+  for key in sorted(set(m) & set(NOT_IN_MODEL_SECTION)):
+    raise ConfigError(f"config.model.{key} is invalid: {not_in_model_section(key)}")
   unknown = sorted(set(m) - known)
   _check(not unknown, "model", unknown,
          "these keys are fields of no model config; add each to TransformerConfig or "
