@@ -13,8 +13,9 @@ topic shared by the list's relevant candidates shifts the user's interest, so co
 are informative). Serving-time shifts, each an extra evaluation split of the same world:
 `long_list` (another size: 2C candidates), `by_relevance` (another order: best candidates
 first), `random_companions` (other companions: 90 percent random candidates, no shared session).
-The correlation also changes how predictable labels are (the eval split's Bayes AUC is
-about 0.81 at `corr0`, 0.86 at `corr0.5`), and `random_companions` drops the session, so
+The correlation also changes how predictable labels are (at the cpu preset the eval
+split's Bayes AUC is 0.81 at `corr0`, 0.86 at `corr0.5`; the `auc_mean` table gives each
+sweep's), and `random_companions` drops the session, so
 under `corr0.5` it is a harder task as well; every comparison pairs an arm with the
 baseline on the same split, so these differences cancel in the deltas.
 The probe scores the in-distribution lists in chunks of C/4 (isolated: one encoded

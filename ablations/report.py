@@ -180,14 +180,21 @@ def fmt_pm(mean: float, half: float) -> str:
 
 
 def metric_table(results: Mapping, metric: str) -> list[str]:
-  """Markdown rows: value per variant and its paired difference to the baseline."""
+  """Markdown rows: value per variant, the generator's Bayes-optimal value beside it when
+  the runs report one (the ceiling on the same evaluation lists), and the paired
+  difference to the baseline."""
   comps = {c["variant"]: c for c in results.get("comparisons", []) if c["metric"] == metric}
   better = results.get("better", {}).get(metric)
-  rows = [f"| variant | runs | diverged | `{metric}` (mean ± 95% CI) | Δ vs baseline "
-          "[95% CI] | p | Holm p | verdict |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  ceiling = any(metric in v.get("bayes", {}) for v in results["variants"].values())
+  rows = [f"| variant | runs | diverged | `{metric}` (mean ± 95% CI) "
+          + ("| Bayes-optimal " if ceiling else "")
+          + "| Δ vs baseline [95% CI] | p | Holm p | verdict |",
+          "| --- | --- | --- | --- " + ("| --- " if ceiling else "")
+          + "| --- | --- | --- | --- |"]
   for name, v in results["variants"].items():
     head = f"| {name} | {len(v['seeds'])} | {v['diverged']} | {_variant_cell(v, metric)}"
+    if ceiling:
+      head += f" | {fmt(v.get('bayes', {}).get(metric))}"
     c = comps.get(name)
     if v["arm"] == results["baseline"]:
       rows.append(f"{head} | baseline | | | |")

@@ -36,7 +36,11 @@ results.json:
      "variants": {name: {"arm": str, "cell": str, "overrides": {path: value},
                          "seeds": [int], "diverged": int, "diverged_at_step": [int|null],
                          "metrics": {metric: {"mean", "std", "ci95": [lo, hi], "n",
-                                              "per_seed": [float|null]}}}},
+                                              "per_seed": [float|null]}},
+                         "bayes": {metric: float} (the generator's Bayes-optimal value
+                                  of each metric the runs report one for, e.g.
+                                  `bayes_auc_mean` beside `auc_mean`; the mean over the
+                                  finished runs, which share their evaluation lists)}},
      "comparisons": [{"variant", "baseline", "metric", "delta", "ci95": [lo, hi],
                       "p_value", "p_holm", "n", "test"}],
      "pooled_comparisons": [the same, with "variant" an arm and "conditions" the number
@@ -548,11 +552,13 @@ class Sweep:
         self._probe_events(ctx.run_dir, JOINT_PROBES_FILE, fresh=True)
       jax.clear_caches()
 
-  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list]:
+  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list, dict]:
     """metric -> per-seed values (None for a diverged run), the divergence steps, every
-    metric name the finished runs provide, and the code version each run recorded (None
-    for runs from before `result.json` held it, or from outside a git checkout)."""
+    metric name the finished runs provide, the code version each run recorded (None for
+    runs from before `result.json` held it, or from outside a git checkout), and metric ->
+    the Bayes-optimal value each finished run reported beside it (`bayes_counterpart`)."""
     values = {m: [] for m in self.ablation.metrics}
+    bayes = {m: [] for m in self.ablation.metrics}
     diverged_at, available, codes = [], set(), []
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
@@ -578,7 +584,10 @@ class Sweep:
           values[m].append(float(diverged))
         else:
           values[m].append(None if diverged else found.get(m))
-    return values, diverged_at, available, codes
+          ceiling = bayes_counterpart(m, found)
+          if ceiling is not None and not diverged and found[ceiling] is not None:
+            bayes[m].append(found[ceiling])
+    return values, diverged_at, available, codes, {m: b for m, b in bayes.items() if b}
 
   def training(self) -> dict:
     """How long the base config trains and what it evaluates on (results.json's
@@ -593,7 +602,7 @@ class Sweep:
     ab = self.ablation
     table, variants, available, finished, run_codes = {}, {}, set(), False, {}
     for v in self.variants:
-      values, diverged_at, found, codes = self.per_seed(v)
+      values, diverged_at, found, codes, bayes = self.per_seed(v)
       for code in codes:   # how many runs each code version trained
         run_codes[code or "not recorded"] = run_codes.get(code or "not recorded", 0) + 1
       available |= found
@@ -604,7 +613,8 @@ class Sweep:
           "seeds": list(self.seeds),
           "diverged": sum(x is not None for x in diverged_at),
           "diverged_at_step": diverged_at,
-          "metrics": {m: stats.summarize(vals) for m, vals in values.items()}}
+          "metrics": {m: stats.summarize(vals) for m, vals in values.items()},
+          "bayes": {m: sum(b) / len(b) for m, b in bayes.items()}}
     missing = [m for m in ab.metrics if m != "diverged" and m not in available]
     if finished and missing:
       raise ValueError(f"{ab.name}: metrics {missing} are in no run's result.json, "
@@ -645,6 +655,19 @@ class Sweep:
             "variants": variants, "comparisons": comparisons,
             "pooled_comparisons": pooled,
             "environment": {**environment(), "run_codes": dict(sorted(run_codes.items()))}}
+
+
+def bayes_counterpart(metric: str, finals: Mapping[str, Any]) -> Optional[str]:
+  """The final that holds the generator's Bayes-optimal value of `metric`: "bayes_" before
+  one part of its name ("auc_mean" -> "bayes_auc_mean", "long_list/auc_mean" ->
+  "long_list/bayes_auc_mean", "auc/click_score" -> "bayes_auc/click_score"); None when
+  the runs report none (probe outputs, derived metrics, "diverged")."""
+  parts = metric.split("/")
+  for i in range(len(parts)):
+    name = "/".join(parts[:i] + ["bayes_" + parts[i]] + parts[i + 1:])
+    if name in finals:
+      return name
+  return None
 
 
 def environment() -> dict:

@@ -42,7 +42,8 @@ def fake_runner(diverge=(), code=None):
       diverged = (variant, seed) in diverge
       result = {"final": {"auc_mean": None if diverged else auc, "logloss": 0.3 - auc / 10,
                           "calibration_error": 0.01, "residual_rms/layer_0": 1.0,
-                          "residual_rms/layer_1": 2.0},
+                          "residual_rms/layer_1": 2.0,
+                          "bayes_auc_mean": 0.81 if variant.endswith("_hi") else 0.8},
                 "diverged": diverged, "diverged_at_step": 7 if diverged else None,
                 "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
       if code is not None:
@@ -185,7 +186,9 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert auc["ci95"][0] < auc["mean"] < auc["ci95"][1]
   assert b["metrics"]["residual_rms/layer_1"]["mean"] == 2.0
 
+  assert b["bayes"] == {"auc_mean": 0.8}   # logloss and the RMS have no Bayes value here
   c = on_disk["variants"]["c_hi"]
+  assert c["bayes"] == {"auc_mean": 0.81}
   assert c["diverged"] == 1 and c["diverged_at_step"] == [None, 7, None, None]
   assert c["metrics"]["auc_mean"]["per_seed"][1] is None
   assert c["metrics"]["auc_mean"]["n"] == 3
@@ -245,6 +248,12 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert "4 seeds)." in text
   assert "significantly higher (better)" in text
   assert "| c_hi | 4 | 1 |" in text
+  auc_table = text.split("## `auc_mean`\n\n")[1].split("\n\n")[0].splitlines()
+  assert auc_table[0].startswith("| variant | runs | diverged | `auc_mean` (mean ± 95% CI) "
+                                 "| Bayes-optimal | Δ vs baseline")
+  assert all(len(row.split("|")) == len(auc_table[0].split("|")) for row in auc_table)
+  assert auc_table[2].startswith("| a_lo | 4 | 0 | ") and " | 0.8 | baseline |" in auc_table[2]
+  assert " | 0.81 | " in auc_table[-1]
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
   # Metrics outside the headline get their pooled differences too (logloss moves with AUC).
   differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
@@ -254,6 +263,17 @@ def test_sweep_results_stats_and_report(tmp_path):
   for png in ("curves.png", "effects.png"):
     assert (tmp_path / png).stat().st_size > 1000
     assert f"({png})" in text
+
+
+def test_bayes_counterpart_finds_the_ceiling_of_a_metric():
+  finals = {"bayes_auc_mean": 0.8, "long/bayes_auc_mean": 0.7, "bayes_auc/click_score": 0.6,
+            "bayes_recall@5": 0.5}
+  assert sweep.bayes_counterpart("auc_mean", finals) == "bayes_auc_mean"
+  assert sweep.bayes_counterpart("long/auc_mean", finals) == "long/bayes_auc_mean"
+  assert sweep.bayes_counterpart("auc/click_score", finals) == "bayes_auc/click_score"
+  assert sweep.bayes_counterpart("recall@5", finals) == "bayes_recall@5"
+  for metric in ("logloss", "score_consistency", "diverged", "short/auc_mean"):
+    assert sweep.bayes_counterpart(metric, finals) is None
 
 
 def test_which_side_of_a_metric_is_better():
