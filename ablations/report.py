@@ -356,6 +356,18 @@ HOW_TO_READ = (
     "at each run's last step; the HParams view groups each variant's seeds.")
 
 
+def merged_environments(envs: Sequence[Mapping]) -> list[dict]:
+  """The distinct environments of several sweeps, each sweep's runs counted in its
+  environment's `run_codes` (sweeps that differ only in their runs share one line)."""
+  merged = {}
+  for env in envs:
+    key = repr(sorted((k, v) for k, v in env.items() if k != "run_codes"))
+    into = merged.setdefault(key, {**env, "run_codes": {} if "run_codes" in env else None})
+    for code, count in (env.get("run_codes") or {}).items():
+      into["run_codes"][code] = into["run_codes"].get(code, 0) + count
+  return list(merged.values())
+
+
 def environment_line(env: Mapping) -> str:
   """"Code: <commit>; Python ..., jax ..., jaxlib ..., numpy ...; machine: ..." of a
   results.json, with the code versions that trained the runs where they differ from the
@@ -500,8 +512,9 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   out += preset_note(preset, counts.pop() if len(counts) == 1 and 0 not in counts else None)
   if command:
     out += ["Command:", "", f"    {command}", ""]
-  envs = {environment_line(r["environment"]) for _, r in entries if r.get("environment")}
-  out += sorted(envs) + ([""] if envs else [])
+  envs = sorted(environment_line(env) for env in merged_environments(
+      [r["environment"] for _, r in entries if r.get("environment")]))
+  out += envs + ([""] if envs else [])
   out += ["Each row: a variant against the released setting, paired over seeds (where the "
           "sweep has several conditions, pooled: each seed's values averaged over them "
           "first); significant means Holm-adjusted p < 0.05, Holm over the comparisons of "

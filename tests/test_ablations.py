@@ -565,6 +565,10 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
   assert "## [toy](toy/REPORT.md)" in text and "## [toy2](toy2/REPORT.md)" in text
   assert "| [toy](toy/REPORT.md) | b vs a | `auc_mean` |" in text
   assert "![toy](toy/effects.png)" in text and "    cmd" in text
+  # One environment line for both sweeps, counting every run.
+  code_lines = [line for line in text.splitlines() if line.startswith("Code: ")]
+  assert len(code_lines) == 1 and "the runs were trained by: unrecorded code (12 runs);" \
+      in code_lines[0], code_lines
   combined = json.loads((tmp_path / "results.json").read_text())
   assert set(combined) == {"toy", "toy2"}
   assert combined["toy"]["variants"]["b"]["metrics"]["auc_mean"]["mean"] > 0.72
