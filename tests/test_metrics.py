@@ -14,7 +14,7 @@ def pairwise_auc(scores, labels, mask):
   s, y, m = np.asarray(scores, np.float64), np.asarray(labels) > 0.5, np.asarray(mask, bool)
   pos, neg = s[m & y], s[m & ~y]
   if len(pos) == 0 or len(neg) == 0:
-    return 0.5, False
+    return float("nan"), False
   diff = pos[:, None] - neg[None, :]
   return float(np.mean((diff > 0) + 0.5 * (diff == 0))), True
 
@@ -47,7 +47,7 @@ def test_roc_auc_matches_pairwise_reference_with_ties_and_mask(seed, levels):
 def test_roc_auc_invalid_and_nan():
   scores = np.array([0.1, 0.4, np.nan, 0.9], np.float32)
   auc, valid = auc_jit(scores, np.array([1, 1, 1, 1], np.float32), np.ones(4, bool))
-  assert (float(auc), bool(valid)) == (0.5, False)   # no negative: not valid
+  assert np.isnan(float(auc)) and not bool(valid)   # no negative: not valid, no number
   # A NaN score of a valid entry leaves the order undefined; validity is the labels'.
   auc, valid = auc_jit(scores, np.array([1, 0, 0, 1], np.float32), np.ones(4, bool))
   assert bool(valid) and np.isnan(float(auc))
@@ -298,7 +298,10 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
   mask = rng.random((B, C)) < 0.8
   out = ranking_metrics_jit(logits, labels, probs, mask, k=k)
   assert float(out["num_valid_actions"]) == 3
-  assert float(out["auc/action_2"]) == 0.5
+  assert np.isnan(float(out["auc/action_2"])) and np.isnan(float(out["bayes_auc/action_2"]))
+  none = ranking_metrics_jit(logits, np.zeros_like(labels), probs, mask, k=k)
+  assert float(none["num_valid_actions"]) == 0
+  assert np.isnan(float(none["auc_mean"])) and np.isnan(float(none["bayes_auc_mean"]))
   for prefix in ("auc", "bayes_auc"):
     valid = [float(out[f"{prefix}/action_{a}"]) for a in (0, 1, 3)]
     assert float(out[f"{prefix}_mean"]) == pytest.approx(np.mean(valid), abs=1e-6)

@@ -22,11 +22,12 @@ from phoenix_flax.training.loss import binary_cross_entropy
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
   """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
 
-  Returns `(auc, valid)`; `valid` is False and `auc` 0.5 unless there is at least one
-  positive (label > 0.5) and one negative (it depends on the labels only). A NaN score
-  among the masked entries (a model gone non-finite) leaves the order undefined: `auc`
-  is then NaN. O(N log N): each positive counts the negatives below and tied with it by
-  binary search in the sorted negative scores.
+  Returns `(auc, valid)`; `valid` is False unless there is at least one positive (label
+  > 0.5) and one negative (it depends on the labels only), and `auc` is then NaN (null in
+  JSON), not a number that could pass for chance. A NaN score among the masked entries
+  (a model gone non-finite) leaves the order undefined: `auc` is NaN there too. O(N log
+  N): each positive counts the negatives below and tied with it by binary search in the
+  sorted negative scores.
   """
   scores_N = jnp.asarray(scores_N, jnp.float32)
   mask_N = jnp.asarray(mask_N, bool)
@@ -39,8 +40,8 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   wins_N = (below_N + 0.5 * (at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
   valid = (n_pos > 0) & (n_neg > 0)
   auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
-  undefined = valid & jnp.any(mask_N & jnp.isnan(scores_N))
-  return jnp.where(undefined, jnp.nan, jnp.where(valid, auc, 0.5)), valid
+  defined = valid & ~jnp.any(mask_N & jnp.isnan(scores_N))
+  return jnp.where(defined, auc, jnp.nan), valid
 
 
 def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
@@ -185,7 +186,9 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
 
 
 def _mean_valid(values_A: Array, valid_A: Array) -> Array:
-  return jnp.sum(jnp.where(valid_A, values_A, 0.0)) / jnp.maximum(jnp.sum(valid_A), 1)
+  """Mean over the valid entries; NaN when there is none."""
+  mean = jnp.sum(jnp.where(valid_A, values_A, 0.0)) / jnp.maximum(jnp.sum(valid_A), 1)
+  return jnp.where(jnp.any(valid_A), mean, jnp.nan)
 
 
 def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask_BC: Array,
@@ -194,16 +197,16 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   """The model's metrics next to the Bayes-optimal ones (the generator's true `probs`).
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
-  negatives in the batch), `auc_gap` (Bayes minus model), `logloss` / `bayes_logloss`,
+  negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` / `bayes_logloss`,
   `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
   candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
   size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
-  `bayes_auc/<action>` per action (0.5 where the action is not valid). Which actions
-  are valid depends on the labels only, so the Bayes figures never depend on the model.
-  A NaN logit of a valid candidate (a diverged model) makes every model metric NaN
-  (null in JSON), never a number computed over the rest; `auc/<action>` is NaN where that
-  action is valid and its logits hold the NaN (0.5 where the action is not valid). The
+  `bayes_auc/<action>` per action (NaN, null in JSON, where the action is not valid: no
+  positive or no negative among the lists). Which actions are valid depends on the
+  labels only, so the Bayes figures never depend on the model. A NaN logit of a valid
+  candidate (a diverged model) makes every model metric NaN (null in JSON), never a
+  number computed over the rest. The
   AUCs pool every valid candidate of every list given (the runner passes all its
   evaluation batches at once): a global AUC, which compares candidates across users, not
   a mean of per-list AUCs.
