@@ -1,5 +1,6 @@
-"""The README's usage example and the quickstart demo run as written, and its Performance
-table reads the committed benchmark JSON."""
+"""The README's usage examples (and its snippet that loads a trained run) and the
+quickstart demo run as written, and its Performance table reads the committed benchmark
+JSON."""
 
 import ast
 import contextlib
@@ -32,6 +33,28 @@ def test_readme_usage_runs_as_written():
     with contextlib.redirect_stdout(stdout):
       exec(compile(block, f"README.md:Usage[{i}]", "exec"), namespace)
     assert stdout.getvalue().strip().splitlines()[-1] == last, stdout.getvalue()
+
+
+def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
+  """The Training section's snippet, on the smoke run its commands train into runs/smoke."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  section = re.search(r"^## Training on the synthetic world\n(.*?)(?=^## )", readme,
+                      re.M | re.S).group(1)
+  block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert 'load_run("runs/smoke")' in block
+  from conftest import subprocess_env
+  result = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
+                           "--config=experiments/configs/ranking.py:smoke",
+                           f"--workdir={tmp_path / 'runs' / 'smoke'}"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  monkeypatch.chdir(tmp_path)
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    exec(compile(block, "README.md:Training", "exec"), {"__name__": "readme_training"})
+  steps = json.loads((tmp_path / "runs" / "smoke" / "result.json").read_text())["steps"]
+  assert stdout.getvalue().split() == [str(steps), "(4,", "4)"], stdout.getvalue()
 
 
 def test_quickstart_runs():
