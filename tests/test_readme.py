@@ -57,6 +57,30 @@ def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
   assert stdout.getvalue().split() == [str(steps), "(4,", "4)"], stdout.getvalue()
 
 
+def _section(title: str) -> str:
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  found = re.search(rf"^{re.escape(title)}\n(.*?)(?=^#)", readme, re.M | re.S)
+  assert found, f"README.md has no {title!r} section"
+  return found.group(1)
+
+
+def test_every_switch_and_ablation_is_listed():
+  """Step 6 of adding an idea: a config field that export refuses away from its default
+  (what every new switch is until it joins `haiku_compat._FREE_FIELDS`) has a row in the
+  Switches table, and every script of `ablations.SCRIPTS` is in the Ablations list."""
+  import dataclasses
+  import ablations
+  from phoenix_flax import haiku_compat
+  rows = set(re.findall(r"^\| `(\w+)` \|", _section("### Switches"), re.M))
+  for cls, free in haiku_compat._FREE_FIELDS.items():
+    for field in dataclasses.fields(cls):
+      assert field.name in free or field.name in rows, (
+          f"{cls.__name__}.{field.name} has no row in the README's switch table")
+  listed = _section("## Ablations").split("\n\n")[1]
+  for name in ablations.SCRIPTS:
+    assert f"`{name}`" in listed, f"ablation {name} is missing from the README's list"
+
+
 def test_quickstart_runs():
   result = subprocess.run([sys.executable, "-m", "experiments.quickstart"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
