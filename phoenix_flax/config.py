@@ -5,8 +5,8 @@ switches follow. Their defaults are the release's, with two exceptions made for 
 from scratch on any backend: `param_init` defaults to variance scaling (the release
 initialises every transformer weight and norm scale to zero, placeholders for a
 checkpoint: every transformer gradient is then exactly zero, so only the input
-projections, final norm and unembedding could learn; "zeros" reproduces them) and `fprop_dtype` to float32
-(the release runs bfloat16).
+projections, final norm and unembedding could learn; "zeros" reproduces them) and
+`fprop_dtype` to float32 (the release runs bfloat16).
 """
 
 from __future__ import annotations

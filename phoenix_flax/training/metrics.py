@@ -197,8 +197,8 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   """The model's metrics next to the Bayes-optimal ones (the generator's true `probs`).
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
-  negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` / `bayes_logloss`,
-  `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
+  negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` /
+  `bayes_logloss`, `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
   candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
   size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and

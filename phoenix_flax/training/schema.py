@@ -209,8 +209,8 @@ def default_fprop_dtype() -> str:
 TRAINING_MODEL_KEYS = ("embedding_init_scale",)
 
 # Fields of the model configs that `config.model` does not hold, and why (an override of
-# one names the reason instead of only "no such field"; tests/test_config_schema.py keeps
-# this list and `base_config` covering every field).
+# one names the reason instead of only "no such field"; a test in tests/test_training.py
+# keeps this list and `base_config` covering every field).
 NOT_IN_MODEL_SECTION = {
     "name": "the module name is fixed",
     "model": "the transformer's fields are the model section's own keys",
@@ -251,8 +251,10 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
   tc_fields = _fields(TransformerConfig)
   known = (tc_fields | _fields(PhoenixModelConfig) | _fields(PhoenixRetrievalModelConfig)
            | set(TRAINING_MODEL_KEYS))
-  for key in sorted(set(m) & set(NOT_IN_MODEL_SECTION)):
-    raise ConfigError(f"config.model.{key} is invalid: {not_in_model_section(key)}")
+  unexposed = sorted(set(m) & set(NOT_IN_MODEL_SECTION))
+  if unexposed:
+    raise ConfigError(f"config.model.{unexposed[0]} is invalid: "
+                      f"{not_in_model_section(unexposed[0])}")
   unknown = sorted(set(m) - known)
   _check(not unknown, "model", unknown,
          "these keys are fields of no model config; add each to TransformerConfig or "
