@@ -4,12 +4,17 @@ JSON."""
 
 import ast
 import contextlib
+import dataclasses
 import io
 import json
 import pathlib
 import re
 import subprocess
 import sys
+
+import ablations
+from conftest import subprocess_env
+from phoenix_flax import haiku_compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,7 +47,6 @@ def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
                       re.M | re.S).group(1)
   block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   assert 'load_run("runs/smoke")' in block
-  from conftest import subprocess_env
   result = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
                            "--config=experiments/configs/ranking.py:smoke",
                            f"--workdir={tmp_path / 'runs' / 'smoke'}"],
@@ -68,9 +72,6 @@ def test_every_switch_and_ablation_is_listed():
   """Step 6 of adding an idea: a config field that export refuses away from its default
   (what every new switch is until it joins `haiku_compat._FREE_FIELDS`) has a row in the
   Switches table, and every script of `ablations.SCRIPTS` is in the Ablations list."""
-  import dataclasses
-  import ablations
-  from phoenix_flax import haiku_compat
   rows = set(re.findall(r"^\| `(\w+)` \|", _section("### Switches"), re.M))
   for cls, free in haiku_compat._FREE_FIELDS.items():
     for field in dataclasses.fields(cls):
