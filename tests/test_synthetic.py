@@ -37,18 +37,38 @@ def test_config_validation_names_the_field():
                         (dict(interest_mix=1.5), "interest_mix"),
                         (dict(base_rates=(0.1,) * 3), "base_rates"),
                         (dict(negative_actions=(14, 19)), "negative_actions"),
-                        (dict(affinity_scale=-1.0), "affinity_scale")]:
+                        (dict(affinity_scale=-1.0), "affinity_scale"),
+                        # a bool would pass for 1; inf would clip every post's age
+                        (dict(recency_decay=True), "recency_decay"),
+                        (dict(mean_post_age_hours=float("inf")), "mean_post_age_hours"),
+                        (dict(base_rates=("a",) * 19), "base_rates")]:
     with pytest.raises(ValueError, match=field):
       WorldConfig(**kwargs)
+  assert WorldConfig(recency_decay=np.float32(0.5)).recency_decay == 0.5   # NumPy scalars
   for kwargs, field in [(dict(min_history=5, max_history=3), "max_history"),
                         (dict(history_dist="normal"), "history_dist"),
                         (dict(candidate_order="score"), "candidate_order"),
                         (dict(relevant_fraction=2.0), "relevant_fraction"),
-                        (dict(num_candidates=4, min_candidates=5), "min_candidates")]:
+                        (dict(num_candidates=4, min_candidates=5), "min_candidates"),
+                        (dict(min_history=True), "min_history"),
+                        (dict(relevant_fraction=True), "relevant_fraction"),
+                        (dict(max_history=-1), "max_history")]:
     with pytest.raises(ValueError, match=field):
       SplitConfig(**kwargs)
+  assert SplitConfig(relevant_fraction=np.float32(0.25)).relevant_fraction == 0.25
+  with pytest.raises(ValueError, match="batch_size"):
+    sample(world(), SplitConfig(), True, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match="max_history"):
     SplitConfig(max_history=SMALL.history_len + 1).resolve(SMALL)
+
+
+def test_a_cold_start_split_has_empty_histories():
+  """min_history=max_history=0: every user's history is padding, candidates are still scored by the
+  taste alone (finite probabilities, labels drawn)."""
+  b = sample(world(), SplitConfig(min_history=0, max_history=0), BIG, jax.random.PRNGKey(5))
+  assert int(jnp.max(b.history_len)) == 0
+  assert not bool(jnp.any(b.batch.history_post_hashes != 0))
+  assert bool(jnp.all(jnp.isfinite(b.probs))) and 0 < float(jnp.mean(b.labels)) < 1
 
 
 def test_deterministic_given_key():

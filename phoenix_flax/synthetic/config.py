@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional
+
+import numpy as np
 
 from phoenix_flax.config import _fail, _positive_int
 
@@ -24,13 +27,22 @@ DEFAULT_BASE_RATES = (
 )
 
 
+def _is_real(value) -> bool:
+  """A real number (NumPy scalars included), not a bool, which would pass for 0 or 1."""
+  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_count(value) -> bool:
+  return isinstance(value, numbers.Integral) and _is_real(value)
+
+
 def _in_range(cls: str, field: str, value, lo: float, hi: float) -> None:
-  if not (isinstance(value, (int, float)) and lo <= value <= hi):
+  if not (_is_real(value) and lo <= value <= hi):
     _fail(cls, field, value, f"must be a number in [{lo}, {hi}]")
 
 
 def _non_negative(cls: str, field: str, value) -> None:
-  if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+  if not (_is_real(value) and math.isfinite(value) and value >= 0):
     _fail(cls, field, value, "must be a finite number >= 0")
 
 
@@ -115,7 +127,7 @@ class WorldConfig:
       _positive_int(c, f, getattr(self, f))
       if getattr(self, f) < 2:
         _fail(c, f, getattr(self, f), "must be >= 2 (row 0 is reserved for padding)")
-    if not (isinstance(self.recency_decay, (int, float)) and 0 < self.recency_decay <= 1):
+    if not (_is_real(self.recency_decay) and 0 < self.recency_decay <= 1):
       _fail(c, "recency_decay", self.recency_decay, "must be in (0, 1]")
     for f in ("interest_mix", "topic_switch_prob", "explore_prob"):
       _in_range(c, f, getattr(self, f), 0.0, 1.0)
@@ -123,13 +135,13 @@ class WorldConfig:
               "affinity_scale", "quality_scale", "surface_scale", "user_bias_scale",
               "session_scale", "age_decay_per_day"):
       _non_negative(c, f, getattr(self, f))
-    if not (isinstance(self.mean_post_age_hours, (int, float))
+    if not (_is_real(self.mean_post_age_hours) and math.isfinite(self.mean_post_age_hours)
             and self.mean_post_age_hours > 0):
-      _fail(c, "mean_post_age_hours", self.mean_post_age_hours, "must be > 0")
+      _fail(c, "mean_post_age_hours", self.mean_post_age_hours, "must be a finite number > 0")
     if not isinstance(self.post_age, bool):
       _fail(c, "post_age", self.post_age, "must be a bool")
     rates = tuple(self.base_rates)
-    if len(rates) != self.num_actions or not all(0 < r < 1 for r in rates):
+    if len(rates) != self.num_actions or not all(_is_real(r) and 0 < r < 1 for r in rates):
       _fail(c, "base_rates", self.base_rates,
             f"give {self.num_actions} probabilities in (0, 1), one per action")
     negs = tuple(self.negative_actions)
@@ -177,10 +189,12 @@ class SplitConfig:
 
   def __post_init__(self):
     c = "SplitConfig"
-    if not isinstance(self.min_history, int) or self.min_history < 0:
+    if not _is_count(self.min_history) or self.min_history < 0:
       _fail(c, "min_history", self.min_history, "must be an integer >= 0")
     if self.max_history is not None:
-      _positive_int(c, "max_history", self.max_history)
+      if not _is_count(self.max_history) or self.max_history < 0:
+        _fail(c, "max_history", self.max_history,
+              "must be an integer >= 0 (0: every history empty, a cold-start split)")
       if self.max_history < self.min_history:
         _fail(c, "max_history", self.max_history,
               f"must be >= min_history={self.min_history}")

@@ -96,7 +96,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   bit for bit between jitted calls (an eager call rounds a few values differently)."""
   if not isinstance(split, SplitConfig):
     raise TypeError(f"split must be a SplitConfig, got {type(split).__name__}")
-  if not isinstance(batch_size, int) or batch_size < 1:
+  if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} is invalid: must be an integer >= 1")
   c = world.cfg
   max_history, C = split.resolve(c)
