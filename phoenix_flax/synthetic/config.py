@@ -158,7 +158,8 @@ class SplitConfig:
   """How one split's users, histories and candidate lists are drawn.
 
   Attributes:
-    min_history, max_history: range of the valid history length (max None = world S).
+    min_history, max_history: range of the valid history length (max None = world S;
+      both 0 for a cold-start split, every history empty).
     history_dist: "uniform" over the range, or "log_uniform" (length + 1 log-uniform:
       many short histories, a long tail).
     relevant_fraction: chance that a candidate follows the user's interest rather than
