@@ -48,6 +48,8 @@ def fake_runner(diverge=(), code=None):
                 "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
       if code is not None:
         result["code"] = code(variant)
+      writers.write_json(os.path.join(run_dir, "config.json"),
+                         seed_config(config, seed).to_dict())   # as a run writes it first
       with open(os.path.join(run_dir, "result.json"), "w") as f:
         json.dump(result, f)
       with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:

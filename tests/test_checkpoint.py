@@ -135,6 +135,14 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   other.optim.learning_rate = 1e-4
   with pytest.raises(ConfigError, match="optim.learning_rate"):
     run_experiment(other, killed)
+  # Without its config.json a run's result and checkpoints cannot be checked against any
+  # config: neither reused nor resumed, whatever the config asked for.
+  os.rename(os.path.join(killed, "config.json"), os.path.join(killed, "config.moved"))
+  for asked in (other, ranking_configs.get_config("smoke")):
+    with pytest.raises(ConfigError, match=r"holds result.json and checkpoints of steps "
+                                          r"\[20, 40\] but no config.json"):
+      run_experiment(asked, killed)
+  os.rename(os.path.join(killed, "config.moved"), os.path.join(killed, "config.json"))
 
   # Killed after the final checkpoint but before result.json: the re-run trains nothing
   # and writes the same result, train scalars included (read back from metrics.jsonl).
@@ -189,6 +197,18 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
                      match=r"step_000000030.eqx cannot be read .*An older step may still load "
                            r"\(steps on disk: \[20, 30\]\)"):
     checkpoint.load(str(tmp_path), 30, tree)
+  # Bytes flipped in place (same size) fail the checksum instead of loading as weights.
+  path = os.path.join(tmp_path, "checkpoint", "step_000000020.eqx")
+  data = bytearray(open(path, "rb").read())
+  assert data.startswith(checkpoint.MAGIC)
+  data[len(data) // 2] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(checkpoint.CheckpointError, match=r"step_000000020.eqx cannot be read "
+                                                       r"\(ValueError: its SHA-256 checksum"):
+    checkpoint.load(str(tmp_path), 20, tree)
+  # A file from before the checksum (equinox's bytes alone) still loads.
+  eqx.tree_serialise_leaves(path, jax.tree.map(lambda a: a + 1, tree))
+  np.testing.assert_array_equal(checkpoint.load(str(tmp_path), 20, tree)["a"], tree["a"] + 1)
 
 
 def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplog):

@@ -5,10 +5,17 @@ file is written through `writers.atomic_file` (temporary name, sync, rename, fol
 so a kill or power loss at any moment leaves either the previous set or the new one, never
 a half-written file under a final name; old files are deleted only after the new one is
 in place, and so are the temporary files that a writer killed mid-write left behind.
+
+A file is `MAGIC`, then equinox's serialisation of the tree, then the SHA-256 of that
+serialisation: bytes damaged on disk, even without changing the file's size, fail the
+check when the file is read instead of loading as other weights. Files written before the
+checksum (no `MAGIC`) load as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
 from typing import Any
@@ -19,6 +26,19 @@ from phoenix_flax.training import writers
 
 CHECKPOINT_DIR = "checkpoint"
 _PATTERN = re.compile(r"step_(\d+)\.eqx")
+MAGIC = b"PHXCKPT1"
+_DIGEST = hashlib.sha256().digest_size
+
+
+class _Hashing:
+  """A writable file that hashes what goes through it."""
+
+  def __init__(self, f):
+    self.f, self.sha = f, hashlib.sha256()
+
+  def write(self, data) -> int:
+    self.sha.update(data)
+    return self.f.write(data)
 
 
 class CheckpointError(ValueError):
@@ -58,7 +78,10 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
   os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
   path = _path(run_dir, step)
   with writers.atomic_file(path, "wb") as f:
-    eqx.tree_serialise_leaves(f, tree)
+    f.write(MAGIC)
+    payload = _Hashing(f)
+    eqx.tree_serialise_leaves(payload, tree)
+    f.write(payload.sha.digest())
   steps = available_steps(run_dir)
   kept = [s for s in steps if s <= step][-keep:]
   for old in steps:
@@ -73,9 +96,17 @@ def load(run_dir: str, step: int, like: Any) -> Any:
   path = _path(run_dir, step)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
+  with open(path, "rb") as f:
+    data = f.read()
   try:
-    return eqx.tree_deserialise_leaves(path, like)
-  except Exception as e:   # truncated or foreign bytes: equinox's error names no file
+    if data.startswith(MAGIC):
+      payload, digest = data[len(MAGIC):-_DIGEST], data[-_DIGEST:]
+      if len(data) < len(MAGIC) + _DIGEST or hashlib.sha256(payload).digest() != digest:
+        raise ValueError("its SHA-256 checksum does not match its contents")
+    else:
+      payload = data   # written before checkpoints carried a checksum
+    return eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
+  except Exception as e:   # damaged or foreign bytes: equinox's error names no file
     raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
                           "it is damaged or of another model. An older step may still "
                           f"load (steps on disk: {available_steps(run_dir)})", path) from e

@@ -231,6 +231,16 @@ def _read_run_file(path: str) -> dict:
 def _check_existing_config(run_dir: str, expected: dict) -> None:
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
+    # A run writes config.json before its first checkpoint and its result: without it,
+    # what is there cannot be checked against this config, and resuming or reusing it
+    # could publish another config's training under this one.
+    left = [f for f in (RESULT_FILE,) if os.path.exists(os.path.join(run_dir, f))]
+    if checkpoint.available_steps(run_dir):
+      left.append(f"checkpoints of steps {checkpoint.available_steps(run_dir)}")
+    if left:
+      raise ConfigError(f"{run_dir} holds {' and '.join(left)} but no {CONFIG_FILE}, so "
+                        "the config that trained them cannot be checked; restore "
+                        f"{CONFIG_FILE}, or delete the directory to train the run afresh")
     return
   stored = _read_run_file(path)
   try:
