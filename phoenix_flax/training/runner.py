@@ -636,7 +636,7 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     if progress is not None and g.main:
       rate = t.steps_per_call / dt
       remaining = t.num_steps - g.step
-      if not remaining:
+      if not remaining or diverged.all():   # (every seed diverged: the run ends here)
         eta = 0.0
       elif timed_chunks:
         eta = remaining * train_seconds / (timed_chunks * t.steps_per_call)
