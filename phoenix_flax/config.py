@@ -36,12 +36,16 @@ def _positive_int(cls: str, field: str, value: Any) -> None:
     _fail(cls, field, value, "must be an integer >= 1")
 
 
+def _is_real(value: Any) -> bool:
+  """A real number (NumPy scalars included), not a bool, which would pass for 0 or 1."""
+  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+      value, (bool, np.bool_))
+
+
 def _positive_float(cls: str, field: str, value: Any) -> None:
   # A bool would count as 1.0 and a string fail in a comparison; inf or NaN gives NaN
   # scores (inf * tanh(0)).
-  ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-      value, (bool, np.bool_))
-  if not ok or not math.isfinite(value) or value <= 0:
+  if not _is_real(value) or not math.isfinite(value) or value <= 0:
     _fail(cls, field, value, "must be a finite number > 0")
 
 

@@ -19,13 +19,18 @@ from phoenix_flax import haiku_compat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _section(title: str) -> str:
+  """The README's text under the heading `title`, up to the next heading of any level."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  found = re.search(rf"^{re.escape(title)}\n(.*?)(?=^#+ |\Z)", readme, re.M | re.S)
+  assert found, f"README.md has no {title!r} section"
+  return found.group(1)
+
+
 def usage_blocks() -> list[str]:
   """The ```python blocks of the README's "## Usage" section (before its subsections),
   in order."""
-  readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  section = re.search(r"^## Usage\n(.*?)(?=^##+ |\Z)", readme, re.M | re.S)
-  assert section, "README.md has no '## Usage' section"
-  blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+  blocks = re.findall(r"```python\n(.*?)```", _section("## Usage"), re.S)
   assert len(blocks) == 2, "the Usage section should show ranking, then retrieval"
   return blocks
 
@@ -42,9 +47,7 @@ def test_readme_usage_runs_as_written():
 
 def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
   """The Training section's snippet, on the smoke run its commands train into runs/smoke."""
-  readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  section = re.search(r"^## Training on the synthetic world\n(.*?)(?=^## )", readme,
-                      re.M | re.S).group(1)
+  section = _section("## Training on the synthetic world")
   block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   assert 'load_run("runs/smoke")' in block
   result = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
@@ -59,13 +62,6 @@ def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
     exec(compile(block, "README.md:Training", "exec"), {"__name__": "readme_training"})
   steps = json.loads((tmp_path / "runs" / "smoke" / "result.json").read_text())["steps"]
   assert stdout.getvalue().split() == [str(steps), "(4,", "4)"], stdout.getvalue()
-
-
-def _section(title: str) -> str:
-  readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  found = re.search(rf"^{re.escape(title)}\n(.*?)(?=^#)", readme, re.M | re.S)
-  assert found, f"README.md has no {title!r} section"
-  return found.group(1)
 
 
 def test_every_switch_and_ablation_is_listed():

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Optional
 
 import numpy as np
 
-from phoenix_flax.config import _fail, _positive_int
+from phoenix_flax.config import _fail, _is_real, _positive_int
 
 HISTORY_DISTS = ("uniform", "log_uniform")
 CANDIDATE_ORDERS = ("random", "relevance", "grouped")
@@ -27,13 +26,8 @@ DEFAULT_BASE_RATES = (
 )
 
 
-def _is_real(value) -> bool:
-  """A real number (NumPy scalars included), not a bool, which would pass for 0 or 1."""
-  return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
 def _is_count(value) -> bool:
-  return isinstance(value, numbers.Integral) and _is_real(value)
+  return isinstance(value, (int, np.integer)) and _is_real(value)
 
 
 def _in_range(cls: str, field: str, value, lo: float, hi: float) -> None:

@@ -234,9 +234,10 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
     # A run writes config.json before its first checkpoint and its result: without it,
     # what is there cannot be checked against this config, and resuming or reusing it
     # could publish another config's training under this one.
-    left = [f for f in (RESULT_FILE,) if os.path.exists(os.path.join(run_dir, f))]
-    if checkpoint.available_steps(run_dir):
-      left.append(f"checkpoints of steps {checkpoint.available_steps(run_dir)}")
+    left = [RESULT_FILE] if os.path.exists(os.path.join(run_dir, RESULT_FILE)) else []
+    steps = checkpoint.available_steps(run_dir)
+    if steps:
+      left.append(f"checkpoints of steps {steps}")
     if left:
       raise ConfigError(f"{run_dir} holds {' and '.join(left)} but no {CONFIG_FILE}, so "
                         "the config that trained them cannot be checked; restore "
