@@ -116,3 +116,17 @@ def test_positions_reject_bad_shapes():
     pf.right_anchored_rope_positions(jnp.ones((8,), bool), 4, 1)
   with pytest.raises(ValueError, match="exceeds"):
     pf.right_anchored_rope_positions(jnp.ones((1, 4), bool), 4, 1)
+
+
+@pytest.mark.parametrize("seq_len, offset", [(0, 0), (4.5, 1), (4, 2.5), (True, 0)])
+def test_mask_rejects_non_integer_or_empty_sizes(seq_len, offset):
+  # 4.5 used to build a 5x5 mask, 2.5 to act as offset 3, 0 an empty [1,1,0,0] mask.
+  with pytest.raises(ValueError, match="must be an integer"):
+    pf.make_recsys_attn_mask(seq_len, offset)
+
+
+@pytest.mark.parametrize("history_len, prefix", [(-2, 1), (3, -1)])
+def test_positions_reject_negative_sizes(history_len, prefix):
+  # (-2, 1) used to give negative positions, (3, -1) slice the history from the end.
+  with pytest.raises(ValueError, match="must be an integer >= 0"):
+    pf.right_anchored_rope_positions(jnp.ones((2, 6)), history_len, prefix)
