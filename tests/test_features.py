@@ -30,6 +30,13 @@ def test_post_age_bucket_granularity():
   assert bucket(10_000, granularity=30) == 4800 // 30 + 1
 
 
+@pytest.mark.parametrize("granularity", [0, -60, 7.5, True])
+def test_post_age_bucket_rejects_bad_granularity(granularity):
+  # -60 used to return bucket -79 (clipped to [0, -79]); 0 a ZeroDivisionError.
+  with pytest.raises(ValueError, match="granularity_mins"):
+    pf.compute_post_age_bucket(NOW, NOW - 3600, granularity)
+
+
 def test_missing_timestamps_map_to_zero():
   assert bucket(impression=0, post=NOW) == 0
   assert bucket(impression=NOW, post=0) == 0
