@@ -106,5 +106,9 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
 def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
   """`table[hashes]` `[..., D]`, with hash 0 (padding) giving zeros and no gradient to row 0.
   Out-of-range hashes are clipped to the table (validate them before, as the runners do)."""
+  if jnp.ndim(table_ND) != 2:   # a [N] table broadcast its rows against the padding mask
+    raise ValueError(f"table must be [num_buckets, D], got shape {jnp.shape(table_ND)}")
+  if not jnp.issubdtype(jnp.result_type(hashes), jnp.integer):
+    raise ValueError(f"hashes must hold integers, got dtype {jnp.result_type(hashes)}")
   emb = jnp.take(table_ND, hashes, axis=0, mode="clip")
   return emb * (hashes != 0)[..., None].astype(emb.dtype)

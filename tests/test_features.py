@@ -159,3 +159,11 @@ def test_lookup_hash_embeddings_pads_with_zeros_without_gradient():
   np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, hashes)[0, 1], table[2])
   grad = jax.grad(lambda t: pf.lookup_hash_embeddings(t, hashes).sum())(table)
   np.testing.assert_array_equal(grad[:, 0], [0.0, 0.0, 1.0, 1.0])
+
+
+def test_lookup_hash_embeddings_rejects_bad_table_or_hashes():
+  # A [N] table used to give a [2, 2] result for 2 hashes (rows broadcast against the mask).
+  with pytest.raises(ValueError, match="table must be"):
+    pf.lookup_hash_embeddings(jnp.arange(10.0), jnp.array([1, 2]))
+  with pytest.raises(ValueError, match="hashes must hold integers"):
+    pf.lookup_hash_embeddings(jnp.ones((10, 4)), jnp.array([1.0, 2.0]))
