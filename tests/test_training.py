@@ -70,6 +70,22 @@ def test_retrieval_system_user_tower_needs_no_candidates():
   assert system.tables(no_candidates).candidate_post_embeddings is None
 
 
+def test_losses_refuse_shapes_that_would_broadcast():
+  # Each of these used to broadcast into a loss on another scale, without an error.
+  logits, labels = jnp.zeros((2, 3, 19)), jnp.ones((2, 3, 19))
+  with pytest.raises(AssertionError, match="mask"):
+    ranking_loss(logits, labels, jnp.ones((2, 1)))
+  with pytest.raises(AssertionError, match="labels"):
+    ranking_loss(logits, jnp.ones((3, 19)), jnp.ones((2, 3)))
+  with pytest.raises(AssertionError, match="action_weights"):
+    ranking_loss(logits, labels, jnp.ones((2, 3)), jnp.ones((1,)))
+  user = jnp.ones((4, 8))
+  with pytest.raises(AssertionError, match="positive_ids"):
+    in_batch_softmax_loss(user, user, jnp.ones(4, bool), 0.05, jnp.zeros(1, jnp.int32))
+  with pytest.raises(AssertionError, match="valid"):
+    in_batch_softmax_loss(user, user, jnp.ones(1, bool), 0.05)
+
+
 def test_ranking_loss_is_weighted_masked_bce():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 3, 4)).astype(np.float32)

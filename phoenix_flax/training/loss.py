@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import chex
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -31,8 +32,15 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
   their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
   """
+  # Broadcasting would hide a wrong shape: a [B, 1] mask or a [1] weight vector gave a
+  # loss on another scale (x C, x A) without an error.
+  chex.assert_rank(logits_BCA, 3, custom_message="ranking_loss: logits must be [B, C, A]")
+  B, C, A = jnp.shape(logits_BCA)
+  chex.assert_shape(labels_BCA, (B, C, A), custom_message="ranking_loss: labels")
+  chex.assert_shape(mask_BC, (B, C), custom_message="ranking_loss: mask")
+  if action_weights_A is not None:
+    chex.assert_shape(action_weights_A, (A,), custom_message="ranking_loss: action_weights")
   m_BC1 = jnp.asarray(mask_BC, bool)[..., None]
-  A = jnp.shape(logits_BCA)[-1]
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)
   # (Unweighted, the plain mask: the program, and so its rounding, of the committed runs.)
@@ -66,8 +74,13 @@ def in_batch_softmax_loss(user_BD: Array, positive_BD: Array, valid_B: Array,
   positive, and there is no correction for how often a post is sampled). Mean over valid
   rows. Every row keeps its own positive, so the excluded columns can be -inf.
   """
+  chex.assert_rank(user_BD, 2, custom_message="in_batch_softmax_loss: user must be [B, D]")
+  B = user_BD.shape[0]
+  chex.assert_shape(positive_BD, user_BD.shape, custom_message="in_batch_softmax_loss: positive")
+  chex.assert_shape(valid_B, (B,), custom_message="in_batch_softmax_loss: valid")
+  if positive_ids_B is not None:
+    chex.assert_shape(positive_ids_B, (B,), custom_message="in_batch_softmax_loss: positive_ids")
   logits_BB = (user_BD.astype(jnp.float32) @ positive_BD.astype(jnp.float32).T) / temperature
-  B = logits_BB.shape[0]
   eye_BB = jnp.eye(B, dtype=bool)
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:
