@@ -510,6 +510,11 @@ def test_every_model_config_field_is_in_the_model_section_or_says_why_not():
   with pytest.raises(ConfigError, match=r"config.model.num_continuous_actions is invalid: "
                                         r".*PhoenixModelConfig.*no continuous labels"):
     parse_config(c)
+  c = smoke_config()
+  c.model.num_actions = 5   # the world's field sets it (not a fixed 19)
+  with pytest.raises(ConfigError, match=r"config.model.num_actions is invalid: .*"
+                                        r"set world.num_actions"):
+    parse_config(c)
 
 
 @pytest.mark.parametrize("task, key, value", [("retrieval", "candidate_isolation", False),

@@ -217,7 +217,7 @@ NOT_IN_MODEL_SECTION = {
     "history_seq_len": "set world.history_len",
     "candidate_seq_len": "set world.num_candidates",
     "hash_config": "set world.num_user_hashes, num_item_hashes, num_author_hashes",
-    "num_actions": "the world's 19 actions fix it",
+    "num_actions": "set world.num_actions (with world.base_rates and world.negative_actions)",
     "product_surface_vocab_size": "set world.product_surface_vocab_size",
     "dwell_time_norm": "the synthetic world draws no dwell times (dwell is its binary "
                        "dwell action), so the dwell-time embedding would read nothing",
