@@ -53,6 +53,8 @@ class CandidateTower(eqx.Module):
   def __call__(self, hash_embeddings_BCHD: Array) -> Array:
     chex.assert_rank(hash_embeddings_BCHD, 4,
                      custom_message="CandidateTower input must be [B, C, hashes, D]")
+    chex.assert_type(hash_embeddings_BCHD, float,
+                     custom_message="CandidateTower input must hold float embeddings")
     B, C, H, D = hash_embeddings_BCHD.shape
     if D != self.emb_size:
       raise ValueError(f"CandidateTower input has emb size {D}, expected {self.emb_size}")

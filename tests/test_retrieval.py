@@ -199,3 +199,10 @@ def test_candidate_representation_checks_its_fields():
   with pytest.raises(AssertionError, match="candidate_post_hashes"):
     model.build_candidate_representation(
         batch._replace(candidate_post_hashes=batch.candidate_post_hashes[:1]), emb)
+
+
+def test_candidate_tower_refuses_integer_embeddings():
+  # Integers used to be cast to float32 and scored without a word.
+  tower = pf.CandidateTower(8, 4, key=jax.random.key(0))
+  with pytest.raises(AssertionError, match="float embeddings"):
+    tower(jnp.ones((1, 2, 4, 8), jnp.int32))
