@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array
+
+from phoenix_flax.config import _is_int
 
 
 def _check_count(name: str, value, low: int) -> None:
   """`value` must be an integer >= `low` (NumPy integers included, bools not): a float
   length would build a mask of another size, a negative one slice from the end."""
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
-      or value < low):
+  if not _is_int(value) or value < low:
     raise ValueError(f"{name}={value!r} must be an integer >= {low}")
 
 

@@ -16,6 +16,16 @@ def test_ffn_size(emb_size, widening, expected):
   assert cfg.ffn_size == expected
 
 
+@pytest.mark.parametrize("emb_size, widening, match",
+                         [(-128, 4.0, "emb_size"), (0, 4.0, "emb_size"), (64.0, 2.0, "emb_size"),
+                          (True, 2.0, "emb_size"), (64, -1.0, "widening_factor"),
+                          (64, 0, "widening_factor"), (64, "2", "widening_factor")])
+def test_ffn_size_refuses_bad_arguments(emb_size, widening, match):
+  # -128 used to give a hidden width of -336, 0 a width of 0.
+  with pytest.raises(ValueError, match=match):
+    pf.ffn_size(emb_size, widening)
+
+
 def test_defaults_are_the_release_forward_pass_except_dtype_and_init():
   tc = transformer_config()
   assert tc.attn_logit_cap == 30.0
@@ -51,6 +61,10 @@ def test_kv_cache_bytes():
   cfg = transformer_config(num_layers=2, num_kv_heads=2, key_size=8)
   assert cfg.kv_cache_bytes(10) == 2 * 2 * 2 * 8 * 10 * 4
   assert cfg.kv_cache_bytes(10, "bfloat16") == 2 * 2 * 2 * 8 * 10 * 2
+  assert cfg.kv_cache_bytes(0) == 0
+  for bad in (-5, 2.5, True):   # -5 used to give -320 bytes
+    with pytest.raises(ValueError, match="context_len"):
+      cfg.kv_cache_bytes(bad)
 
 
 BAD_CONFIGS = [

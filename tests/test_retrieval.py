@@ -206,3 +206,10 @@ def test_candidate_tower_refuses_integer_embeddings():
   tower = pf.CandidateTower(8, 4, key=jax.random.key(0))
   with pytest.raises(AssertionError, match="float embeddings"):
     tower(jnp.ones((1, 2, 4, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("emb_size, num_hashes", [(8, 0), (0, 4), (8, 2.0), (-8, 4)])
+def test_candidate_tower_refuses_bad_sizes(emb_size, num_hashes):
+  # (8, 0) used to build a [0, 16] projection.
+  with pytest.raises(ValueError, match="must be an integer >= 1"):
+    pf.CandidateTower(emb_size, num_hashes, key=jax.random.key(0))
