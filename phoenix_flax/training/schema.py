@@ -339,34 +339,8 @@ def _check_other_task(c: ml_collections.ConfigDict) -> None:
            f"would change nothing; leave it at {defaults[key]!r}")
 
 
-def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
-  """Validates every field; raises `ConfigError` naming the first bad one."""
-  c = config
-  if not isinstance(c, ml_collections.ConfigDict):
-    raise ConfigError(f"the config must be an ml_collections.ConfigDict, got "
-                      f"{type(c).__name__}")
-  _check(c.get("task") in TASKS, "task", c.get("task"), f"use one of {TASKS}")
-  _check_paths(c)
-  # JAX's PRNG keys take 32-bit seeds: PRNGKey(2**32) is PRNGKey(0).
-  for f in ("seed", "world_seed", "eval_seed"):
-    _check(_is_int(c[f]) and 0 <= c[f] < 2**32, f, c[f], "must be an integer in [0, 2**32)")
-  _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
-         "must be an integer >= 1")
-  _check(c.seed + c.num_seeds <= 2**32, "num_seeds", c.num_seeds,
-         f"seeds {c.seed}..{c.seed + c.num_seeds - 1} pass 2**32 - 1, the largest seed")
-  world = _build("world", WorldConfig, **c.world.to_dict())
-  train_split = _split("train_split", c.train_split, world)
-  eval_splits = {"eval": _split("eval_split", c.eval_split, world)}
-  for name, fields in c.extra_eval_splits.items():
-    _check(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None
-           and name not in RESERVED_SPLIT_NAMES, "extra_eval_splits", name,
-           f"split names are identifiers other than {RESERVED_SPLIT_NAMES}")
-    eval_splits[name] = _split(f"extra_eval_splits.{name}", fields, world)
-  model = _model_config(c, world)
-  _check(_is_num(c.model.embedding_init_scale) and c.model.embedding_init_scale > 0,
-         "model.embedding_init_scale", c.model.embedding_init_scale, "must be > 0")
-
-  o = c.optim
+def _check_optim(o: ml_collections.ConfigDict) -> None:
+  """The `optim` section: AdamW, its schedule and clipping."""
   _check(_is_num(o.learning_rate) and o.learning_rate > 0, "optim.learning_rate",
          o.learning_rate, "must be a finite number > 0")
   _check(_is_int(o.warmup_steps) and o.warmup_steps >= 0, "optim.warmup_steps",
@@ -381,7 +355,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   _check(o.grad_clip_norm is None or (_is_num(o.grad_clip_norm) and o.grad_clip_norm > 0),
          "optim.grad_clip_norm", o.grad_clip_norm, "must be > 0, or None for no clipping")
 
-  t = c.train
+
+def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[tuple]:
+  """The `train` section; returns the ranking loss's action weights (a tuple), or None."""
+  t, o = c.train, c.optim
   for f in ("num_steps", "batch_size", "steps_per_call", "eval_batch_size", "eval_batches"):
     _check(_is_int(t[f]) and t[f] >= 1, f"train.{f}", t[f], "must be an integer >= 1")
   _check(t.num_steps % t.steps_per_call == 0, "train.steps_per_call", t.steps_per_call,
@@ -409,7 +386,11 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
            f"give {world.num_actions} weights >= 0 (one per action) with a positive sum, "
            "or None")
     weights = tuple(float(w) for w in weights)
+  return weights
 
+
+def _check_metric_settings(c: ml_collections.ConfigDict, world: WorldConfig) -> None:
+  """The `ranking` and `retrieval` sections (cut-offs, temperature, positive action)."""
   ks = tuple(c.ranking.top_k) if isinstance(c.ranking.top_k, (tuple, list)) else ()
   _check(len(ks) >= 1 and all(_is_int(k) and k >= 1 for k in ks) and len(set(ks)) == len(ks),
          "ranking.top_k", c.ranking.top_k, "give one or more distinct integers >= 1")
@@ -425,9 +406,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          "retrieval.recall_k", r.recall_k, "give one or more distinct integers >= 1")
   _check(c.task != "retrieval" or max(ks) <= world.num_posts, "retrieval.recall_k",
          r.recall_k, f"K must be at most world.num_posts={world.num_posts} (the corpus size)")
-  _check_other_task(c)
 
-  m = c.mesh
+
+def _check_mesh(m: ml_collections.ConfigDict) -> None:
+  """The `mesh` section: devices, hash-table sharding, multi-host settings."""
   _check(_is_int(m.num_devices) and (m.num_devices >= 1 or m.num_devices == -1),
          "mesh.num_devices", m.num_devices, "must be -1 (all devices) or an integer >= 1")
   for f in ("shard_hash_tables", "distributed"):
@@ -446,6 +428,10 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   for f in ("coordinator_address", "num_processes", "process_id"):
     _check(m.distributed or m[f] is None, f"mesh.{f}", m[f],
            "is read only with mesh.distributed=True: set it on every host, or unset this")
+
+
+def _check_output(c: ml_collections.ConfigDict) -> None:
+  """The `output` section."""
   out = c.output
   _check(out.seed_subdirs in (None, True, False), "output.seed_subdirs", out.seed_subdirs,
          "must be None (auto), True or False")
@@ -457,8 +443,44 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
          out.keep_checkpoints, "must be >= 2 with several seeds: their checkpoints are "
          "written one after another, and a kill between two writes must leave a step that "
          "every seed has")
+
+
+def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
+  """Validates every field; raises `ConfigError` naming the first bad one."""
+  c = config
+  if not isinstance(c, ml_collections.ConfigDict):
+    raise ConfigError(f"the config must be an ml_collections.ConfigDict, got "
+                      f"{type(c).__name__}")
+  _check(c.get("task") in TASKS, "task", c.get("task"), f"use one of {TASKS}")
+  _check_paths(c)
+  # JAX's PRNG keys take 32-bit seeds: PRNGKey(2**32) is PRNGKey(0).
+  for f in ("seed", "world_seed", "eval_seed"):
+    _check(_is_int(c[f]) and 0 <= c[f] < 2**32, f, c[f], "must be an integer in [0, 2**32)")
+  _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
+         "must be an integer >= 1")
+  _check(c.seed + c.num_seeds <= 2**32, "num_seeds", c.num_seeds,
+         f"seeds {c.seed}..{c.seed + c.num_seeds - 1} pass 2**32 - 1, the largest seed")
+  world = _build("world", WorldConfig, **c.world.to_dict())
+  train_split = _split("train_split", c.train_split, world)
+  eval_splits = {"eval": _split("eval_split", c.eval_split, world)}
+  for name, fields in c.extra_eval_splits.items():
+    _check(re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None
+           and name not in RESERVED_SPLIT_NAMES, "extra_eval_splits", name,
+           f"split names are identifiers other than {RESERVED_SPLIT_NAMES}")
+    eval_splits[name] = _split(f"extra_eval_splits.{name}", fields, world)
+  model = _model_config(c, world)
+  _check(_is_num(c.model.embedding_init_scale) and c.model.embedding_init_scale > 0,
+         "model.embedding_init_scale", c.model.embedding_init_scale, "must be > 0")
+  _check_optim(c.optim)
+  weights = _check_train(c, world)
+  _check_metric_settings(c, world)
+  _check_other_task(c)
+  _check_mesh(c.mesh)
+  _check_output(c)
   return ExperimentSpec(config=c, world=world, train_split=train_split,
                         eval_splits=eval_splits, model=model, action_weights=weights)
+
+
 
 
 def with_defaults(stored: Mapping[str, Any]) -> ml_collections.ConfigDict:
