@@ -162,13 +162,17 @@ def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int,
 
   Masked work, the context's last-layer queries (computed in the fused q|k|v matmul),
   norms, RoPE, softmax, soft-cap, gelu and the one-hot surface lookup get no credit. The
-  total is `batch` times the per-user count.
+  total is `batch` times the per-user count. Models with the dwell-time MLP or the
+  continuous head, which the count leaves out, are refused.
 
   `dense=True` counts instead the matmul work the dense reference executes: every token's
   projections and GeGLU in every layer, and attention products over all `T = N + C` keys
   for every token, `L * 4*H*d * T*T`, masked or not.
   """
   c, tc = model.config, model.config.model
+  if c.dwell_time_norm is not None or c.num_continuous_actions:
+    raise ValueError("useful_flops counts no dwell-time MLP nor continuous head: give it a "
+                     "model with dwell_time_norm=None and num_continuous_actions=0")
   D, d, H, KV = tc.emb_size, tc.key_size, tc.num_q_heads, tc.num_kv_heads
   L, F = tc.num_layers, tc.ffn_size
   S, A, U, C = c.history_seq_len, c.num_actions, c.hash_config.num_user_hashes, candidates

@@ -53,6 +53,13 @@ def test_useful_flops_counts_the_isolated_computation():
   dense = 2 * (2 * ((N + C) * (kv + per_row) + 4 * H * d * (N + C) ** 2) + inputs
                + 2 * D * A * C)
   assert benchmark.useful_flops(model, 2, C, dense=True) == dense
+  # The count has no term for the dwell-time MLP or the continuous head: refused.
+  for extra_fields in ({"dwell_time_norm": pf.NormConfig()}, {"num_continuous_actions": 2}):
+    other = eqx.filter_eval_shape(
+        pf.PhoenixModel, dataclasses.replace(benchmark.model_config(case), **extra_fields),
+        key=jax.random.key(0))
+    with pytest.raises(ValueError, match="dwell-time MLP nor continuous head"):
+      benchmark.useful_flops(other, 2, C)
 
 
 def test_run_benchmark_reports_every_field(tmp_path):
