@@ -38,6 +38,9 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
   for name, sw in zip(names, sweeps):
     logging.info("=== %s ===", name)
     entries.append((name, sw.run()))
+  path = os.path.join(workdir, "REPORT.md")
+  if not sweep.writes_outputs():
+    return path
   previous = sweep.read_json_if_exists(os.path.join(workdir, "results.json")) or {}
   dropped = sorted(set(previous) - set(names))
   if dropped:
@@ -45,7 +48,6 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
                     "%s (their sweeps stay in their directories; name them in --ablations "
                     "to report them together again)", list(names), dropped)
   sweep.write_json(os.path.join(workdir, "results.json"), dict(entries))
-  path = os.path.join(workdir, "REPORT.md")
   report.write_atomic(path, report.combined_markdown(entries, workdir, sweeps[0].preset,
                                                      command))
   return path

@@ -316,9 +316,17 @@ def preset_config(preset: str, experiment: str = "ranking") -> ml_collections.Co
   return apply_overrides(EXPERIMENTS[experiment].get_config(preset), PRESETS[preset])
 
 
+def writes_outputs() -> bool:
+  """Whether this process writes the sweep's files: process 0 only, as `run_experiment`
+  writes a run's (in a multi-host sweep every process computes the same values)."""
+  return jax.process_index() == 0
+
+
 def write_json(path: str, obj: Any) -> None:
   """Writes `obj` as JSON (atomically); NaN and inf become null, as in `writers.write_json`
-  (a probe that measures NaN is recorded, not a crash after training)."""
+  (a probe that measures NaN is recorded, not a crash after training). Process 0 only."""
+  if not writes_outputs():
+    return
   report.write_atomic(path, json.dumps(jsonable(obj), indent=1, allow_nan=False) + "\n")
 
 
@@ -481,6 +489,8 @@ class Sweep:
     """results.json, REPORT.md and the plots from the finished runs (with a warning when
     they replace a report of more variants or seeds: a rerun with fewer)."""
     results = self.results()
+    if not writes_outputs():
+      return results
     path = os.path.join(self.workdir, "results.json")
     try:
       before = read_json_if_exists(path) or {}
@@ -524,6 +534,8 @@ class Sweep:
     after a measurement, and for a cached one when it is missing (a sweep probed before
     probes reached TensorBoard)."""
     tag = name.rsplit(".", 1)[0]
+    if not writes_outputs():
+      return
     if fresh or event_file_name(run_dir, tag) is None:
       write_event_file(run_dir, tag, read_json_if_exists(os.path.join(run_dir, name)) or {},
                        read_json_if_exists(os.path.join(run_dir, "result.json"))["steps"])
@@ -575,7 +587,8 @@ class Sweep:
       if self.ablation.derived is not None:
         derived = flatten_metrics(self.ablation.derived(found))
         found.update(derived)
-        if not diverged and (self._reprobe or event_file_name(run_dir, "derived") is None):
+        if (not diverged and writes_outputs()
+            and (self._reprobe or event_file_name(run_dir, "derived") is None)):
           write_event_file(run_dir, "derived", derived, result["steps"])   # TensorBoard's copy
       if not diverged:
         available.update(k for k, v in found.items() if v is not None)

@@ -711,3 +711,17 @@ def test_a_one_seed_subset_report_says_what_it_is(tmp_path):
   assert (tmp_path / "effects.png").stat().st_size > 1000
   full = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path / "full"), runner=fake_runner()).run()
   assert full["variants_run"] is None and full["overrides"] == {}
+
+
+def test_sweep_files_are_written_by_process_zero_only(tmp_path, monkeypatch):
+  """In a multi-host sweep every process runs `Sweep.run`; as `run_experiment` does for a
+  run, only process 0 writes results.json, REPORT.md and the plots (the others return the
+  same results), so that no two processes write (or clean up) the same files at once."""
+  monkeypatch.setattr(jax, "process_index", lambda *args, **kwargs: 1)
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3,
+                        runner=fake_runner()).run()
+  assert sorted(results["variants"]) == ["a", "b", "c"]
+  assert not [f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)]
+  monkeypatch.setattr(jax, "process_index", lambda *args, **kwargs: 0)
+  sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3, runner=fake_runner()).run()
+  assert {"results.json", "REPORT.md"} <= set(os.listdir(tmp_path))

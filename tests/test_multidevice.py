@@ -195,3 +195,25 @@ def test_two_processes_match_one_device(tmp_path):
   events = [f for f in os.listdir(multi) if f.startswith("events.out")]
   assert len(events) == 1
   assert len(_train_rows(multi)) == 4
+
+
+DISTRIBUTED_BEFORE = """
+import socket, jax
+from phoenix_flax.training import sharding
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+sharding.initialize_distributed()   # config.mesh.distributed=True, cluster fields unset
+sharding.initialize_distributed(f"127.0.0.1:{port}", 1, 0)
+print("OK", jax.process_count())
+"""
+
+
+def test_distributed_already_initialized_by_the_caller():
+  """A launcher that called `jax.distributed.initialize` itself, then a run with
+  mesh.distributed=True: the run uses that runtime instead of refusing it with a
+  ConfigError that asks for the coordinator's address (JAX refuses a second call)."""
+  proc = subprocess.run([sys.executable, "-c", DISTRIBUTED_BEFORE], cwd=REPO,
+                        env=subprocess_env(JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "OK 1" in proc.stdout

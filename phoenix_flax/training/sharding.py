@@ -34,7 +34,10 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   none detected) is a `ConfigError` naming the `config.mesh` fields.
   """
   global _distributed_initialized
-  if _distributed_initialized:
+  if _distributed_initialized or jax.distributed.is_initialized():
+    # (or the caller, e.g. a launcher script, initialized it already: JAX refuses a second
+    # call, and its devices are this run's)
+    _distributed_initialized = True
     return
   try:
     jax.distributed.initialize(coordinator_address=coordinator_address,
