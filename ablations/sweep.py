@@ -105,7 +105,7 @@ SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
 # On top of the experiment config's preset of the same name (ablations may
 # shorten runs further with `Ablation.preset_overrides`). cpu: 1200 of that preset's
-# 4000 steps, so that all five ablations fit in under an hour on 2 cores; smoke: the
+# 4000 steps, so that the five shipped ablations fit in under an hour on 2 cores; smoke: the
 # tiny world, a handful of steps. The evaluation lists are the experiment config's (cpu:
 # 4 x 256 for ranking, 16 x 128 for retrieval, whose oracle recall needs the 2048). Score
 # consistency costs two extra forwards per evaluation batch, so only the ablation that

@@ -1,9 +1,12 @@
 """Config defaults, ffn_size and validation messages."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
 import phoenix_flax as pf
+from phoenix_flax import haiku_compat
 from conftest import ranking_config, retrieval_config, transformer_config
 
 
@@ -121,6 +124,16 @@ def test_bad_config_raises_naming_the_field(field, build):
   with pytest.raises(ValueError, match=rf"\.{field}=") as info:
     build()
   assert "invalid:" in str(info.value)
+
+
+def test_every_switch_has_a_bad_value_case():
+  """Step 5 of adding an idea: every field that export refuses away from its default (what
+  a new switch is until it joins `haiku_compat._FREE_FIELDS`) has a case above."""
+  named = {field for field, _ in BAD_CONFIGS}
+  for cls, free in haiku_compat._FREE_FIELDS.items():
+    for field in dataclasses.fields(cls):
+      assert field.name in free or field.name in named, (
+          f"{cls.__name__}.{field.name} has no bad value in BAD_CONFIGS (tests/test_config.py)")
 
 
 def test_rezero_message_says_what_to_change():

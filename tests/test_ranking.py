@@ -12,6 +12,7 @@ import pytest
 import phoenix_flax as pf
 from conftest import (EMB, NUM_ACTIONS, call, forward, index_candidates, jaxpr_equations,
                       layer, make_batch, max_abs_diff, ranking_config, transformer_config)
+from phoenix_flax import haiku_compat
 from phoenix_flax.layers import apply_rope
 
 HISTORY_VALID = [4, 2]
@@ -444,6 +445,20 @@ def test_grid_cases_reach_the_configs():
     assert cfgs["dense"].attention_impl == "dense"
   with pytest.raises(KeyError, match=r"\['qk_nrom'\] name no config field"):
     _split_case("typo", dict(qk_nrom=True))
+
+
+def test_every_switch_is_set_in_a_grid_case():
+  """Step 5 of adding an idea: a ranking switch that export refuses away from its default
+  (every new switch, until it joins `haiku_compat._FREE_FIELDS`) is set by some grid case,
+  so that the isolated-vs-dense comparisons cover it. Candidate isolation is the one
+  exception: with it off, both implementations run the dense path."""
+  exempt = {"candidate_isolation"}
+  in_grid = {key for case in GRID.values() for key in case}
+  for cls in (pf.TransformerConfig, pf.PhoenixModelConfig):
+    for field in dataclasses.fields(cls):
+      if field.name not in haiku_compat._FREE_FIELDS[cls] | exempt:
+        assert field.name in in_grid, (
+            f"{cls.__name__}.{field.name} is set by no case of GRID (tests/test_ranking.py)")
 
 
 @pytest.mark.parametrize("name", list(GRID))

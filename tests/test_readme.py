@@ -78,6 +78,18 @@ def test_every_switch_and_ablation_is_listed():
     assert f"`{name}`" in listed, f"ablation {name} is missing from the README's list"
 
 
+def test_adding_an_idea_names_tests_that_exist():
+  """The test files and test functions that step 5 tells a reader to run are there."""
+  section = _section("### Adding an idea")
+  named = re.findall(r"(tests/\w+\.py)(?:::(\w+))?", section)
+  assert len(named) >= 6, named
+  for path, function in named:
+    assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
+    if function:
+      text = (ROOT / path).read_text(encoding="utf-8")
+      assert re.search(rf"^def {function}\(", text, re.M), f"{path} has no {function}"
+
+
 def test_quickstart_runs():
   result = subprocess.run([sys.executable, "-m", "experiments.quickstart"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
