@@ -360,7 +360,8 @@ class RankingRunner:
     """Scores all of the batch's candidates against `cache` in chunks of `chunk_size`.
 
     The last chunk is padded with hash-0 candidates; one compiled program serves every
-    chunk (its start index is traced), so any candidate count reuses it.
+    chunk (its start index is traced), so any candidate count reuses it. A `chunk_size`
+    above C shrinks to the smallest power of two >= C (one program per such size).
     """
     chunk_size = self._check_chunking(chunk_size)
     batch, B, _ = _accepted(self.config, batch, embeddings)
@@ -386,6 +387,10 @@ class RankingRunner:
     # traced-offset slice of them, and the chunks' scores are joined and ordered there. The
     # host only dispatches; its one transfer per chunk is the chunk's offset, made explicit.
     C = np.shape(batch.candidate_post_hashes)[1]
+    # A chunk larger than the list would score only padding past C (a chunk_size of 10**9
+    # asked XLA for 256 GB): shrink it to the power of two that covers C, so the padding
+    # stays under C and at most log2(chunk_size) + 1 chunk programs ever compile.
+    chunk_size = min(chunk_size, 1 << (C - 1).bit_length())
     pad = -C % chunk_size
     candidates = ({f: getattr(batch, f) for f in CANDIDATE_BATCH_FIELDS
                    if getattr(batch, f) is not None},

@@ -492,3 +492,16 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   with pytest.raises(ValueError, match="user_hashes holds -2"):
     runner.retrieve(batch._replace(user_hashes=bad), emb, top_k=5)
   assert runner.trace_counts["retrieve"] == 0
+
+
+def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):
+  """A chunk_size far above C used to pad the list up to it (10**9 asked XLA for 256 GB)."""
+  batch, emb = _batch(batch_size=2, num_candidates=5)
+  expected = ranker.rank(batch, emb)
+  before = ranker.trace_counts["score_candidates"]
+  for chunk_size in (8, 64, 10**9):
+    got = ranker.rank_chunked(batch, emb, chunk_size)
+    np.testing.assert_allclose(got.scores, expected.scores, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got.ranked_indices, expected.ranked_indices)
+  # Every chunk_size >= 8 runs the same 8-candidate program.
+  assert ranker.trace_counts["score_candidates"] - before <= 1
