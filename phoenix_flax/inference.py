@@ -335,18 +335,38 @@ class RankingRunner:
     batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
-  def _check_cache(self, cache: ContextCache, B: int) -> None:
+  def _check_cache(self, cache: ContextCache, batch: RecsysBatch) -> None:
+    """The cache's shapes and dtypes are this model's, and its padding mask is the one of
+    the batch's users (a cache of other users, or of another model, scored silently)."""
     if not isinstance(cache, ContextCache):
       raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
     tc = self.config.model
+    B = np.shape(batch.user_hashes)[0]
     N = self.config.candidate_start_offset
-    expected = {"keys": (tc.num_layers, B, N, tc.num_kv_heads, tc.key_size),
-                "values": (tc.num_layers, B, N, tc.num_kv_heads, tc.key_size),
-                "padding_mask": (B, N)}
-    for name, shape in expected.items():
-      if tuple(getattr(cache, name).shape) != shape:
-        raise ValueError(f"cache.{name} has shape {tuple(getattr(cache, name).shape)}, "
-                         f"expected {shape}: encode this batch's users with encode_context")
+    fprop = jnp.dtype(self.config.fprop_dtype)
+    expected = {"keys": ((tc.num_layers, B, N, tc.num_kv_heads, tc.key_size), fprop),
+                "values": ((tc.num_layers, B, N, tc.num_kv_heads, tc.key_size), fprop),
+                "padding_mask": ((B, N), jnp.dtype(bool))}
+    hint = "encode this batch's users with this runner's encode_context"
+    for name, (shape, dtype) in expected.items():
+      x = getattr(cache, name)
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"cache.{name} is a {type(x).__name__}, expected an array: {hint}")
+      if tuple(x.shape) != shape:
+        raise ValueError(f"cache.{name} has shape {tuple(x.shape)}, expected {shape}: {hint}")
+      if x.dtype != dtype:
+        why = "" if name == "padding_mask" else (
+            f" (this model's fprop_dtype={self.config.fprop_dtype!r})")
+        raise ValueError(f"cache.{name} has dtype {x.dtype}, expected {dtype}{why}: {hint}")
+    context_mask = np.concatenate([np.asarray(batch.user_hashes)[:, :1] != 0,
+                                   np.asarray(batch.history_post_hashes)[:, :, 0] != 0], axis=1)
+    differs = np.asarray(cache.padding_mask) != context_mask
+    if differs.any():
+      b, n = (int(i) for i in np.argwhere(differs)[0])
+      raise ValueError(f"cache.padding_mask[{b}, {n}] is {not context_mask[b, n]}, but the "
+                       f"batch's user and history hashes make that context token "
+                       f"{'valid' if context_mask[b, n] else 'padding'}: the cache was "
+                       f"encoded from other users' context; {hint}")
 
   def _check_chunking(self, chunk_size) -> int:
     chunk_size = _count("chunk_size", chunk_size, 1)
@@ -365,7 +385,7 @@ class RankingRunner:
     """
     chunk_size = self._check_chunking(chunk_size)
     batch, B, _ = _accepted(self.config, batch, embeddings)
-    self._check_cache(cache, B)
+    self._check_cache(cache, batch)
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
 
   def rank_chunked(self, batch: RecsysBatch, embeddings: RecsysEmbeddings,

@@ -505,3 +505,18 @@ def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):
     np.testing.assert_array_equal(got.ranked_indices, expected.ranked_indices)
   # Every chunk_size >= 8 runs the same 8-candidate program.
   assert ranker.trace_counts["score_candidates"] - before <= 1
+
+
+def test_score_candidates_rejects_a_cache_of_other_users_or_another_dtype(ranker):
+  """Same shapes used to score silently against the wrong context."""
+  batch, emb = _batch(batch_size=2, history_lengths=[3, 8])
+  cache = ranker.encode_context(batch, emb)
+  others, others_emb = _batch(batch_size=2, seed=4, history_lengths=[5, 8])
+  with pytest.raises(ValueError, match=r"cache.padding_mask\[0, 4\] is True, .* other users"):
+    ranker.score_candidates(ranker.encode_context(others, others_emb), batch, emb, 4)
+  with pytest.raises(ValueError, match="cache.keys has dtype bfloat16, expected float32"):
+    ranker.score_candidates(cache._replace(keys=cache.keys.astype(jnp.bfloat16)), batch, emb, 4)
+  with pytest.raises(ValueError, match="cache.padding_mask is a NoneType"):
+    ranker.score_candidates(cache._replace(padding_mask=None), batch, emb, 4)
+  np.testing.assert_allclose(ranker.score_candidates(cache, batch, emb, 4).scores,
+                             ranker.rank(batch, emb).scores, atol=1e-5, rtol=0)
