@@ -104,10 +104,23 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
 
 def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
   """`table[hashes]` `[..., D]`, with hash 0 (padding) giving zeros and no gradient to row 0.
-  Out-of-range hashes are clipped to the table (validate them before, as the runners do)."""
+
+  Hashes outside `[0, num_buckets)` are an error when they are concrete (an eager call);
+  under `jit` they cannot be checked and are clipped to the table, so validate traced
+  ones before (the synthetic world draws them in range)."""
   if jnp.ndim(table_ND) != 2:   # a [N] table broadcast its rows against the padding mask
     raise ValueError(f"table must be [num_buckets, D], got shape {jnp.shape(table_ND)}")
   if not jnp.issubdtype(jnp.result_type(hashes), jnp.integer):
     raise ValueError(f"hashes must hold integers, got dtype {jnp.result_type(hashes)}")
+  if not isinstance(hashes, jax.core.Tracer):
+    # Clipping would give hash >= num_buckets the last row and a negative one row 0,
+    # which, unlike hash 0, is not masked: a wrong embedding with no error.
+    host = np.asarray(hashes)
+    n = jnp.shape(table_ND)[0]
+    bad = (host < 0) | (host >= n)
+    if bad.any():
+      where = tuple(int(i) for i in np.argwhere(bad)[0])
+      raise ValueError(f"hash {host[where]} at index {where} is outside the table's "
+                       f"[0, {n}) buckets")
   emb = jnp.take(table_ND, hashes, axis=0, mode="clip")
   return emb * (hashes != 0)[..., None].astype(emb.dtype)

@@ -167,3 +167,15 @@ def test_lookup_hash_embeddings_rejects_bad_table_or_hashes():
     pf.lookup_hash_embeddings(jnp.arange(10.0), jnp.array([1, 2]))
   with pytest.raises(ValueError, match="hashes must hold integers"):
     pf.lookup_hash_embeddings(jnp.ones((10, 4)), jnp.array([1.0, 2.0]))
+
+
+def test_lookup_hash_embeddings_refuses_concrete_hashes_outside_the_table():
+  # Clipped, 4 read row 3 and -2 row 0 (not masked like hash 0), with no error.
+  table = jnp.arange(12.0).reshape(4, 3)
+  with pytest.raises(ValueError, match=r"hash 4 at index \(1,\) is outside the table's \[0, 4\)"):
+    pf.lookup_hash_embeddings(table, jnp.array([3, 4]))
+  with pytest.raises(ValueError, match=r"hash -2 at index \(0, 1\)"):
+    pf.lookup_hash_embeddings(table, np.array([[1, -2]]))
+  # Traced hashes cannot be checked: clipped, as documented.
+  traced = jax.jit(pf.lookup_hash_embeddings)(table, jnp.array([3, 4]))
+  np.testing.assert_array_equal(traced, np.asarray(table)[[3, 3]])
