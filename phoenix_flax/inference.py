@@ -124,11 +124,17 @@ def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str,
                      f"{tuple(int(i) for i in np.argwhere(bad)[0])}; {rule}")
 
 
+@jax.jit
+def _all_finite(x: Array) -> Array:
+  # One program per shape (the two eager operations compiled one each).
+  return jnp.all(jnp.isfinite(x))
+
+
 def _check_finite(prefix: str, name: str, x) -> None:
   """Floats must be finite: one NaN embedding makes every score it reaches NaN (and a
   NaN corpus row tops every retrieval). A device array is reduced where it lives, so only
   a bad one is copied to the host (for the message)."""
-  if bool(jnp.all(jnp.isfinite(x)) if isinstance(x, jax.Array) else np.isfinite(x).all()):
+  if bool(_all_finite(x) if isinstance(x, jax.Array) else np.isfinite(x).all()):
     return
   a = np.asarray(x, np.float32)
   _check_values(name, a, ~np.isfinite(a), "values must be finite", prefix)
@@ -381,7 +387,8 @@ class RankingRunner:
 
     The last chunk is padded with hash-0 candidates; one compiled program serves every
     chunk (its start index is traced), so any candidate count reuses it. A `chunk_size`
-    above C shrinks to the smallest power of two >= C (one program per such size).
+    above C shrinks to the smallest power of two >= C (one program per such size). A new
+    C still compiles the small programs that check, pad, slice and join the candidates.
     """
     chunk_size = self._check_chunking(chunk_size)
     batch, B, _ = _accepted(self.config, batch, embeddings)
