@@ -126,6 +126,35 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   assert "train/loss" not in _accumulator(run_dir).Tags()["scalars"]
 
 
+def test_a_resume_removes_the_killed_runs_later_events_from_its_files(tmp_path):
+  """TensorBoard's default (Rust) data server ignores the restart marker, so the old event
+  files themselves must lose the steps after the resume step: a tag the resumed run does
+  not log again at that step (a rate, which its compiling first chunk does not log) would
+  otherwise keep the killed process's point, which metrics.jsonl no longer has."""
+  from tensorboard.backend.event_processing import event_file_loader
+  run_dir = str(tmp_path)
+  writer = RunWriter(run_dir, {"model.num_layers": 2}, None)
+  for step in (10, 20, 30):
+    writer.log(step, {"train/loss": float(step), "perf/examples_per_second": 5.0}, 1.0)
+  writer.flush()   # on disk, as a killed process's events are after a periodic flush
+  writer.close(finished=False)
+  writer = RunWriter(run_dir, {"model.num_layers": 2}, resume_step=20)
+  writer.log(30, {"train/loss": 33.0, "perf/first_call_seconds": 9.0}, 3.0)
+  writer.close(finished=True)
+  points = []
+  for name in sorted(os.listdir(run_dir)):
+    if name.startswith("events.out.tfevents."):
+      for event in event_file_loader.LegacyEventFileLoader(os.path.join(run_dir, name)).Load():
+        points += [(v.tag, event.step) for v in event.summary.value
+                   if v.metadata.plugin_data.plugin_name != "hparams"]
+  assert sorted(points) == sorted(
+      [("train/loss", 10), ("train/loss", 20), ("train/loss", 30),
+       ("perf/examples_per_second", 10), ("perf/examples_per_second", 20),
+       ("perf/first_call_seconds", 30)])
+  hparams = _accumulator(run_dir).PluginTagToContent("hparams")
+  assert set(hparams) == {"_hparams_/session_start_info", "_hparams_/session_end_info"}
+
+
 def test_a_flush_puts_every_logged_event_on_disk(tmp_path):
   """The runner flushes before each checkpoint and a resumed run does not log the steps
   before it again: a process killed right after a flush must have written them all."""

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from typing import IO, Any, Iterator, Mapping, Optional
@@ -131,6 +132,37 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _records(data: bytes) -> Iterator[tuple[bytes, bytes]]:
+  """(whole record, payload) of each complete TFRecord of an event file's bytes; a torn
+  last record (a killed writer's) ends the iteration."""
+  pos = 0
+  while pos + 12 <= len(data):
+    (length,) = struct.unpack("<Q", data[pos:pos + 8])
+    end = pos + 12 + length + 4
+    if end > len(data):
+      return
+    yield data[pos:end], data[pos + 12:pos + 12 + length]
+    pos = end
+
+
+def drop_events_after(path: str, step: int) -> None:
+  """Rewrites the event file `path` (atomically) without its summaries of steps after
+  `step`. A resumed run logs those steps again; TensorBoard's default (Rust) data server
+  ignores the restart marker that `RunWriter` also writes, so without this a tag that the
+  resumed run does not log again at the same step (the killed process's
+  `perf/examples_per_second` of the chunk after the checkpoint) keeps a point of the killed
+  process that metrics.jsonl no longer has."""
+  with open(path, "rb") as f:
+    data = f.read()
+  kept = []
+  for record, payload in _records(data):
+    event = Event.FromString(payload)
+    if not (event.HasField("summary") and event.step > step):
+      kept.append(record)
+  with atomic_file(path, "wb") as f:
+    f.write(b"".join(kept))
+
+
 def _event(**fields) -> Event:
   """A TensorBoard event stamped with the current time."""
   return Event(wall_time=time.time(), **fields)
@@ -201,7 +233,8 @@ class RunWriter:
   every event logged so far on disk before the checkpoint that follows it: a resumed run
   drops the events after its checkpoint and does not log them again.
   `resume_step` None starts afresh (old events and rows are removed); an int keeps the rows
-  up to that step and tells TensorBoard to drop the events logged after it. `group` names
+  and the events up to that step (`drop_events_after` rewrites the old event files) and
+  marks the restart as `SummaryWriter(purge_step=...)` does. `group` names
   the session group of the HParams view: the seeds of one config share it, so that view
   can average them and compare configs (empty: the run is a group of its own).
   """
@@ -217,6 +250,8 @@ class RunWriter:
       rows = []
     else:
       rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
+      for old in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+        drop_events_after(old, resume_step)
     with atomic_file(self.metrics_path) as f:
       f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
     # The file name's timestamp has whole seconds; the suffix keeps two writers of one run
