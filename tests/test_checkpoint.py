@@ -615,3 +615,24 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   with pytest.raises(ConfigError, match=r"result.json cannot be read .*delete it and the run "
                                         r"resumes from its checkpoints"):
     run_experiment(config, run_dir)
+
+
+def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):
+  """A run resumed with one chunk to go runs only the chunk that compiles: its row logs
+  that time as perf/first_call_seconds (as every first call does, not a rate), and
+  result.json's examples_per_second is the rate of the chunks logged before the resume,
+  not the compile-inclusive rate of that chunk (which read about 6 examples/s where the
+  uninterrupted run read 8,000)."""
+  config = ranking_configs.get_config("smoke")
+  config.train.checkpoint_every = 10
+  workdir = str(tmp_path / "run")
+  run_experiment(config, workdir)
+  os.remove(os.path.join(workdir, runner.RESULT_FILE))
+  os.remove(checkpoint._path(workdir, 40))   # killed during the last chunk
+  (result,) = run_experiment(config, workdir).values()
+  rows = writers.read_metrics(workdir)
+  assert [r["step"] for r in rows] == [10, 20, 30, 40]
+  assert "perf/first_call_seconds" in rows[-1] and "perf/examples_per_second" not in rows[-1]
+  rates = [r["perf/examples_per_second"] for r in rows if "perf/examples_per_second" in r]
+  assert len(rates) == 2   # steps 20 and 30 of the first process
+  assert result["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))

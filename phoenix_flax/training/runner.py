@@ -23,7 +23,9 @@ same code and seeds give the same numbers on the same kind of processor).
 `wall_seconds` is the run's whole time (over resumes); `examples_per_second` counts the
 training examples of every vmapped seed per second of training chunks, the compiling
 first chunk excluded (unless it is the only chunk: the last one, or one in which every
-seed diverged).
+seed diverged), of the process that finished the run; one that resumed for a single
+(compiling) chunk gives the rate of the chunks logged before it instead. The compiling
+chunk's row logs `perf/first_call_seconds`, never a rate.
 
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from
@@ -627,7 +629,7 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     # A compiling chunk logs its time, not a rate that would start every perf curve
     # with a dip.
     perf = ({"perf/steps_per_second": t.steps_per_call / dt,
-             "perf/examples_per_second": examples_per_chunk / dt} if timed
+             "perf/examples_per_second": examples_per_chunk / dt} if chunks > 1
             else {"perf/first_call_seconds": dt})
     g.log({i: {**row, **perf, **{key: float(v[i]) for key, v in new_eval.items()}}
            for i, row in train_rows.items()})
@@ -659,8 +661,12 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
   if eval_step != g.step:
     evaluated = to_host(trainer.evaluate(g.state))
   g.save()
-  if chunks:
+  if chunks > 1 or (chunks and not start_step):
     throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  elif chunks:   # resumed for one (compiling) chunk: the rate of the chunks logged before
+    _, throughput = g.logged_training()
+    if not throughput:
+      throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
   else:  # killed after the final checkpoint (every seed diverged, or the last step)
     train_rows, throughput = g.logged_training()
   return g.finish(evaluated, train_rows, throughput)
