@@ -248,3 +248,19 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
   assert infos[0]["type"] == "DATA_TYPE_STRING" and infos[1]["type"] == "DATA_TYPE_FLOAT64"
   metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
   assert {"train/loss", "eval/auc_mean", "eval/auc/favorite_score"} <= metrics, metrics
+
+
+def test_the_sessions_of_a_group_log_the_groups_seeds():
+  """HParams shows a session group with one session's hparams: every seed of a group logs
+  the group's first seed and seed count, so the row reads "seed 0, num_seeds 2", not the
+  seed of whichever session came first; a run of its own logs its config's."""
+  from experiments.configs import ranking as ranking_configs
+  config = ranking_configs.get_config("smoke")
+  config.seed, config.num_seeds = 3, 2
+  for k in (3, 4):
+    hp = runner.session_hparams(config, schema.seed_config(config, k), "/w")
+    assert (hp["seed"], hp["num_seeds"]) == (3, 2)
+  single = ranking_configs.get_config("smoke")
+  single.seed = 5
+  hp = runner.session_hparams(single, schema.seed_config(single, 5), "")
+  assert (hp["seed"], hp["num_seeds"]) == (5, 1)

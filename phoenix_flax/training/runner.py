@@ -434,6 +434,19 @@ def _hparams_group(run_dir: str, seed: int) -> str:
   return os.path.dirname(os.path.abspath(run_dir))
 
 
+def session_hparams(config: ml_collections.ConfigDict, seed_cfg: ml_collections.ConfigDict,
+                    group: str) -> dict[str, Any]:
+  """The hparams a run logs: its seed's config's, except that a run of a session group
+  (the seeds of one config) logs the group's `seed` (the first) and `num_seeds`, which
+  every session of the group shares. TensorBoard's HParams table shows a group with the
+  hparams of one of its sessions: per-seed values showed a row averaging seeds 0 and 1 as
+  "seed 1, num_seeds 1". A session's own seed is its run name (`seed_<k>`)."""
+  out = hparams(seed_cfg)
+  if group:
+    out["seed"], out["num_seeds"] = config.seed, config.num_seeds
+  return out
+
+
 class _Group:
   """The seeds trained together in one call: their state, directories and writers.
   `config` is the caller's: the (cached) trainer's may differ in seeds and `output`."""
@@ -481,8 +494,9 @@ class _Group:
         cfg_k = seed_config(self.config, k)
         cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
         write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
-        self.writers[k] = RunWriter(dirs[k], hparams(cfg_k),
-                                    self.step or None, _hparams_group(dirs[k], k))
+        group = _hparams_group(dirs[k], k)
+        self.writers[k] = RunWriter(dirs[k], session_hparams(self.config, cfg_k, group),
+                                    self.step or None, group)
 
   def release(self) -> None:
     """Releases the run directories' locks."""
