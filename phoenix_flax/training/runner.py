@@ -20,7 +20,9 @@ that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" 
 uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
 (`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the
 same code and seeds give the same numbers on the same kind of processor).
-`wall_seconds` is the run's whole time (over resumes); `examples_per_second` counts the
+`wall_seconds` is the run's time over resumes: each process's time up to its last
+checkpoint (a killed process's time after it is lost with its work, and a resumed one's
+restart and compiling count); `examples_per_second` counts the
 training examples of every vmapped seed per second of training chunks, the compiling
 first chunk excluded (unless it is the only chunk: the last one, or one in which every
 seed diverged), of the process that finished the run; one that resumed for a single
