@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import socket
@@ -18,6 +19,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from conftest import REPO, subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
+from phoenix_flax.training import writers
 from phoenix_flax.training.writers import RunWriter, read_metrics
 
 SERVER_WAIT_S = 90
@@ -153,6 +155,23 @@ def test_a_resume_removes_the_killed_runs_later_events_from_its_files(tmp_path):
        ("perf/first_call_seconds", 30)])
   hparams = _accumulator(run_dir).PluginTagToContent("hparams")
   assert set(hparams) == {"_hparams_/session_start_info", "_hparams_/session_end_info"}
+
+
+def test_dropping_later_events_keeps_a_damaged_record_as_it_is(tmp_path):
+  """A record whose payload does not parse (damage on disk) is copied, not a crash of the
+  resume; the events around it are filtered as usual."""
+  writer = RunWriter(str(tmp_path), {"model.num_layers": 2}, None)
+  for step in (10, 20, 30):
+    writer.log(step, {"train/loss": float(step)}, 1.0)
+  writer.close(finished=False)
+  (path,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+  records = list(writers._records(open(path, "rb").read()))
+  damaged = records[1][0][:12] + b"\xff" * (len(records[1][1])) + records[1][0][-4:]
+  with open(path, "wb") as f:
+    f.write(records[0][0] + damaged + b"".join(r for r, _ in records[2:]))
+  writers.drop_events_after(path, 20)
+  kept = [r for r, _ in writers._records(open(path, "rb").read())]
+  assert kept[1] == damaged and len(kept) == len(records) - 1   # step 30 dropped
 
 
 def test_a_flush_puts_every_logged_event_on_disk(tmp_path):

@@ -17,6 +17,7 @@ import time
 from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
+from google.protobuf.message import DecodeError
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
@@ -156,7 +157,11 @@ def drop_events_after(path: str, step: int) -> None:
     data = f.read()
   kept = []
   for record, payload in _records(data):
-    event = Event.FromString(payload)
+    try:
+      event = Event.FromString(payload)
+    except DecodeError:   # a damaged record: kept as it is (TensorBoard skips it)
+      kept.append(record)
+      continue
     if not (event.HasField("summary") and event.step > step):
       kept.append(record)
   with atomic_file(path, "wb") as f:
