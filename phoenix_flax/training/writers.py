@@ -17,7 +17,6 @@ import time
 from typing import IO, Any, Iterator, Mapping, Optional
 
 import numpy as np
-from google.protobuf.message import DecodeError
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
@@ -159,7 +158,8 @@ def drop_events_after(path: str, step: int) -> None:
   for record, payload in _records(data):
     try:
       event = Event.FromString(payload)
-    except DecodeError:   # a damaged record: kept as it is (TensorBoard skips it)
+    except Exception:   # protobuf's DecodeError: a damaged record, kept as it is
+      # (TensorBoard skips it; protobuf comes with tensorboardX, not imported here)
       kept.append(record)
       continue
     if not (event.HasField("summary") and event.step > step):
