@@ -343,7 +343,8 @@ class RankingRunner:
 
   def _check_cache(self, cache: ContextCache, batch: RecsysBatch) -> None:
     """The cache's shapes and dtypes are this model's, and its padding mask is the one of
-    the batch's users (a cache of other users, or of another model, scored silently)."""
+    the batch's users (a cache of other users, or of a model with another forward dtype,
+    scored silently). A cache of another model with the same shapes and dtype passes."""
     if not isinstance(cache, ContextCache):
       raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
     tc = self.config.model
@@ -364,6 +365,7 @@ class RankingRunner:
         why = "" if name == "padding_mask" else (
             f" (this model's fprop_dtype={self.config.fprop_dtype!r})")
         raise ValueError(f"cache.{name} has dtype {x.dtype}, expected {dtype}{why}: {hint}")
+    # The rule of `block_user_reduce` and `block_history_reduce`, on the host.
     context_mask = np.concatenate([np.asarray(batch.user_hashes)[:, :1] != 0,
                                    np.asarray(batch.history_post_hashes)[:, :, 0] != 0], axis=1)
     differs = np.asarray(cache.padding_mask) != context_mask
@@ -391,7 +393,7 @@ class RankingRunner:
     C still compiles the small programs that check, pad, slice and join the candidates.
     """
     chunk_size = self._check_chunking(chunk_size)
-    batch, B, _ = _accepted(self.config, batch, embeddings)
+    batch, _, _ = _accepted(self.config, batch, embeddings)
     self._check_cache(cache, batch)
     return self._score_in_chunks(cache, batch, embeddings, chunk_size)
 
