@@ -351,9 +351,11 @@ def test_placement_needs_batches_and_sharded_tables_that_divide_the_devices():
       num_devices=8, shard_hash_tables=False))
 
 
-def test_make_placement_uses_the_visible_devices():
+def test_make_placement_uses_the_visible_devices(caplog):
   n = jax.device_count()
-  assert make_placement(1, True).mesh is None       # one device: no mesh, nothing to shard
+  with caplog.at_level("WARNING"):
+    assert make_placement(1, True).mesh is None       # one device: no mesh, nothing to shard
+  assert "shard_hash_tables=True has no effect" in caplog.text
   assert make_placement(-1, False).num_devices == n
   assert make_placement(n, False).num_devices == n
   with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} devices"):

@@ -9,6 +9,7 @@ runs on one device, several, or several hosts (`jax.distributed.initialize`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 import jax
@@ -122,6 +123,10 @@ def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
                       f"{jax.process_count()} processes (mesh.distributed): the mesh must "
                       f"hold every process's devices; use -1 (all {len(devices)})")
   if n == 1:
+    if shard_hash_tables:   # (-1 on a one-device host: the same command runs anywhere)
+      logging.getLogger(__name__).warning(
+          "mesh.shard_hash_tables=True has no effect: one device is visible, so the "
+          "tables stay whole on it")
     return Placement(None, False)
   return Placement(Mesh(np.asarray(devices[:n]), (DATA_AXIS,)), shard_hash_tables)
 
