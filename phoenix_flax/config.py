@@ -47,6 +47,15 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+def _count(name: str, value: Any, low: int, high: Optional[int] = None, what: str = "") -> int:
+  """`value` as a Python int in `[low, high]` (NumPy integers accepted, bools not), else a
+  ValueError naming `name`: the argument check of the public functions and runners."""
+  if not _is_int(value) or value < low or (high is not None and value > high):
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r} must be an integer {bound}{what}")
+  return int(value)
+
+
 def _positive_float(cls: str, field: str, value: Any) -> None:
   # A bool would count as 1.0 and a string fail in a comparison; inf or NaN gives NaN
   # scores (inf * tanh(0)).
@@ -82,8 +91,7 @@ def field_default(field: dataclasses.Field) -> Any:
 
 def ffn_size(emb_size: int, widening_factor: float) -> int:
   """Hidden width of the GeGLU block: int(w*D)*2//3 rounded up to a multiple of 8."""
-  if not _is_int(emb_size) or emb_size < 1:
-    raise ValueError(f"ffn_size: emb_size={emb_size!r} must be an integer >= 1")
+  _count("ffn_size: emb_size", emb_size, 1)
   if not _is_real(widening_factor) or not widening_factor > 0:
     raise ValueError(f"ffn_size: widening_factor={widening_factor!r} must be a number > 0")
   size = int(widening_factor * emb_size) * 2 // 3
@@ -152,8 +160,7 @@ class TransformerConfig:
 
   def kv_cache_bytes(self, context_len: int, dtype: str = "float32") -> int:
     """Bytes of keys and values that one user context of `context_len` tokens holds."""
-    if not _is_int(context_len) or context_len < 0:
-      raise ValueError(f"kv_cache_bytes: context_len={context_len!r} must be an integer >= 0")
+    _count("kv_cache_bytes: context_len", context_len, 0)
     itemsize = jnp.dtype(dtype).itemsize
     return 2 * self.num_layers * self.num_kv_heads * self.key_size * context_len * itemsize
 

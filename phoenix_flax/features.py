@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig, _is_int
+from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig, _count
 
 
 def action_embedding(actions_BSA: Array, action_projection_AD: Array) -> Array:
@@ -29,9 +29,8 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
                             granularity_mins: int = 60) -> Array:
   """Age bucket `minutes // g + 1`, clipped to `[0, 4800 // g + 1]`; 0 when a timestamp
   is missing (0) or the post is newer than the impression. int32."""
-  if not _is_int(granularity_mins) or granularity_mins < 1:
-    # A negative one clipped every bucket to a negative id, which embeds as zeros.
-    raise ValueError(f"granularity_mins={granularity_mins!r} must be an integer >= 1")
+  # (a negative one clipped every bucket to a negative id, which embeds as zeros)
+  _count("granularity_mins", granularity_mins, 1)
   impression_ts, post_ts = jnp.asarray(impression_ts), jnp.asarray(post_ts)
   minutes = (impression_ts - post_ts) // 60
   top = POST_AGE_MAX_MINUTES // granularity_mins + 1

@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from phoenix_flax import xla_options
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig, _count
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 from phoenix_flax.transformer import ContextCache
@@ -235,15 +235,6 @@ def _accepted(config, batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
                               if name not in config.optional_batch_fields})
   B, C = validate_inputs(config, batch, embeddings, with_candidates=with_candidates)
   return batch, B, C
-
-
-def _count(name: str, value, low: int, high: Optional[int] = None, what: str = "") -> int:
-  """`value` as a Python int in `[low, high]` (NumPy integers accepted, bools not)."""
-  ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-  if not ok or value < low or (high is not None and value > high):
-    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{name}={value!r} must be an integer {bound}{what}")
-  return int(value)
 
 
 def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings

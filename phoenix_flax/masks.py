@@ -5,14 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from phoenix_flax.config import _is_int
-
-
-def _check_count(name: str, value, low: int) -> None:
-  """`value` must be an integer >= `low` (NumPy integers included, bools not): a float
-  length would build a mask of another size, a negative one slice from the end."""
-  if not _is_int(value) or value < low:
-    raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+from phoenix_flax.config import _count
 
 
 def causal_mask(seq_len: int, dtype=jnp.float32) -> Array:
@@ -26,8 +19,9 @@ def make_recsys_attn_mask(seq_len: int, candidate_start_offset: int, dtype=jnp.f
   User + history (positions < offset) attend causally; each candidate attends to the
   whole user + history prefix and to itself, never to another candidate.
   """
-  _check_count("seq_len", seq_len, 1)
-  _check_count("candidate_start_offset", candidate_start_offset, 0)
+  # (a float length would build a mask of another size, a negative one slice from the end)
+  _count("seq_len", seq_len, 1)
+  _count("candidate_start_offset", candidate_start_offset, 0)
   if not 0 <= candidate_start_offset <= seq_len:
     raise ValueError(f"candidate_start_offset={candidate_start_offset} must lie in "
                      f"[0, seq_len={seq_len}]")
@@ -46,8 +40,8 @@ def right_anchored_rope_positions(padding_mask: Array, history_seq_len: int,
   index, history index `i` maps to `he - n_b + (i - hs)`, every later token (the
   candidates) to `he`, and padded tokens to 0.
   """
-  _check_count("history_seq_len", history_seq_len, 0)
-  _check_count("num_user_prefix_tokens", num_user_prefix_tokens, 0)
+  _count("history_seq_len", history_seq_len, 0)
+  _count("num_user_prefix_tokens", num_user_prefix_tokens, 0)
   if padding_mask.ndim != 2:
     raise ValueError(f"padding_mask must be [B, T], got shape {padding_mask.shape}")
   T = padding_mask.shape[1]

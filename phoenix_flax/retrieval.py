@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from phoenix_flax.config import PhoenixRetrievalModelConfig, _is_int
+from phoenix_flax.config import PhoenixRetrievalModelConfig, _count
 from phoenix_flax.layers import variance_scaling
 from phoenix_flax.ranking import Diagnostics, context_tokens
 from phoenix_flax.transformer import Transformer
@@ -42,8 +42,7 @@ class CandidateTower(eqx.Module):
   def __init__(self, emb_size: int, num_hashes: int, enable_linear_proj: bool = True, *,
                key: PRNGKeyArray):
     for name, value in (("emb_size", emb_size), ("num_hashes", num_hashes)):
-      if not _is_int(value) or value < 1:
-        raise ValueError(f"CandidateTower: {name}={value!r} must be an integer >= 1")
+      _count(f"CandidateTower: {name}", value, 1)
     self.emb_size = emb_size
     if enable_linear_proj:
       k1, k2 = jax.random.split(key)

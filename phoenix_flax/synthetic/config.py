@@ -9,9 +9,7 @@ import dataclasses
 import math
 from typing import Optional
 
-import numpy as np
-
-from phoenix_flax.config import _fail, _is_real, _positive_int
+from phoenix_flax.config import _fail, _is_int, _is_real, _positive_int
 
 HISTORY_DISTS = ("uniform", "log_uniform")
 CANDIDATE_ORDERS = ("random", "relevance", "grouped")
@@ -24,10 +22,6 @@ DEFAULT_BASE_RATES = (
     0.04, 0.02, 0.02, 0.015,        # not_interested, block, mute, report
     0.12,                           # dwell_time (binary long dwell)
 )
-
-
-def _is_count(value) -> bool:
-  return isinstance(value, (int, np.integer)) and _is_real(value)
 
 
 def _in_range(cls: str, field: str, value, lo: float, hi: float) -> None:
@@ -184,10 +178,10 @@ class SplitConfig:
 
   def __post_init__(self):
     c = "SplitConfig"
-    if not _is_count(self.min_history) or self.min_history < 0:
+    if not _is_int(self.min_history) or self.min_history < 0:
       _fail(c, "min_history", self.min_history, "must be an integer >= 0")
     if self.max_history is not None:
-      if not _is_count(self.max_history) or self.max_history < 0:
+      if not _is_int(self.max_history) or self.max_history < 0:
         _fail(c, "max_history", self.max_history,
               "must be an integer >= 0 (0: every history empty, a cold-start split)")
       if self.max_history < self.min_history:

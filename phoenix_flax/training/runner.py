@@ -677,14 +677,13 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
   if eval_step != g.step:
     evaluated = to_host(trainer.evaluate(g.state))
   g.save()
-  if chunks > 1 or (chunks and not start_step):
-    throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
-  elif chunks:   # resumed for one (compiling) chunk: the rate of the chunks logged before
-    _, throughput = g.logged_training()
-    if not throughput:
-      throughput = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
-  else:  # killed after the final checkpoint (every seed diverged, or the last step)
+  measured = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  if not chunks:   # killed after the final checkpoint (every seed diverged, or the last step)
     train_rows, throughput = g.logged_training()
+  elif chunks == 1 and start_step:   # resumed for one (compiling) chunk: the rate logged before
+    throughput = g.logged_training()[1] or measured
+  else:
+    throughput = measured
   return g.finish(evaluated, train_rows, throughput)
 
 
