@@ -275,6 +275,23 @@ def test_isolated_query_with_no_kept_key_gets_zeros():
   assert np.all(np.abs(attn[1]) > 0)
 
 
+def test_candidate_with_an_empty_context_attends_to_itself_with_the_row_max():
+  """Without a soft cap the fast path subtracts the row max. A candidate whose context is
+  all padding sees its own key only, so its row max must include its own logit (the
+  context's are all MASK_VALUE): its attention is then its own value, as the dense
+  softmax over that one key gives, not exp(own + 1e30) = inf."""
+  cfg = transformer_config(attn_logit_cap=None, attn_output_multiplier=1.0)
+  ctx_mask = jnp.array([[False] * 5, [True] * 5])
+  args = _isolated_attention_args(cfg, 2, ctx_mask)
+  assert not pf.transformer._exp_without_shift(None, jnp.float32, 6)
+  attn, _ = jax.jit(pf.transformer._isolated_attention, static_argnums=0)(*args)
+  own_v = args[5][1]                                   # [B, C, KV, d]
+  G = cfg.num_q_heads // cfg.num_kv_heads
+  want = jnp.broadcast_to(own_v[0][:, :, None], attn[0].shape)
+  np.testing.assert_allclose(attn[0], want, rtol=1e-6, atol=1e-6)
+  assert np.all(np.isfinite(attn)) and G > 1
+
+
 @pytest.mark.parametrize("layers", [1, 3])
 def test_isolated_candidates_equal_isolated(layers):
   """The logits-only path (last layer for the candidates alone) gives the candidate rows
@@ -338,6 +355,23 @@ def test_score_candidates_default_positions_follow_the_context():
 
   dense = call(lambda t, x: t(x, PADDING, OFFSET), tr, x).embeddings
   np.testing.assert_allclose(call(isolated, tr, x), dense[:, OFFSET:], atol=1e-5)
+
+
+def test_isolated_default_positions_follow_the_context():
+  """`isolated` and `isolated_candidates` without positions number the candidates N,
+  N+1, ... after an N-token context too: the dense path's default positions 0..T-1."""
+  tr = pf.Transformer(transformer_config(), key=jax.random.key(5))
+  x = inputs(1)
+
+  def isolated(t, x):
+    args = (x[:, :OFFSET], PADDING[:, :OFFSET], x[:, OFFSET:], PADDING[:, OFFSET:])
+    return t.isolated(*args).embeddings, t.isolated_candidates(*args)
+
+  dense = call(lambda t, x: t(x, PADDING, OFFSET), tr, x).embeddings
+  both, only = call(isolated, tr, x)
+  valid = PADDING[:, :, None]
+  np.testing.assert_allclose(jnp.where(valid, both, 0), jnp.where(valid, dense, 0), atol=1e-5)
+  np.testing.assert_allclose(only, dense[:, OFFSET:], atol=1e-5)
 
 
 def test_rezero_layers_are_identity_at_init():
