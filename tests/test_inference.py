@@ -133,6 +133,23 @@ def test_rank_orders_by_favorite_with_padding_last(ranker):
     out.action("like_score")
 
 
+def test_ranking_puts_padding_last_in_slot_order(ranker):
+  """Padded candidates all share one sort key; they come last in slot order (the order is
+  deterministic), after the valid ones by descending favorite_score, in `rank` and
+  `rank_chunked`. 40 slots: an unstable sort reorders such ties."""
+  batch, emb = _batch(batch_size=1, num_candidates=40)
+  hashes = np.asarray(batch.candidate_post_hashes).copy()
+  padded = np.arange(40) % 3 != 1
+  hashes[0, padded] = 0
+  batch = batch._replace(candidate_post_hashes=jnp.asarray(hashes))
+  for out in (ranker.rank(batch, emb), ranker.rank_chunked(batch, emb, 16)):
+    fav = np.asarray(out.scores)[0, :, 0]
+    valid = np.flatnonzero(~padded)
+    expected = np.concatenate([valid[np.argsort(-fav[valid], kind="stable")],
+                               np.flatnonzero(padded)])
+    np.testing.assert_array_equal(out.ranked_indices[0], expected)
+
+
 def test_rank_compiles_once_per_shape(ranker):
   ranker.rank(*_batch(seed=7))
   traces = ranker.trace_counts["rank"]
@@ -492,6 +509,9 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   with pytest.raises(ValueError, match="user_hashes holds -2"):
     runner.retrieve(batch._replace(user_hashes=bad), emb, top_k=5)
   assert runner.trace_counts["retrieve"] == 0
+  everything = runner.retrieve(batch, emb, top_k=100)    # the whole corpus is allowed
+  for row in np.asarray(everything.top_k_indices):
+    assert sorted(row.tolist()) == list(range(100))
 
 
 def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):
@@ -505,6 +525,14 @@ def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):
     np.testing.assert_array_equal(got.ranked_indices, expected.ranked_indices)
   # Every chunk_size >= 8 runs the same 8-candidate program.
   assert ranker.trace_counts["score_candidates"] - before <= 1
+  # A power-of-two C is its own cover: chunk sizes 16 and 64 both run the 16-candidate
+  # program, with no padded chunk beyond the list.
+  sixteen, sixteen_emb = _batch(batch_size=2, num_candidates=16)
+  ranker.rank_chunked(sixteen, sixteen_emb, 16)
+  before = ranker.trace_counts["score_candidates"]
+  np.testing.assert_allclose(ranker.rank_chunked(sixteen, sixteen_emb, 64).scores,
+                             ranker.rank(sixteen, sixteen_emb).scores, atol=1e-5, rtol=0)
+  assert ranker.trace_counts["score_candidates"] == before
 
 
 def test_score_candidates_rejects_a_cache_of_other_users_or_another_dtype(ranker):
