@@ -356,13 +356,18 @@ def test_every_model_entry_point_names_a_bad_field(entry):
 
 def test_fields_the_model_does_not_read_are_ignored():
   """Timestamps and dwell times count only with the options that read them (as released);
-  otherwise the model neither checks nor reads them."""
+  otherwise the model neither checks nor reads them, in one pass or in micro-batches."""
   cfg = ranking_config()
   model, (batch, emb) = model_for(cfg), padded_batch(cfg)
   junk = batch._replace(impression_timestamps=jnp.full((7,), -1.5),
                         candidate_post_timestamps=jnp.zeros((1,), bool),
                         history_dwell_times=jnp.zeros((3, 2, 1)))
   np.testing.assert_array_equal(model(junk, emb).logits, model(batch, emb).logits)
+  # Micro-batches (groups of one user, candidates two at a time) slice only what the
+  # model reads: the junk above used to be sliced too, and failed.
+  micro = model_for(dataclasses.replace(cfg, micro_batch_rows=2))
+  assert micro.micro_batch_limits(2, 3) == (1, 2)
+  np.testing.assert_array_equal(micro(junk, emb).logits, micro(batch, emb).logits)
   with pytest.raises(ValueError, match="impression_timestamps is required: "
                      "post_age_granularity_mins is set"):
     model_for(dataclasses.replace(cfg, post_age_granularity_mins=60))(batch, emb)
