@@ -231,8 +231,7 @@ def _accepted(config, batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
   read (whatever they hold is ignored, as by the release, and never reaches the compiled
   program), validated; with its (B, C)."""
   if isinstance(batch, RecsysBatch):   # otherwise validate_inputs names the type
-    batch = batch._replace(**{name: None for name in RecsysBatch._field_defaults
-                              if name not in config.optional_batch_fields})
+    batch = batch.without_unread(config.optional_batch_fields)
   B, C = validate_inputs(config, batch, embeddings, with_candidates=with_candidates)
   return batch, B, C
 

@@ -306,8 +306,7 @@ class PhoenixModel(eqx.Module):
     B, C = self._check(batch, embeddings)
     # The optional fields the model does not read hold anything (`RecsysBatch`); the
     # micro-batches would slice them, so they go before.
-    batch = batch._replace(**{name: None for name in RecsysBatch._field_defaults
-                              if name not in self.config.optional_batch_fields})
+    batch = batch.without_unread(self.config.optional_batch_fields)
     users = self.micro_batch_limits(B, C)[0]
     if users >= B:
       return self._score_users(batch, embeddings)

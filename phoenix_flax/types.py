@@ -34,6 +34,12 @@ class RecsysBatch(NamedTuple):
   candidate_post_timestamps: Optional[Array] = None  # [B, C] seconds (0 = missing)
   history_dwell_times: Optional[Array] = None        # [B, S] seconds
 
+  def without_unread(self, optional_fields) -> "RecsysBatch":
+    """This batch with the optional fields not in `optional_fields` (a config's
+    `optional_batch_fields`) set to None, so nothing they hold reaches a program."""
+    return self._replace(**{name: None for name in self._field_defaults
+                            if name not in optional_fields})
+
 
 class RecsysEmbeddings(NamedTuple):
   """Hash embeddings looked up outside the model (release call signature)."""
