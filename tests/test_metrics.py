@@ -133,6 +133,11 @@ def test_log_loss_and_calibration_match_reference():
   probs = np.array([[[1.0], [0.95], [0.0]]], np.float32)
   ece = metrics.calibration_error(probs, np.array([[[1.0], [0.0], [0.0]]]), np.ones((1, 3), bool))
   assert float(ece) == pytest.approx(abs(1.95 - 1.0) / 3)
+  # ... and counts there: a wrong 1.0 (label 0) beside a 0.95 with label 1 leaves the top
+  # bin |(1.0 - 0) + (0.95 - 1)| = 0.95 over 2 predictions (dropping it would leave 0.05).
+  ece = metrics.calibration_error(np.array([[[1.0], [0.95]]], np.float32),
+                                  np.array([[[0.0], [1.0]]]), np.ones((1, 2), bool))
+  assert float(ece) == pytest.approx(0.95 / 2)
 
 
 def test_calibration_error_stays_accurate_over_an_evaluation_sized_batch():
