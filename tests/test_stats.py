@@ -96,6 +96,10 @@ def test_rate_difference_and_zero_spread():
   assert stats.rate_difference([0.0] * 3, [1 / 3] * 3)["p_value"] == pytest.approx(0.25)
   assert stats.rate_difference([0.0] * 3, [2 / 3, 2 / 3, 1.0])["p_value"] == pytest.approx(0.25)
   assert stats.rate_difference([0.0] * 6, [0.5] * 6)["p_value"] == pytest.approx(2 / 64)
+  # Two pairs are the fewest the exact test takes: 2 of the 4 sign flips are as extreme
+  # (the t-test's zero spread would read p = 0).
+  two = stats.rate_difference([0.0, 0.0], [0.5, 0.5])
+  assert two["test"] == "sign-flip permutation" and two["p_value"] == pytest.approx(0.5)
   # A deterministic quantity (every seed differs by the same amount) keeps its exact CI.
   fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])
   assert fixed["ci95"] == [-40.0, -40.0] and fixed["p_value"] == 0.0
