@@ -312,6 +312,13 @@ def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_p
     assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 40}]
   warned = [n for n in range(1, 7) if f"metrics.jsonl line {n} is not" in caplog.text]
   assert warned == [2, 3, 4, 5]
+  # A row cut just before its newline parses, but is still the unfinished last line: it
+  # is dropped, silently like any cut-short row.
+  caplog.clear()
+  (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 30}')
+  with caplog.at_level("WARNING", logger=writers.__name__):
+    assert writers.read_metrics(str(tmp_path)) == [{"step": 10}]
+  assert "not a metrics row" not in caplog.text
 
 
 def test_write_json_keeps_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
