@@ -13,7 +13,7 @@ import pytest
 import phoenix_flax as pf
 from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
                                     sample_batch, true_logits, user_interest)
-from phoenix_flax.synthetic.sampling import _history_lengths
+from phoenix_flax.synthetic.sampling import MAX_AGE_S, _ages_s, _history_lengths
 from phoenix_flax.synthetic.world import history_weights
 from phoenix_flax.training.metrics import per_action_auc
 
@@ -286,6 +286,18 @@ def test_log_uniform_history_lengths():
   expected = np.log((lengths + 2) / (lengths + 1)) / np.log(14 / 2)
   got = np.bincount(n, minlength=13)[1:] / n.size
   np.testing.assert_allclose(got, expected, atol=0.005)
+
+
+def test_post_ages_are_exponential_whole_seconds_clipped_to_1_and_4800_minutes():
+  """Age = -log(1 - u) * mean_post_age_hours (12 h here) in whole seconds, clipped to
+  [60 s, 4800 min]: a draw a few seconds old is a minute old, a very old one 4800 min."""
+  mean_s = SMALL.mean_post_age_hours * 3600.0
+  u = jnp.array([0.0, 1e-4, 0.5, 1.0 - 1e-6], jnp.float32)
+  ages = np.asarray(_ages_s(world(), u))
+  assert ages.dtype == np.int32
+  assert -np.log1p(-1e-4) * mean_s < 60                   # 4.3 s before the clip
+  assert ages[0] == ages[1] == 60 and ages[3] == MAX_AGE_S == 4800 * 60
+  assert abs(int(ages[2]) - round(np.log(2.0) * mean_s)) <= 1
 
 
 def test_post_age_decays_positive_actions_only():
