@@ -311,6 +311,47 @@ def test_score_consistency_is_zero_with_isolation_only():
                                 sb.batch.candidate_post_hashes[1, 0])
 
 
+def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
+  """The evaluation's `score_consistency` is the mean |logit change| per valid
+  (candidate, action) over all its batches, `residual_rms/layer_i` layer i's RMS averaged
+  over the batches and `max_attn_logit` the maximum over batches and layers: checked
+  against forwards of each evaluation batch run one by one."""
+  cfg = ranking_configs.get_config("smoke")
+  cfg.model.candidate_isolation = False     # companions move the scores
+  cfg.model.num_layers = 2
+  cfg.train.eval_batches = 3                # 3 batches, 2 layers: the axes differ
+  trainer = Trainer(parse_config(cfg))
+  state = trainer.init([0])
+  got = {k: float(v[0]) for k, v in trainer.evaluate(state).items()}
+  system = trainer.system(unstack(state.params, 0))
+  sample = jax.jit(sample_batch, static_argnums=(1, 2))
+  forward = eqx.filter_jit(lambda s, b: s.forward(b))
+  split = trainer.spec.eval_splits["eval"]
+  moved = count = 0.0
+  rms, max_logit = [], []
+  for key in eval_keys(trainer.spec.config):
+    sb = sample(trainer.world, split, cfg.train.eval_batch_size, key)
+    out, diag = forward(system, sb.batch)
+    rms.append(np.asarray(diag.residual_rms))
+    max_logit.append(np.asarray(diag.max_abs_attn_logit))
+    logits = np.asarray(out.logits, np.float64)
+    C = logits.shape[1]
+    even = np.arange(C) % 2 == 0
+    for keep in (even, ~even):          # each slot re-scored among new companions
+      new = np.asarray(forward(system, mix_companions(sb.batch, keep))[0].logits, np.float64)
+      valid = np.asarray(sb.candidate_mask) & keep[None, :]
+      moved += np.abs(new - logits)[valid].sum()
+    count += np.asarray(sb.candidate_mask).sum() * logits.shape[-1]
+  assert moved > 0
+  assert got["eval/score_consistency"] == pytest.approx(moved / count, rel=1e-4)
+  rms_L = np.mean(rms, axis=0)
+  assert rms_L.shape == (2,) and abs(rms_L[0] - rms_L[1]) > 1e-3
+  for layer, value in enumerate(rms_L):
+    assert got[f"eval/residual_rms/layer_{layer}"] == pytest.approx(value, rel=1e-5)
+  assert not any(k.startswith("eval/residual_rms/layer_2") for k in got)
+  assert got["eval/max_attn_logit"] == pytest.approx(np.max(max_logit), rel=1e-5)
+
+
 def test_bad_config_values_name_the_field():
   for path, value, match in (("optim.learning_rate", -1.0, "optim.learning_rate"),
                              ("train.steps_per_call", 7, "train.steps_per_call"),
