@@ -20,7 +20,7 @@ from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
 from phoenix_flax.retrieval import CandidateTower
-from phoenix_flax.synthetic import make_world, sample_batch
+from phoenix_flax.synthetic import make_world, post_features, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
@@ -250,6 +250,44 @@ def test_retrieval_evaluation_loss_is_the_mean_over_all_users_with_a_positive():
   assert abs(unweighted - got) > 1e-3 * got, (counts, sums)
 
 
+def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
+  """`eval/recall@K`: per evaluation user with a positive, the share of its positives whose
+  post is among the K best-scored corpus items (a brute-force sort here), averaged over
+  those users of every batch; users without a positive count for nothing."""
+  cfg = retrieval_configs.get_config("smoke")
+  cfg.model.fprop_dtype = "float32"        # (bfloat16 scores, the GPU default, tie often)
+  spec = parse_config(cfg)
+  trainer = Trainer(spec)
+  state = trainer.init([0])
+  got = trainer.evaluate(state)
+  system = trainer.system(unstack(state, 0).params)
+  a, N = spec.config.retrieval.positive_action, spec.world.num_posts
+
+  @eqx.filter_jit
+  def scores(system, key):
+    sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], key)
+    post_h, author_h, _ = post_features(trainer.world, jnp.arange(N))
+    user_BD, _ = system.user_forward(sb.batch)
+    corpus_ND = system.corpus_representation(post_h, author_h)
+    positive = (sb.labels[..., a] > 0) & sb.candidate_mask
+    return user_BD @ corpus_ND.T, sb.candidate_post_ids, positive
+
+  per_user = {k: [] for k in spec.config.retrieval.recall_k}
+  without = 0
+  for key in eval_keys(spec.config):
+    s_BN, ids_BC, positive_BC = map(np.asarray, scores(system, key))
+    for s_N, ids_C, pos_C in zip(s_BN, ids_BC, positive_BC):
+      if not pos_C.any():
+        without += 1
+        continue
+      for k in per_user:
+        top = set(np.argsort(-s_N, kind="stable")[:k])
+        per_user[k].append(np.mean([i in top for i in ids_C[pos_C]]))
+  assert without > 0     # the check tells a mean over every user apart
+  for k, values in per_user.items():
+    assert float(got[f"eval/recall@{k}"][0]) == pytest.approx(np.mean(values), rel=1e-5), k
+
+
 def test_weight_decay_skips_hash_tables_and_norms():
   spec = parse_config(smoke_config())
   opt = make_optimizer(spec)
@@ -320,6 +358,7 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
   cfg.model.candidate_isolation = False     # companions move the scores
   cfg.model.num_layers = 2
   cfg.train.eval_batches = 3                # 3 batches, 2 layers: the axes differ
+  cfg.model.fprop_dtype = "float32"         # the GPU default rounds each program its way
   trainer = Trainer(parse_config(cfg))
   state = trainer.init([0])
   got = {k: float(v[0]) for k, v in trainer.evaluate(state).items()}
