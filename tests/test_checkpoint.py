@@ -645,3 +645,22 @@ def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_pat
   rates = [r["perf/examples_per_second"] for r in rows if "perf/examples_per_second" in r]
   assert len(rates) == 2   # steps 20 and 30 of the first process
   assert result["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))
+
+
+def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too(tmp_path):
+  """What a run resumed after its final checkpoint reports: the last train scalars logged,
+  and the harmonic mean of the logged rates without the compiling chunk's, which rows
+  written before `perf/first_call_seconds` existed logged as a rate (5 examples/s here)."""
+  group = types.SimpleNamespace(seeds=[0], dirs={0: str(tmp_path)})
+  rows = [{"step": 10, "train/loss": 3.0}, {"step": 20, "train/loss": 2.0},
+          {"step": 30, "train/loss": 1.0, "eval/auc_mean": 0.6}]
+  rates = [8000.0, 9000.0]
+  want = 2 / (1 / 8000.0 + 1 / 9000.0)
+  for first in ({"perf/examples_per_second": 5.0}, {"perf/first_call_seconds": 12.0}):
+    logged = [{**rows[0], **first}] + [{**r, "perf/examples_per_second": x}
+                                       for r, x in zip(rows[1:], rates)]
+    with open(tmp_path / writers.METRICS_FILE, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in logged)
+    train, throughput = runner._Group.logged_training(group)
+    assert train == {0: {"train/loss": 1.0}}
+    assert throughput == pytest.approx(want)
