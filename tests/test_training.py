@@ -351,14 +351,19 @@ def test_score_consistency_is_zero_with_isolation_only():
 
 def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
   """The evaluation's `score_consistency` is the mean |logit change| per valid
-  (candidate, action) over all its batches, `residual_rms/layer_i` layer i's RMS averaged
-  over the batches and `max_attn_logit` the maximum over batches and layers: checked
-  against forwards of each evaluation batch run one by one."""
+  (candidate, action) over all its batches (of the primary split only), `loss` the
+  training loss (action weights included) over every valid candidate of them,
+  `residual_rms/layer_i` layer i's RMS averaged over the batches and `max_attn_logit` the
+  maximum over batches and layers: checked against forwards of each evaluation batch run
+  one by one."""
   cfg = ranking_configs.get_config("smoke")
   cfg.model.candidate_isolation = False     # companions move the scores
   cfg.model.num_layers = 2
   cfg.train.eval_batches = 3                # 3 batches, 2 layers: the axes differ
   cfg.model.fprop_dtype = "float32"         # the GPU default rounds each program its way
+  weights = np.linspace(0.0, 2.0, 19)       # action 0 weighted 0
+  cfg.train.action_weights = tuple(float(w) for w in weights)
+  cfg.extra_eval_splits.short = split_config(max_history=2)
   trainer = Trainer(parse_config(cfg))
   state = trainer.init([0])
   got = {k: float(v[0]) for k, v in trainer.evaluate(state).items()}
@@ -366,7 +371,7 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
   sample = jax.jit(sample_batch, static_argnums=(1, 2))
   forward = eqx.filter_jit(lambda s, b: s.forward(b))
   split = trainer.spec.eval_splits["eval"]
-  moved = count = 0.0
+  moved = count = loss = 0.0
   rms, max_logit = [], []
   for key in eval_keys(trainer.spec.config):
     sb = sample(trainer.world, split, cfg.train.eval_batch_size, key)
@@ -381,8 +386,14 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
       valid = np.asarray(sb.candidate_mask) & keep[None, :]
       moved += np.abs(new - logits)[valid].sum()
     count += np.asarray(sb.candidate_mask).sum() * logits.shape[-1]
+    y = np.asarray(sb.labels, np.float64)
+    bce = np.logaddexp(0.0, logits) - y * logits
+    loss += (bce * weights)[np.asarray(sb.candidate_mask)].sum()
   assert moved > 0
   assert got["eval/score_consistency"] == pytest.approx(moved / count, rel=1e-4)
+  assert "short/logloss" in got and "short/score_consistency" not in got
+  valid = count / logits.shape[-1]
+  assert got["eval/loss"] == pytest.approx(loss / (valid * weights.sum()), rel=1e-5)
   rms_L = np.mean(rms, axis=0)
   assert rms_L.shape == (2,) and abs(rms_L[0] - rms_L[1]) > 1e-3
   for layer, value in enumerate(rms_L):
@@ -823,6 +834,20 @@ def test_a_step_logs_the_rate_it_applies_and_each_step_draws_a_new_batch():
   sb1 = sample(trainer.world, after)
   assert not np.array_equal(np.asarray(sb0.batch.candidate_post_hashes),
                             np.asarray(sb1.batch.candidate_post_hashes))
+
+
+def test_training_batches_come_from_the_train_split():
+  """A step's batch is drawn from `train_split` (here with no relevant candidates at all),
+  not from the evaluation split (half of them relevant)."""
+  c = smoke_config()
+  c.train_split.relevant_fraction = 0.0
+  trainer = Trainer(parse_config(c))
+  state = unstack(trainer.init([0]), 0)
+  sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
+  assert not np.any(np.asarray(sb.candidate_relevant))
+  eval_sb = jax.jit(sample_batch, static_argnums=(1, 2))(
+      trainer.world, trainer.spec.eval_splits["eval"], 8, jax.random.PRNGKey(0))
+  assert np.any(np.asarray(eval_sb.candidate_relevant))
 
 
 def test_resume_steps_are_those_every_seed_has(tmp_path):
