@@ -639,6 +639,7 @@ def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_pat
   os.remove(os.path.join(workdir, runner.RESULT_FILE))
   os.remove(checkpoint._path(workdir, 40))   # killed during the last chunk
   (result,) = run_experiment(config, workdir).values()
+  assert result["diverged"] is False and result["diverged_at_step"] is None
   rows = writers.read_metrics(workdir)
   assert [r["step"] for r in rows] == [10, 20, 30, 40]
   assert "perf/first_call_seconds" in rows[-1] and "perf/examples_per_second" not in rows[-1]
