@@ -470,6 +470,12 @@ def test_unknown_metric_is_an_error(tmp_path):
                    runner=fake_runner())
   with pytest.raises(ValueError, match="auc_maen"):
     sw.run()
+  # A diverged seed in every variant: the seeds that finished still show the name is wrong.
+  diverging = fake_runner(diverge={(arm, 0) for arm in ("a", "b", "c")})
+  sw = sweep.Sweep(toy_ablation(metrics=("auc_mean", "auc_maen")), "smoke",
+                   str(tmp_path / "diverging"), seeds=2, runner=diverging)
+  with pytest.raises(ValueError, match="auc_maen"):
+    sw.run()
 
 
 def test_missing_run_is_an_error(tmp_path):
