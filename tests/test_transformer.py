@@ -170,6 +170,12 @@ def test_unrolled_scan_equals_scan(unroll):
   got, want = call(eqx.filter_jit(outputs), unrolled, x), call(eqx.filter_jit(outputs), base, x)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  # Equal results alone would not show the switch reached the layer scan.
+  for t, want_unroll in ((base, 1), (unrolled, min(unroll, 3))):
+    jaxpr = jax.make_jaxpr(lambda x: t(x, PADDING, OFFSET, pos).embeddings)(x)
+    layer_scans = [e.params["unroll"] for e in jaxpr_equations(jaxpr.jaxpr)
+                   if e.primitive.name == "scan" and e.params["length"] == 3]
+    assert layer_scans == [want_unroll]
 
 
 def test_scan_unroll_is_validated():
