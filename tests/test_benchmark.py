@@ -126,6 +126,38 @@ def test_time_rounds_runs_iters_then_until_min_seconds():
   assert 4 <= len(calls) <= 20            # every call sleeps at least 0.01 s
 
 
+def test_time_rounds_medians_the_second_run_of_each_round(monkeypatch):
+  """On a fake clock: each round runs every call in turn, twice in a row, and times the
+  second run; the figure is the median of those; rounds continue past `iters` until the
+  timed runs of all calls add up to `min_seconds`."""
+  clock, order = [0.0], []
+  monkeypatch.setattr(timing, "time", type("FakeTime", (), {
+      "perf_counter": staticmethod(lambda: clock[0])}))
+
+  def make(name, costs):
+    costs = iter(costs)
+    def call():
+      order.append(name)
+      clock[0] += next(costs)
+    return call
+
+  # Untimed runs cost 100 s (cold), timed ones 1, 2, 9 s (a) and 3, 3, 30 s (b).
+  found = timing.time_rounds({"a": make("a", [100, 1, 100, 2, 100, 9]),
+                              "b": make("b", [100, 3, 100, 3, 100, 30])}, iters=3, warmup=0)
+  assert found == {"a": 2, "b": 3}
+  assert order == ["a", "a", "b", "b"] * 3
+  # Timed runs of 1 s each, two calls: 10 s in all takes 5 rounds, beyond iters=1.
+  order.clear()
+  timing.time_rounds({"a": make("a", [0, 1] * 20), "b": make("b", [0, 1] * 20)}, iters=1,
+                     warmup=2, min_seconds=10.0)
+  assert order == ["a", "b"] * 2 + ["a", "a", "b", "b"] * 5
+  # ... and at most max_rounds.
+  order.clear()
+  timing.time_rounds({"a": make("a", [0, 1] * 20)}, iters=1, warmup=0, min_seconds=100.0,
+                     max_rounds=4)
+  assert len(order) == 2 * 4
+
+
 def test_run_benchmark_rejects_unknown_configs():
   with pytest.raises(ValueError, match="unknown configs"):
     benchmark.run_benchmark(["nope"], TINY)
