@@ -62,6 +62,29 @@ def test_useful_flops_counts_the_isolated_computation():
       benchmark.useful_flops(other, 2, C)
 
 
+def test_kv_cache_table_and_micro_batches_by_hand():
+  """KV-cache bytes per user context: K and V, every layer, every KV head dividing the query
+  heads, key size 64, 1 + S tokens, 4 bytes a float32 and 2 a bfloat16."""
+  case = benchmark.Case(batch=3, history=6, candidates=7, emb=32, layers=3, q_heads=4,
+                        kv_heads=4)
+  rows = benchmark.kv_cache_table(case)
+  assert [r["kv_heads"] for r in rows] == [4, 2, 1]
+  for r in rows:
+    assert r["q_heads"] == 4 and r["context_len"] == 7
+    assert r["float32_bytes"] == 2 * 3 * r["kv_heads"] * 64 * 7 * 4
+    assert r["bfloat16_bytes"] == 2 * 3 * r["kv_heads"] * 64 * 7 * 2
+  # R rows a micro-batch, contexts of 1 + 6 = 7 tokens: R // 7 users a group (at least 1),
+  # so 3 users make ceil(3 / users) groups; each user's 7 candidates go in micro-batches of
+  # R // (users of an equal group) rows. R=20: 2 users a group, 2 groups, 10 rows each;
+  # R=4: 1 user a group, 3 groups, candidates in 2 micro-batches of up to 4.
+  for rows_, groups, micro in ((10, 3, 1), (20, 2, 1), (8, 3, 1), (4, 3, 2)):
+    config = dataclasses.replace(benchmark.model_config(case), micro_batch_rows=rows_)
+    model = eqx.filter_eval_shape(pf.PhoenixModel, config, key=jax.random.key(0))
+    found = benchmark._micro_batches(model, 3, 7)
+    assert found == {"micro_batch_rows": rows_, "user_groups": groups,
+                     "candidate_micro_batches": micro}, rows_
+
+
 def test_run_benchmark_reports_every_field(tmp_path):
   report = benchmark.run_benchmark(["full", "chunked"], TINY, iters=2, warmup=0,
                                    matmul_size=64, compile_case=TINY["full"],
@@ -87,7 +110,12 @@ def test_run_benchmark_reports_every_field(tmp_path):
   chunked = report["configs"]["chunked"]
   assert chunked["max_abs_prob_diff"] <= 1e-5 and chunked["max_abs_prob_diff_dense"] <= 1e-5
   assert chunked["fast"]["num_chunks"] == 3
-  assert chunked["one_call"]["median_s"] > 0 and chunked["speedup_vs_one_call"] > 0
+  assert chunked["one_call"]["median_s"] > 0
+  assert chunked["speedup_vs_one_call"] == pytest.approx(chunked["one_call"]["median_s"]
+                                                         / chunked["fast"]["median_s"])
+  for path in ("fast", "one_call"):   # compile time: the first call less a steady one
+    assert chunked[path]["compile_s"] == pytest.approx(chunked[path]["first_call_s"]
+                                                       - chunked[path]["median_s"])
   assert report["configs"]["full"]["reference"]["kind"] == "dense"
   assert chunked["reference"]["kind"] == "dense (one call)"
   assert chunked["reference"]["iters"] == 2
@@ -167,6 +195,11 @@ def test_run_benchmark_rejects_unknown_configs():
     benchmark.run_benchmark(["full"], TINY, train=[("smoke", 0)])
   with pytest.raises(ValueError, match="dense_iters=0"):
     benchmark.run_benchmark(["chunked"], TINY, dense_iters=0)
+  for layers in ((2,), (1, 2, 3)):
+    with pytest.raises(ValueError, match="must name two layer counts"):
+      benchmark.run_benchmark(["full"], TINY, compile_layers=layers)
+  with pytest.raises(ValueError, match="layer counts must be >= 1"):
+    benchmark.run_benchmark(["full"], TINY, compile_layers=(0, 2))
 
 
 def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
