@@ -316,3 +316,37 @@ def test_host_sampler_draws_fresh_uniforms_from_its_seed():
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
   with pytest.raises(ValueError, match="batch_size"):
     host_sampler.HostSampler(world, split, 0, seed=7)
+
+
+def test_training_throughput_counts_every_seeds_examples(monkeypatch):
+  """`train_throughput.measure` on loops that report fixed times: each round runs
+  `chunks_per_round` scanned calls (steps_per_call steps each, every seed's batch) and as
+  many steps of each plain loop (one seed); figures are medians over rounds."""
+  from experiments import train_throughput
+  calls = []
+
+  class FakeLoops:
+    steps, batch_size, num_seeds = 5, 8, 3
+    times = {"scanned": iter([2.0, 1.0, 4.0]), "plain": iter([10.0, 20.0, 40.0]),
+             "device": iter([5.0, 5.0, 1.0])}
+
+    def __init__(self, config):
+      calls.append(("init", config))
+
+    def scanned(self, chunks):
+      calls.append(("scanned", chunks))
+      return next(self.times["scanned"])
+
+    def plain(self, steps, device_sampled=False):
+      calls.append(("device" if device_sampled else "plain", steps))
+      return next(self.times["device" if device_sampled else "plain"])
+
+  monkeypatch.setattr(train_throughput, "_Loops", FakeLoops)
+  out = train_throughput.measure("config", rounds=3, chunks_per_round=2)
+  assert calls == [("init", "config")] + [("scanned", 2), ("plain", 10), ("device", 10)] * 3
+  # 10 steps a round: 10 * 8 * 3 examples in 2, 1, 4 s; 10 * 8 in 10, 20, 40 s and 5, 5, 1 s.
+  assert out["scanned_examples_per_second"] == 120.0
+  assert out["plain_examples_per_second"] == 4.0
+  assert out["plain_device_sampled_examples_per_second"] == 16.0
+  assert out["speedup"] == 30.0 and out["speedup_vs_device_sampled"] == 7.5
+  assert (out["steps_per_round"], out["batch_size"], out["num_seeds"]) == (10, 8, 3)
