@@ -15,6 +15,7 @@ from ablations import (candidate_isolation, gqa_ratio, probes, rope_anchoring,
                        sandwich_norm, sweep)
 from phoenix_flax.synthetic import make_world
 from phoenix_flax.training import make_system, parse_config
+from phoenix_flax.types import RecsysBatch
 
 
 def context(module, arm, tmp_path):
@@ -116,8 +117,9 @@ def test_gqa_joint_probe_times_every_variant_of_a_seed(tmp_path, monkeypatch):
 
 
 def test_count_params():
-  tree = {"a": jax.numpy.zeros((2, 3)), "b": [jax.numpy.zeros(4), "not an array", 7]}
-  assert probes.count_params(tree) == 10
+  tree = {"a": jax.numpy.zeros((2, 3)), "b": [jax.numpy.zeros(4), "not an array", 7],
+          "c": jax.numpy.zeros(5, jax.numpy.int32)}
+  assert probes.count_params(tree) == 15
 
 
 def test_sandwich_derived_metrics_and_rms_plot(tmp_path):
@@ -188,3 +190,91 @@ def test_probe_eval_batches_are_the_runners(rope_contexts):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
       else:
         np.testing.assert_array_equal(x, y)
+
+
+def _batch(post_hashes, user_hashes=None):
+  """A RecsysBatch with candidate post hashes [B, C, 1] (and user hashes [B, 1]) only."""
+  B = post_hashes.shape[0]
+  user = jnp.ones((B, 1), jnp.int32) if user_hashes is None else user_hashes
+  return RecsysBatch(user, None, None, None, None, post_hashes, None, None, None, None, None)
+
+
+class _SlotSystem(eqx.Module):
+  """Logit = the candidate's own value (from its hash) + an effect of its slot per action."""
+  slot_effect_CA: jax.Array
+
+  def __call__(self, batch):
+    own_BC = 1.7 + 0.1 * batch.candidate_post_hashes[..., 0].astype(jnp.float32)
+    return own_BC[..., None] + self.slot_effect_CA[None]
+
+
+def test_slot_sensitivity_is_the_std_of_the_slot_effect():
+  """A system whose logits are a candidate's own value plus an effect of its slot: rotating
+  the list moves each candidate through every slot, so its figure is the (population) std
+  of the slot effect, per action, averaged over actions; exactly 0 with no slot effect."""
+  C = 8
+  batch = _batch(jnp.arange(1, 2 * C + 1, dtype=jnp.int32).reshape(2, C, 1) % 5)
+  mask = jnp.ones((2, C), bool)
+  effect = np.stack([0.5 * np.arange(C) ** 2, np.zeros(C)], axis=1).astype(np.float32)
+  found = probes.slot_sensitivity(_SlotSystem(jnp.asarray(effect)), batch, mask)
+  np.testing.assert_allclose(found, (np.std(effect[:, 0]) + 0.0) / 2, rtol=1e-5)
+  assert probes.slot_sensitivity(_SlotSystem(jnp.zeros((C, 2))), batch, mask) == 0.0
+
+
+def test_max_abs_logit_diff_counts_valid_candidates_only():
+  a = jnp.asarray([[[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]])
+  b = jnp.asarray([[[1.0, -0.25], [2.5, 0.0], [100.0, 0.0]]])
+  assert probes.max_abs_logit_diff(a, b, jnp.asarray([[True, True, False]])) == 0.5
+  assert probes.max_abs_logit_diff(a, b, jnp.asarray([[True, False, False]])) == 0.25
+
+
+def test_pooled_shift_metrics_pool_lists_and_compare_logits_with_labels():
+  """Two lists of one action, each ranked perfectly by its logits, but not when pooled:
+  the AUC pools candidates of every list (positives 5, 1; negatives 4, 0: 3 of 4 pairs);
+  the true probabilities rank them backwards (Bayes AUC 0); a padded candidate counts
+  nowhere."""
+  from types import SimpleNamespace
+  mask = jnp.asarray([[True, True, False]])
+  logits = [jnp.asarray([[[5.0], [4.0], [0.0]]]), jnp.asarray([[[1.0], [0.0], [9.0]]])]
+  batches = [SimpleNamespace(labels=jnp.asarray([[[1.0], [0.0], [0.0]]]),
+                             probs=jnp.asarray([[[0.3], [0.8], [0.5]]]), candidate_mask=mask),
+             SimpleNamespace(labels=jnp.asarray([[[1.0], [0.0], [0.0]]]),
+                             probs=jnp.asarray([[[0.2], [0.9], [0.5]]]), candidate_mask=mask)]
+  found = probes.pooled_shift_metrics(logits, batches)
+  assert found["auc_mean"] == pytest.approx(0.75)
+  assert found["bayes_auc_mean"] == pytest.approx(0.0)
+  x, y = np.array([5.0, 4.0, 1.0, 0.0]), np.array([1.0, 0.0, 1.0, 0.0])
+  logloss = -np.mean(y * np.log(1 / (1 + np.exp(-x))) + (1 - y) * np.log(1 / (1 + np.exp(x))))
+  assert found["logloss"] == pytest.approx(logloss, rel=1e-5)
+
+
+def test_probes_measure_the_in_distribution_lists(monkeypatch):
+  """rope_anchoring's slot sensitivity is of the first in-distribution ("eval") list batch,
+  not a shifted split's; candidate_isolation scores every eval batch in chunks of C/4."""
+  from types import SimpleNamespace
+  spec = SimpleNamespace(eval_splits={"eval": "in-distribution", "long_history": "shifted"},
+                         world=SimpleNamespace(num_candidates=12))
+  ctx = SimpleNamespace(spec=spec, world="world", system="system")
+  batches = {split: [SimpleNamespace(batch=f"{split} {i}", candidate_mask=f"mask {i}")
+                     for i in range(3)] for split in spec.eval_splits.values()}
+  seen = {}
+  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: batches[split])
+  monkeypatch.setattr(probes, "slot_sensitivity",
+                      lambda system, batch, mask: seen.update(slot=(system, batch, mask)) or 0.5)
+  monkeypatch.setattr(probes, "chunked_scoring",
+                      lambda system, bs, chunk: seen.update(chunked=(system, bs, chunk)) or {})
+  assert rope_anchoring.probe(ctx) == {"slot_sensitivity": 0.5}
+  assert seen["slot"] == ("system", "in-distribution 0", "mask 0")
+  assert candidate_isolation.probe(ctx) == {"chunked": {}}
+  assert seen["chunked"] == ("system", batches["in-distribution"], 3)
+
+
+def test_candidate_isolation_derived_shift_mean_and_consistency_metric(tmp_path):
+  found = {"long_list/auc_mean": 0.6, "by_relevance/auc_mean": 0.7,
+           "random_companions/auc_mean": 0.95}
+  assert candidate_isolation.derived(found)["shift_mean/auc_mean"] == pytest.approx(0.75)
+  del found["by_relevance/auc_mean"]
+  assert candidate_isolation.derived(found) == {"shift_mean/auc_mean": None}
+  # score_consistency, one of its metrics, is measured only when the config asks for it.
+  assert sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path)).base.train \
+      .score_consistency is True
