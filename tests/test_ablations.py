@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -504,6 +505,63 @@ def test_scripts_state_their_design_and_build_valid_configs(module):
         for part in path.split("."):
           node = node[part]
         assert node == value, path
+
+
+ARMS = {   # what an arm's name says it sets
+    "cap30": {"model.attn_logit_cap": 30.0}, "cap10": {"model.attn_logit_cap": 10.0},
+    "cap50": {"model.attn_logit_cap": 50.0}, "off": {"model.attn_logit_cap": None},
+    **{f"kv{k}": {"model.num_kv_heads": k} for k in (8, 4, 2, 1)},
+    **{a: {"model.norm_layout": a, "model.param_init": "variance_scaling"}
+       for a in ("sandwich", "pre", "post")},
+    "rezero": {"model.norm_layout": "sandwich", "model.param_init": "rezero"},
+    "isolated": {"model.candidate_isolation": True},
+    "causal": {"model.candidate_isolation": False},
+    "sequential": {"model.right_anchored_rope": False},
+    "right_anchored": {"model.right_anchored_rope": True}}
+
+
+def _get(cfg, path):
+  for part in path.split("."):
+    cfg = cfg[part]
+  return cfg
+
+
+def _cell_settings(part):
+  """What one part of a condition cell's name says it sets."""
+  kind, value = re.fullmatch(r"(L|lr|corr|)(.+)", part).groups()
+  if kind == "L":
+    return {"model.num_layers": int(value)}
+  if kind == "lr":
+    return {"optim.learning_rate": float(value)}
+  if kind == "corr":   # every split but random_companions, which has no shared session
+    return {f"{p}.list_correlation": float(value)
+            for p in ("train_split", "eval_split", "extra_eval_splits.long_list",
+                      "extra_eval_splits.by_relevance")}
+  assert value in ("float32", "bfloat16"), part
+  return {"model.fprop_dtype": value}
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
+def test_variant_names_and_task_knobs_are_what_the_configs_set(module):
+  """Each variant's config sets what its arm and condition names say (`cap10`: logits
+  capped at 10; `L6_lr0.03`: 6 layers, peak learning rate 0.03; ...), and every
+  `section.field=value` the docstring's "Task knobs:" names, at every preset."""
+  doc = module.__doc__
+  knobs = doc[doc.index("Task knobs:"):doc.index("Variants:")]
+  documented = {path: ast.literal_eval(value) for path, value
+                in re.findall(r"`(\w+(?:\.\w+)+)=([^`]+)`", knobs)}
+  for preset in sweep.PRESETS:
+    sw = sweep.Sweep(module.ABLATION, preset, "/nonexistent")
+    for v in sw.variants:
+      cfg = sw.config(v)
+      expected = dict(documented, **ARMS[v.arm])
+      for part in filter(None, v.cell.split("_")):
+        expected.update(_cell_settings(part))
+      for path, value in expected.items():
+        assert _get(cfg, path) == value, (preset, v.name, path)
+      if "corr" in v.cell:
+        companions = cfg.extra_eval_splits.random_companions
+        assert companions.list_correlation == 0 and companions.relevant_fraction == 0.1
 
 
 def test_presets_grow_and_fit_the_budget():
