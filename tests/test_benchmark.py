@@ -230,6 +230,7 @@ def test_cli_writes_json_and_table(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--configs=demo", "--iters=1",
        "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}",
+       "--chunk_size=5",
        "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO,
       # Plumbing, not timing: compiled as the session compiles (unoptimised, conftest.py).
@@ -242,6 +243,10 @@ def test_cli_writes_json_and_table(tmp_path):
   assert report["persistent_compilation_cache"] is False
   assert "persistent compilation cache was on" not in proc.stdout
   assert set(report["configs"]) == {"demo"}
+  # --chunk_size sets the chunk of the chunked case only: demo scores whole lists.
+  assert report["configs"]["demo"]["case"] == dataclasses.asdict(benchmark.CASES["demo"])
+  assert report["configs"]["demo"]["case"]["chunk"] is None
+  assert "compile_scaling" not in report             # --nocompile_check
   assert report["command"].startswith("python -m experiments.benchmark")
   assert "| demo |" in proc.stdout
   # The training loops: scanned vs the two plain loops, per seed count.
