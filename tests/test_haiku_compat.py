@@ -256,6 +256,29 @@ def test_accepts_numpy_float64_and_read_only_mappings(ranking_params):
   _assert_trees_equal(haiku_compat.ranking_model_to_haiku(model), tree)
 
 
+def test_import_and_export_store_float32_whatever_dtype_they_are_given(ranking_params):
+  """The release stores float32 (SPEC: "weight stored float32"): a bfloat16 tree imports as
+  float32 parameters, a model whose arrays were cast to bfloat16 exports float32 arrays,
+  and a float64 value that is finite only in float64 (1e39) is named as inf, not imported."""
+  _, tree = ranking_params
+  F32 = np.dtype(np.float32)
+  bf16 = {m: {p: v.astype(jnp.bfloat16) for p, v in e.items()} for m, e in tree.items()}
+  as_f32 = {m: {p: np.asarray(v, np.float32) for p, v in e.items()} for m, e in bf16.items()}
+  model = haiku_compat.ranking_model_from_haiku(bf16, _ranking_config())
+  assert {x.dtype for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))} == {F32}
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)
+  exported = haiku_compat.ranking_model_to_haiku(cast)
+  assert {v.dtype for e in exported.values() for v in e.values()} == {F32}
+  _assert_trees_equal(exported, as_f32)
+  wide = tree["phoenix_model"]["unembeddings"].astype(np.float64)
+  wide[0, 0] = 1e39
+  huge = {m: dict(e) for m, e in tree.items()}
+  huge["phoenix_model"]["unembeddings"] = wide
+  with pytest.raises(haiku_compat.HaikuParamsError,
+                     match=r"value   params\['phoenix_model'\]\['unembeddings'\]: holds NaN"):
+    haiku_compat.ranking_model_from_haiku(huge, _ranking_config())
+
+
 def test_broken_tree_lists_every_problem(ranking_params):
   _, tree = ranking_params
   broken = {m: dict(e) for m, e in tree.items()}
