@@ -25,6 +25,13 @@ def test_post_age_bucket(minutes, expected):
   assert bucket(minutes) == expected
 
 
+def test_post_age_bucket_floors_seconds_to_whole_minutes():
+  """SPEC: minutes = (impr - post) // 60, a floor: 3599 s is 59 minutes (bucket 1), 7199 s
+  119 (bucket 2), and a post 30 s newer than the impression is -1 minute old (bucket 0)."""
+  ages_s = [59, 3599, 3600, 7199, -30]
+  assert [bucket(post=NOW - age) for age in ages_s] == [1, 1, 2, 2, 0]
+
+
 def test_post_age_bucket_granularity():
   assert bucket(90, granularity=30) == 4
   assert bucket(10_000, granularity=30) == 4800 // 30 + 1
