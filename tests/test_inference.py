@@ -90,6 +90,8 @@ def test_example_batch_is_valid_and_deterministic():
   np.testing.assert_array_equal(valid_BS.sum(1), [0, 3, 8])
   np.testing.assert_array_equal(valid_BS, np.arange(8)[None] < np.array([0, 3, 8])[:, None])
   assert np.all(np.asarray(batch.history_actions)[~valid_BS] == 0)
+  dwell_BS = np.asarray(batch.history_dwell_times)   # padded items carry no dwell either
+  assert np.all(dwell_BS[~valid_BS] == 0) and np.all(dwell_BS[valid_BS] >= 0)
   assert np.all(np.asarray(batch.candidate_post_hashes) >= 1)
   assert batch.candidate_post_timestamps.shape == (3, 5)
   assert batch.history_dwell_times.shape == (3, 8)
