@@ -347,6 +347,22 @@ def test_any_equinox_module_wraps_with_its_integer_arrays_frozen():
   np.testing.assert_array_equal(flax_nnx.to_equinox(wrapped).index, [2, 0])
 
 
+class _Pair(eqx.Module):
+  """Arrays in a tuple field."""
+
+  weights: tuple
+
+
+@needs_flax
+def test_arrays_in_a_sequence_are_keyed_by_their_index():
+  """The state layout (module docstring): a sequence's arrays sit under their index,
+  `params/weights/0`, as the Equinox path `.weights[0]` names them."""
+  module = _Pair((jnp.arange(2.0), jnp.arange(3.0)))
+  wrapped = flax_nnx.to_nnx(module)
+  assert state_paths(wrapped) == {"params/weights/0": nnx.Param, "params/weights/1": nnx.Param}
+  assert_same_module(flax_nnx.to_equinox(wrapped), module, same_arrays=True)
+
+
 @needs_flax
 def test_methods_and_fields_follow_the_parameters():
   """A method kept across an update runs on the new parameters; `nnx.jit` takes the
