@@ -299,6 +299,21 @@ def test_broken_tree_lists_every_problem(ranking_params):
   assert err.value.problems and len(err.value.problems) == 4
 
 
+def test_a_missing_or_malformed_module_is_named(ranking_params):
+  """A whole module absent, or a module that is not a mapping: each of its entries is
+  named missing in the one HaikuParamsError, not a TypeError from the lookup."""
+  _, tree = ranking_params
+  broken = dict(tree)
+  del broken["transformer/decoder_layer_1/linear_v"]
+  broken["phoenix_model/rms_norm"] = [tree["phoenix_model/rms_norm"]["scale"]]
+  with pytest.raises(haiku_compat.HaikuParamsError) as err:
+    haiku_compat.ranking_model_from_haiku(broken, _ranking_config())
+  assert sorted(err.value.problems) == [
+      "missing params['phoenix_model/rms_norm']['scale']: expected shape (64,)",
+      "missing params['transformer/decoder_layer_1/linear_v']['w']: expected shape (64, 88)",
+      "params['phoenix_model/rms_norm'] is a list, expected a mapping {param: array}"]
+
+
 def test_mean_pool_config_rejects_candidate_tower_params(inputs, corpus):
   _, tree = _retrieval_params(inputs, corpus, linear_proj=True)
   with pytest.raises(ValueError) as err:
