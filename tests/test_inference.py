@@ -94,6 +94,10 @@ def test_example_batch_is_valid_and_deterministic():
   assert np.all(dwell_BS[~valid_BS] == 0) and np.all(dwell_BS[valid_BS] >= 0)
   assert np.all(np.asarray(batch.candidate_post_hashes) >= 1)
   assert batch.candidate_post_timestamps.shape == (3, 5)
+  # Every candidate was posted before its impression: SPEC's post age is a real one
+  age_s = np.asarray(batch.impression_timestamps)[:, None] - np.asarray(
+      batch.candidate_post_timestamps)
+  assert np.all(np.asarray(batch.candidate_post_timestamps) > 0) and np.all(age_s >= 0)
   assert batch.history_dwell_times.shape == (3, 8)
   assert emb.candidate_post_embeddings.dtype == jnp.float32
   again, _ = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
