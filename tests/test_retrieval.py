@@ -154,7 +154,8 @@ def test_retrieve_top_k_checks_arguments():
     retrieve_top_k(user, corpus()[None], 3)
   with pytest.raises(ValueError, match="corpus_embeddings"):
     retrieve_top_k(user, corpus()[:, :16], 3)
-  with pytest.raises(ValueError, match="top_k"):
+  too_many = rf"top_k={CORPUS + 1} must lie in \[1, corpus size {CORPUS}\]"
+  with pytest.raises(ValueError, match=too_many):   # ours, not lax.top_k's own error
     retrieve_top_k(user, corpus(), CORPUS + 1)
   with pytest.raises(ValueError, match="top_k=0"):
     retrieve_top_k(user, corpus(), 0)
