@@ -485,28 +485,6 @@ def test_missing_run_is_an_error(tmp_path):
     sw.run()
 
 
-@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
-def test_scripts_state_their_design_and_build_valid_configs(module):
-  doc = module.__doc__
-  for section in ("Hypothesis:", "Task knobs:", "Variants:", "Metrics:"):
-    assert section in doc, f"{module.__name__} docstring lacks {section!r}"
-  ab = module.ABLATION
-  assert set(ab.headline) <= set(ab.metrics)
-  for preset in sweep.PRESETS:
-    sw = sweep.Sweep(ab, preset, "/nonexistent")
-    assert sw.seeds == list(range(sweep.SEEDS[preset]))
-    arms = {v.arm for v in sw.variants}
-    assert arms == set(ab.arms)
-    for v in sw.variants:
-      cfg = sw.config(v)
-      assert cfg.num_seeds == len(sw.seeds) and cfg.output.seed_subdirs is True
-      for path, value in v.overrides.items():
-        node = cfg
-        for part in path.split("."):
-          node = node[part]
-        assert node == value, path
-
-
 ARMS = {   # what an arm's name says it sets
     "cap30": {"model.attn_logit_cap": 30.0}, "cap10": {"model.attn_logit_cap": 10.0},
     "cap50": {"model.attn_logit_cap": 50.0}, "off": {"model.attn_logit_cap": None},
@@ -537,23 +515,37 @@ def _cell_settings(part):
     return {f"{p}.list_correlation": float(value)
             for p in ("train_split", "eval_split", "extra_eval_splits.long_list",
                       "extra_eval_splits.by_relevance")}
-  assert value in ("float32", "bfloat16"), part
+  assert value in ("float32", "bfloat16"), (
+      f"condition {part!r}: add what it sets to _cell_settings in tests/test_ablations.py")
   return {"model.fprop_dtype": value}
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
-def test_variant_names_and_task_knobs_are_what_the_configs_set(module):
-  """Each variant's config sets what its arm and condition names say (`cap10`: logits
-  capped at 10; `L6_lr0.03`: 6 layers, peak learning rate 0.03; ...), and every
-  `section.field=value` the docstring's "Task knobs:" names, at every preset."""
+def test_scripts_state_their_design_and_build_valid_configs(module):
+  """The docstring's sections; and at every preset each variant's config sets its
+  overrides, what its arm and condition names say (`cap10`: logits capped at 10;
+  `L6_lr0.03`: 6 layers, peak learning rate 0.03; ...), and every `section.field=value`
+  the docstring's "Task knobs:" names."""
   doc = module.__doc__
+  for section in ("Hypothesis:", "Task knobs:", "Variants:", "Metrics:"):
+    assert section in doc, f"{module.__name__} docstring lacks {section!r}"
   knobs = doc[doc.index("Task knobs:"):doc.index("Variants:")]
   documented = {path: ast.literal_eval(value) for path, value
                 in re.findall(r"`(\w+(?:\.\w+)+)=([^`]+)`", knobs)}
+  ab = module.ABLATION
+  assert set(ab.headline) <= set(ab.metrics)
   for preset in sweep.PRESETS:
-    sw = sweep.Sweep(module.ABLATION, preset, "/nonexistent")
+    sw = sweep.Sweep(ab, preset, "/nonexistent")
+    assert sw.seeds == list(range(sweep.SEEDS[preset]))
+    arms = {v.arm for v in sw.variants}
+    assert arms == set(ab.arms)
     for v in sw.variants:
       cfg = sw.config(v)
+      assert cfg.num_seeds == len(sw.seeds) and cfg.output.seed_subdirs is True
+      for path, value in v.overrides.items():
+        assert _get(cfg, path) == value, path
+      assert v.arm in ARMS, (f"arm {v.arm!r} of {ab.name}: add what its name says it "
+                             f"sets to ARMS in tests/test_ablations.py")
       expected = dict(documented, **ARMS[v.arm])
       for part in filter(None, v.cell.split("_")):
         expected.update(_cell_settings(part))
