@@ -113,9 +113,15 @@ def test_eight_devices_match_one_device(tmp_path):
   assert out["mesh_devices"] == 8 and out["table_devices"] == 8
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
-  # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, hence rtol.
-  assert np.asarray(out["retrieval_loss"]).shape == (2, 20)
-  np.testing.assert_allclose(out["mesh_retrieval_loss"], out["retrieval_loss"], rtol=2e-4)
+  # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, and 20 steps
+  # of training compound it: the first step (the same parameters) to float rounding, every
+  # step within 1e-3 (step 20 differed by 2.2e-4 of the loss on an AVX-512 host; under
+  # 2e-4 on the AVX2 hosts that ran the suite before).
+  single_retrieval = np.asarray(out["retrieval_loss"])
+  assert single_retrieval.shape == (2, 20)
+  mesh_retrieval = np.asarray(out["mesh_retrieval_loss"])
+  np.testing.assert_allclose(mesh_retrieval[:, 0], single_retrieval[:, 0], rtol=2e-5)
+  np.testing.assert_allclose(mesh_retrieval, single_retrieval, rtol=1e-3)
   single, mesh = out["retrieval_eval"], out["mesh_retrieval_eval"]
   np.testing.assert_allclose(mesh["loss"], single["loss"], rtol=2e-4)
   for k in ("auc", "recall@5", "recall@200", "bayes_recall@5", "bayes_recall@200"):
