@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from typing import Optional, Sequence
 
@@ -63,6 +64,24 @@ def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH", "")]))
   return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
 
+
+
+
+def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 300
+                ) -> list[tuple[int, str]]:
+  """Starts every command (from the repository, text output piped) before waiting for
+  any, and returns each one's (return code, stderr). If one outlasts `timeout` seconds,
+  every command still running is killed before the error propagates."""
+  procs = [subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for command in commands]
+  try:
+    errors = [proc.communicate(timeout=timeout)[1] for proc in procs]
+    return [(proc.returncode, err) for proc, err in zip(procs, errors)]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 def rounding(tolerance: float) -> float:

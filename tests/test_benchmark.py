@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_at_once, subprocess_env
 from phoenix_flax import synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, timing
@@ -214,13 +214,10 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
            ([f"--out={tmp_path}"], "is a directory; name a file"),
            ([f"--out={a_file}/b.json"], f"{a_file} is not a writable directory"),
            (["positional"], "unexpected arguments ['positional']")]
-  procs = [subprocess.Popen([sys.executable, "-m", "experiments.benchmark", *args],
-                            cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for args, _ in cases]
-  for proc, (args, needle) in zip(procs, cases):
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and err.startswith("error: ") and needle in err, (args, err)
+  results = run_at_once([[sys.executable, "-m", "experiments.benchmark", *args]
+                         for args, _ in cases], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  for (code, err), (args, needle) in zip(results, cases):
+    assert code == 2 and err.startswith("error: ") and needle in err, (args, err)
     assert "Traceback" not in err
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_at_once, subprocess_env
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
 
@@ -89,12 +89,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
             (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
               "--config.retrieval.temperature=0.5"],
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
-  procs = [subprocess.Popen(_command(*args), cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for args, _ in cases]
-  for proc, (extra, needle) in zip(procs, cases):
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2, (extra, stderr[-2000:])
+  results = run_at_once([_command(*args) for args, _ in cases], env=subprocess_env())
+  for (code, stderr), (extra, needle) in zip(results, cases):
+    assert code == 2, (extra, stderr[-2000:])
     assert needle in stderr, (extra, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
   assert not workdir.exists()
