@@ -121,6 +121,32 @@ def test_hash_ids_range_padding_and_determinism():
                                 np.asarray(pf.hash_ids(ids, 1000, 3))[:, 0])
 
 
+def _reference_hash(i: int, num_buckets: int, k: int) -> int:
+  """hash_ids's documented function in Python integers: id modulo 2**32, then the murmur3
+  finaliser twice around hash function k's seed (the k-th prime of xxHash32)."""
+  def fmix32(x):
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+  seed = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)[k]
+  return 1 + fmix32((fmix32((i & 0xFFFFFFFF) ^ seed) + seed) & 0xFFFFFFFF) % (num_buckets - 1)
+
+
+def test_hash_ids_values_are_pinned():
+  """Hash tables trained on a user's hashed ids stay usable only while hash_ids gives the
+  same values: they equal the reference above for all five functions, negative and large
+  ids and extreme bucket counts, and four of them are written out."""
+  np.testing.assert_array_equal(pf.hash_ids(jnp.array([0, 1, -1, 123456789]), 1000, 2),
+                                [[382, 155], [299, 193], [155, 640], [647, 729]])
+  ids = [0, 1, 2, 7, -1, -2**31, 2**31 - 1, 123456789, -987654321]
+  for buckets in (2, 3, 1000, 2**20, 2**31 - 1):
+    got = np.asarray(pf.hash_ids(jnp.array(ids, jnp.int32), buckets, 5))
+    want = [[_reference_hash(i, buckets, k) for k in range(5)] for i in ids]
+    np.testing.assert_array_equal(got, want, err_msg=f"num_buckets={buckets}")
+
+
 def test_hash_ids_spread_and_independent_functions():
   ids = jnp.arange(100_000)
   h = np.asarray(pf.hash_ids(ids, 257, 2))
@@ -145,6 +171,9 @@ def test_hash_ids_int64_and_bad_arguments():
   with x64:   # int64 ids fold their high half in
     h = np.asarray(pf.hash_ids(jnp.array([2**40 + 3, 3], jnp.int64), 1 << 20, 2))
   assert (h[0] != h[1]).all()
+  # the fold: low half XOR high half, then as an id of 32 bits
+  np.testing.assert_array_equal(h[0], [_reference_hash((2**40 + 3) ^ 2**8, 1 << 20, k)
+                                       for k in range(2)])
   with pytest.raises(ValueError, match="num_buckets"):
     pf.hash_ids(jnp.arange(3), 1)
   with pytest.raises(ValueError, match="num_hashes"):
