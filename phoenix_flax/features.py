@@ -122,4 +122,6 @@ def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
       raise ValueError(f"hash {host[where]} at index {where} is outside the table's "
                        f"[0, {n}) buckets")
   emb = jnp.take(table_ND, hashes, axis=0, mode="clip")
-  return emb * (hashes != 0)[..., None].astype(emb.dtype)
+  # A select, not a product with the mask: whatever row 0 holds (inf or NaN included),
+  # padding reads zeros and sends row 0 no gradient.
+  return jnp.where((hashes != 0)[..., None], emb, jnp.zeros((), emb.dtype))

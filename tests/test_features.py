@@ -195,6 +195,13 @@ def test_lookup_hash_embeddings_pads_with_zeros_without_gradient():
   np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, hashes)[0, 1], table[2])
   grad = jax.grad(lambda t: pf.lookup_hash_embeddings(t, hashes).sum())(table)
   np.testing.assert_array_equal(grad[:, 0], [0.0, 0.0, 1.0, 1.0])
+  # Whatever row 0 holds: a NaN or inf there reaches neither the padding nor the gradient.
+  bad = table.at[0].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
+  np.testing.assert_array_equal(pf.lookup_hash_embeddings(bad, hashes),
+                                pf.lookup_hash_embeddings(table, hashes))
+  total, grad = jax.value_and_grad(lambda t: pf.lookup_hash_embeddings(t, hashes).sum())(bad)
+  assert np.isfinite(float(total))
+  np.testing.assert_array_equal(grad[:, 0], [0.0, 0.0, 1.0, 1.0])
 
 
 def test_lookup_hash_embeddings_rejects_bad_table_or_hashes():
