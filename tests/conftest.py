@@ -65,8 +65,6 @@ def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
 
 
-
-
 def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 300
                 ) -> list[tuple[int, str]]:
   """Starts every command (from the repository, text output piped) before waiting for
