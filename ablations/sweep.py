@@ -684,14 +684,14 @@ def bayes_counterpart(metric: str, finals: Mapping[str, Any]) -> Optional[str]:
 
 
 def environment() -> dict:
-  """What produced the numbers: Python, JAX and NumPy versions, the code's git state
-  (`provenance.code_version`: the commit, with "+changes.<digest>" when the Python files of
-  phoenix_flax/, ablations/ or experiments/ have uncommitted edits; None outside a git
-  checkout) and the processor (`provenance.machine`)."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  """What produced the numbers: Python, JAX and NumPy versions, the git state of the code
+  this process runs (`provenance.running_code_version`: the commit when it started, with
+  "+changes.<digest>" when the Python files of phoenix_flax/, ablations/ or experiments/
+  had uncommitted edits; None outside a git checkout) and the processor
+  (`provenance.machine`)."""
   return {"python": sys.version.split()[0], "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
-          "code": provenance.code_version(root), "machine": provenance.machine()}
+          "code": provenance.running_code_version(), "machine": provenance.machine()}
 
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -26,7 +26,8 @@ and against the same plain loop fed device-sampled batches copied to numpy; see
 The JSON (and the table's first line) names the processor (`provenance.machine()`: model,
 widest vector extension, core count on CPU), since the figures depend on it: the same
 `1k` ratio read 5.83x on an AVX-512 host and 4.35x on an AVX2 one (docs/performance.md).
-It also records the code version (`provenance.code_version()`, as `result.json` does).
+It also records the code version (`provenance.running_code_version()`, as `result.json`
+does).
 The command line switches off JAX's persistent compilation cache (which
 JAX_COMPILATION_CACHE_DIR switches on), so that compile times time compiling, not loading.
 
@@ -410,7 +411,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   (for each `(preset, num_seeds)` of `train`) the training-loop measurement."""
   check_args(names, cases, compile_layers, train, dense_iters)
   report = {"device": str(jax.devices()[0]), "machine": provenance.machine(),
-            "code": provenance.code_version(), "jax_version": jax.__version__,
+            "code": provenance.running_code_version(), "jax_version": jax.__version__,
             "persistent_compilation_cache": persistent_cache_configured(),
             "compiler_options": xla_options.compiler_options(), "matmul_size": matmul_size,
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,

@@ -116,7 +116,7 @@ def measure(config: ml_collections.ConfigDict, rounds: int = 3,
          "steps_per_call": loops.steps,
          "steps_per_round": steps, "rounds": rounds,
          "device": jax.devices()[0].device_kind, "machine": provenance.machine(),
-         "code": provenance.code_version(), "backend": jax.default_backend(),
+         "code": provenance.running_code_version(), "backend": jax.default_backend(),
          "compiler_options": xla_options.compiler_options()}
   out["speedup"] = out["scanned_examples_per_second"] / out["plain_examples_per_second"]
   out["speedup_vs_device_sampled"] = (out["scanned_examples_per_second"]

@@ -441,7 +441,7 @@ def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeyp
 
 
 def test_report_names_the_code_that_trained_the_runs(tmp_path, monkeypatch, caplog):
-  monkeypatch.setattr(provenance, "code_version", lambda root=None: "cafe00000000")
+  monkeypatch.setattr(provenance, "running_code_version", lambda: "cafe00000000")
   old = fake_runner(code=lambda variant: "01d000000000" if variant == "a" else "cafe00000000")
   results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=old).run()
   assert results["environment"]["code"] == "cafe00000000"

@@ -128,7 +128,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert report["compile_scaling"]["ratio"] > 0
   assert report["process_max_rss_bytes"] > 0
   assert report["machine"] == provenance.machine()
-  assert report["code"] == provenance.code_version()
+  assert report["code"] == provenance.running_code_version()
 
   path = tmp_path / "out" / "bench.json"
   benchmark.save_report(report, str(path))

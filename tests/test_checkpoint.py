@@ -124,9 +124,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   assert skipped[0]["final"] == want["final"]
   assert before == {f: os.path.getmtime(os.path.join(killed, f)) for f in os.listdir(killed)}
   # Each result names the code that trained it; reusing it after the code changed warns.
-  assert want["code"] == got["code"] == provenance.code_version()
+  assert want["code"] == got["code"] == provenance.running_code_version()
   assert "other code" not in caplog.text
-  monkeypatch.setattr(provenance, "code_version", lambda root=None: "0123456789ab+changes.x")
+  monkeypatch.setattr(provenance, "running_code_version", lambda: "0123456789ab+changes.x")
   run_experiment(ranking_configs.get_config("smoke"), killed)
   assert "1 finished run(s) reused as they are, trained by other code" in caplog.text
   assert f"delete {killed} " in caplog.text
@@ -446,8 +446,9 @@ def test_a_second_run_keeps_its_own_output_settings(tmp_path):
 def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path, monkeypatch):
   """One process at a time trains a run directory; a failed start releases the lock; the
   partial files of a killed writer are removed; result.json comes after the TensorBoard
-  events are closed (a run that has it is skipped, so nothing after it is ever repaired);
-  a workdir under a file is refused by name before any work."""
+  events are closed (a run that has it is skipped, so nothing after it is ever repaired)
+  and names the code the process imported; a workdir under a file is refused by name
+  before any work."""
   config = ranking_configs.get_config("smoke")
   config.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
   run_dir = str(tmp_path / "run")
@@ -474,7 +475,12 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
   monkeypatch.setattr(writers.RunWriter, "close",
                       lambda self, finished: (order.append(f"close {finished}"),
                                               close(self, finished)))
+  # The checkout edited since this process imported the package: its code still runs, and
+  # result.json names it.
+  edited = "0123456789ab+changes.edited"
+  monkeypatch.setattr(provenance, "code_version", lambda root=None: edited)
   result = run_experiment(config, run_dir)[0]
+  assert result["code"] == provenance.running_code_version() != edited
   assert result["steps"] == 10 and not os.path.exists(partial)
   assert order == ["config.json", "close True", "result.json"]
   assert os.path.exists(os.path.join(run_dir, runner.LOCK_FILE))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import types
 
@@ -98,6 +100,27 @@ def test_outside_a_checkout_there_is_no_version(checkout, tmp_path, monkeypatch)
   inner = checkout / ".venv" / "lib"
   inner.mkdir(parents=True)
   assert provenance.code_version(str(inner)) is None
+
+
+def test_running_code_version_is_the_checkout_when_the_module_was_imported(checkout):
+  """What a run records: an edit or a commit after the process imported the package does
+  not change it; code_version() follows the checkout."""
+  module_dir = checkout / "phoenix_flax" / "training"
+  module_dir.mkdir()
+  shutil.copy(provenance.__file__, module_dir / "provenance.py")
+  _git(checkout, "add", ".")
+  _git(checkout, "commit", "-q", "-m", "with provenance.py")
+  spec = importlib.util.spec_from_file_location("copied_provenance",
+                                                module_dir / "provenance.py")
+  copied = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(copied)   # imported: its checkout is at its commit
+  imported = copied.running_code_version()
+  assert imported == copied.code_version() and "+" not in imported
+  (checkout / "phoenix_flax" / "layers.py").write_text("x = 2\n")
+  assert copied.code_version().startswith(imported + "+changes.")
+  _git(checkout, "commit", "-q", "-am", "edited")
+  assert copied.code_version() != imported
+  assert copied.running_code_version() == imported
 
 
 def test_this_package_reports_its_own_checkout():

@@ -1,8 +1,7 @@
 """What produced a run's numbers: the git state of the checkout that holds
 `phoenix_flax`, and the machine it ran on.
 
-`code_version()` is what `result.json` records as "code" and what an ablation's
-results.json and REPORT.md cite:
+`code_version()` describes the checkout as it is now:
 
 - "<commit>" (12 hex digits) when the checkout's Python files equal that commit's;
 - "<commit>+changes.<digest>" when a `.py` file in `phoenix_flax/`, `ablations/` or
@@ -16,6 +15,13 @@ results.json and REPORT.md cite:
 
 Only the Python files of those three folders count: they are all a run executes from the
 checkout. Editing a test, the README, a notebook or the docs changes no run.
+
+`running_code_version()` is what `result.json`, an ablation's results.json and REPORT.md,
+and the benchmarks record as "code": `code_version()` taken when this module was imported,
+which is when a run's process reads the package (the runner and every script import it
+at their start). Read at the end instead, a run that trained while its checkout was
+edited or committed would be credited to code it never ran, and a later run of the new
+code would reuse its results without the warning that results of other code get.
 
 `machine()` is what `result.json` records as "machine": the same code and seeds give the
 same numbers on the same kind of processor, but not across kinds. XLA:CPU compiles for the
@@ -84,6 +90,15 @@ def _changes(root: str) -> str:
     except OSError:   # deleted since it was listed
       pass
   return "+changes." + digest.hexdigest()[:8]
+
+
+def running_code_version() -> Optional[str]:
+  """`code_version()` of the default checkout as it was when this process imported this
+  module (see the module docstring)."""
+  return _RUNNING_CODE
+
+
+_RUNNING_CODE = code_version()
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> str:

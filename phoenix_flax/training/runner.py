@@ -16,8 +16,8 @@ finished, `result.json`:
 splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is the forward
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
-that finished the run (`provenance.code_version`: a commit, "+changes.<digest>" for
-uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
+that finished the run (`provenance.running_code_version`: the commit when the process
+started, "+changes.<digest>" for uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
 (`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the
 same code and seeds give the same numbers on the same kind of processor).
 `wall_seconds` is the run's time over resumes: each process's time up to its last
@@ -415,7 +415,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
 def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
   """Warns about reused runs whose recorded code differs from this checkout's (runs from
   before `code` was recorded, or from outside a checkout, say nothing)."""
-  now = provenance.code_version()
+  now = provenance.running_code_version()
   other = {k: r.get("code") for k, r in results.items()
            if r.get("code") is not None and r.get("code") != now}
   if other:
@@ -550,7 +550,7 @@ class _Group:
 
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
-    code, machine = provenance.code_version(), provenance.machine()
+    code, machine = provenance.running_code_version(), provenance.machine()
     results = {}
     for i, k in enumerate(self.seeds):
       results[k] = jsonable({
