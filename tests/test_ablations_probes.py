@@ -4,6 +4,7 @@ initialised smoke-size systems (no training)."""
 import dataclasses
 import json
 import os
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -80,6 +81,20 @@ def test_chunked_scoring_matches_whole_lists_only_with_isolation(tmp_path):
     moved[arm] = out["max_logit_change"]
   assert moved["isolated"] < 1e-5
   assert moved["causal"] > 1e-3
+
+
+def test_chunked_scoring_reports_the_largest_change_of_any_batch(monkeypatch):
+  """max_logit_change is the largest over the batches, not the first's or last's, and a
+  masked candidate's change does not count."""
+  changes = [0.1, 0.5, 0.2]
+  mask = jnp.array([[True, False]])
+  batches = [SimpleNamespace(batch=i, candidate_mask=mask) for i in range(3)]
+  monkeypatch.setattr(probes, "logits", lambda system, batch: jnp.zeros((1, 2, 3)))
+  monkeypatch.setattr(probes, "chunked_logits", lambda system, batch, size: jnp.zeros(
+      (1, 2, 3)).at[0, 0].set(changes[batch]).at[0, 1].set(9.0))
+  monkeypatch.setattr(probes, "pooled_shift_metrics", lambda logits_list, bs: {})
+  out = probes.chunked_scoring("system", batches, chunk_size=1)
+  assert out == {"max_logit_change": pytest.approx(0.5)}
 
 
 def test_gqa_probe_counts_parameters_and_cache(tmp_path):
@@ -238,7 +253,6 @@ def test_pooled_shift_metrics_pool_lists_and_compare_logits_with_labels():
   the AUC pools candidates of every list (positives 5, 1; negatives 4, 0: 3 of 4 pairs);
   the true probabilities rank them backwards (Bayes AUC 0); a padded candidate counts
   nowhere."""
-  from types import SimpleNamespace
   mask = jnp.asarray([[True, True, False]])
   logits = [jnp.asarray([[[5.0], [4.0], [0.0]]]), jnp.asarray([[[1.0], [0.0], [9.0]]])]
   batches = [SimpleNamespace(labels=jnp.asarray([[[1.0], [0.0], [0.0]]]),
@@ -256,7 +270,6 @@ def test_pooled_shift_metrics_pool_lists_and_compare_logits_with_labels():
 def test_probes_measure_the_in_distribution_lists(monkeypatch):
   """rope_anchoring's slot sensitivity is of the first in-distribution ("eval") list batch,
   not a shifted split's; candidate_isolation scores every eval batch in chunks of C/4."""
-  from types import SimpleNamespace
   spec = SimpleNamespace(eval_splits={"eval": "in-distribution", "long_history": "shifted"},
                          world=SimpleNamespace(num_candidates=12))
   ctx = SimpleNamespace(spec=spec, world="world", system="system")
