@@ -94,13 +94,15 @@ def print_progress(p: Progress, batch_size: int,
                    eval_keys: tuple[str, ...] = ("eval/auc_mean",)) -> None:
   """One line per host call: step, rate, loss, ETA (plus `eval_keys` when evaluated).
   The first chunk of a process shows its time, with the training program's compile,
-  instead of a rate."""
+  instead of a rate. `batch_size` is one seed's: examples/s counts the seeds trained in
+  this call (one loss each), which are fewer than the config's when some finished before."""
   loss = " ".join(f"{x:.4f}" for x in p.loss)
   if p.compiling:
     seconds = (p.step - p.start_step) / p.steps_per_second
     rate = f"compiled and ran in {seconds:.1f}s"
   else:
-    rate = f"{p.steps_per_second:.1f} steps/s | {p.steps_per_second * batch_size:.0f} ex/s"
+    examples = p.steps_per_second * batch_size * len(p.loss)
+    rate = f"{p.steps_per_second:.1f} steps/s | {examples:.0f} ex/s"
   line = (f"step {p.step}/{p.num_steps} ({100 * p.step / p.num_steps:3.0f}%) | {rate} "
           f"| loss {loss} | eta {_duration(p.eta_seconds)}")
   if p.num_diverged:
@@ -191,10 +193,10 @@ def main(argv: list[str]) -> None:
     check_config(config)   # before reading any section (no backend touched)
   except ConfigError as e:
     _fail(str(e))
-  batch = config.train.batch_size * config.num_seeds
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
-  report = None if _QUIET.value else (lambda p: print_progress(p, batch, eval_keys))
+  report = None if _QUIET.value else (
+      lambda p: print_progress(p, config.train.batch_size, eval_keys))
   start = None if _QUIET.value else (
       lambda seeds, step: print(start_line(config, seeds, step), flush=True))
   with exit_on_run_errors():

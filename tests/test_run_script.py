@@ -126,14 +126,15 @@ def test_progress_durations_and_the_summary_metrics():
           "p = Progress(step=30, num_steps=40, steps_per_second=2.5, eta_seconds=4.0,\n"
           "             loss=(0.51234, 0.6), num_diverged=1, evaluated={\n"
           "                 'eval/auc_mean': (0.7, 0.8), 'eval/bayes_auc_mean': (0.9, 0.91)})\n"
-          "print_progress(p, 24)\n"
+          "print_progress(p, 12)\n"
           "print_progress(p._replace(start_step=20, steps_per_second=2.0, compiling=True,\n"
-          "                          num_diverged=0, evaluated={}), 24)\n")
+          "                          num_diverged=0, evaluated={}), 12)\n"
+          "print_progress(p._replace(loss=(0.5,), num_diverged=0, evaluated={}), 12)\n")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  durations, retrieval_keys, ranking_keys, *starts, rate, compiled = (
-      proc.stdout.splitlines()[-8:])
+  durations, retrieval_keys, ranking_keys, *starts, rate, compiled, one_seed = (
+      proc.stdout.splitlines()[-9:])
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
   headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
   assert retrieval_keys == str(headline + ["recall@5", "bayes_recall@5", "recall@20",
@@ -147,12 +148,14 @@ def test_progress_durations_and_the_summary_metrics():
       "batch 8 to go, a progress line every 10; compiling the training and evaluation "
       "programs first",
       "seed 4: resumed from the checkpoint at step 40, the last; evaluating"]
-  # A progress line: 2.5 steps/s of 24 examples (every seed's batch); the first chunk of a
-  # process resumed at step 20 shows the time of its 10 steps at 2 steps/s instead.
+  # A progress line: 2.5 steps/s of 12 examples for each of the 2 seeds trained (one loss
+  # each); the first chunk of a process resumed at step 20 shows the time of its 10 steps
+  # at 2 steps/s instead; a call training one seed (the others finished before) counts one.
   assert rate == ("step 30/40 ( 75%) | 2.5 steps/s | 60 ex/s | loss 0.5123 0.6000 | eta "
                   "0:00:04 | diverged 1 | eval/auc_mean 0.7000 0.8000 (bayes 0.9000 0.9100)")
   assert compiled == ("step 30/40 ( 75%) | compiled and ran in 5.0s | loss 0.5123 0.6000 | "
                       "eta 0:00:04")
+  assert one_seed == "step 30/40 ( 75%) | 2.5 steps/s | 30 ex/s | loss 0.5000 | eta 0:00:04"
 
 
 def test_a_signal_exit_skips_the_interpreter_teardown():
