@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from typing import Optional, Sequence
 
 import equinox as eqx
@@ -65,21 +66,33 @@ def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
 
 
-def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 300
-                ) -> list[tuple[int, str]]:
-  """Starts every command (from the repository, text output piped) before waiting for
-  any, and returns each one's (return code, stderr). If one outlasts `timeout` seconds,
-  every command still running is killed before the error propagates."""
-  procs = [subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for command in commands]
+def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 300,
+                stop_on_failure: bool = False) -> list[tuple[int, str]]:
+  """Runs the commands at once from the repository and returns each one's (return code,
+  stderr); stdout is dropped. Every command still running is killed (return code -9) once
+  `timeout` seconds have passed, or, with `stop_on_failure`, once one has failed (processes
+  that wait for each other, such as the members of a `jax.distributed` run)."""
+  logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]   # no pipe to fill up
+  procs = [subprocess.Popen(list(command), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=log, text=True) for command, log in zip(commands, logs)]
+  deadline = time.monotonic() + timeout
   try:
-    errors = [proc.communicate(timeout=timeout)[1] for proc in procs]
-    return [(proc.returncode, err) for proc, err in zip(procs, errors)]
+    while any(p.poll() is None for p in procs):
+      if (time.monotonic() > deadline
+          or stop_on_failure and any(p.poll() not in (None, 0) for p in procs)):
+        break
+      time.sleep(0.1)
   finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  results = []
+  for p, log in zip(procs, logs):
+    log.seek(0)
+    results.append((p.returncode, log.read()))
+    log.close()
+  return results
 
 
 def rounding(tolerance: float) -> float:

@@ -10,13 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, run_at_once, subprocess_env
 
 
 SCRIPT = """
@@ -136,28 +134,6 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_processes(commands: list[list[str]], env: dict, timeout_s: float = 600) -> str:
-  """Runs the commands at once; "" when all succeed, else the failures' stderr. When one
-  fails (or time runs out), the others are stopped rather than left waiting for it."""
-  logs = [tempfile.TemporaryFile(mode="w+") for _ in commands]   # no pipe to fill up
-  procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
-                            text=True) for cmd, log in zip(commands, logs)]
-  deadline = time.monotonic() + timeout_s
-  while any(p.poll() is None for p in procs):
-    if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-    time.sleep(0.5)
-  errors = []
-  for p, log in zip(procs, logs):
-    log.seek(0)
-    if p.returncode != 0:
-      errors.append(log.read())
-    log.close()
-  return "\n".join(errors)
-
-
 def _train_rows(run_dir) -> list[dict]:
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
   return [r for r in rows if "train/loss" in r]
@@ -180,12 +156,12 @@ def test_two_processes_match_one_device(tmp_path):
   # failure stops both, and the run is tried once more on another port.
   for attempt in range(2):
     multi, port = tmp_path / f"multi_{attempt}", _free_port()
-    errors = _run_processes([
+    errors = "\n".join(err for code, err in run_at_once([
         run + [f"--workdir={multi}", "--config.mesh.num_devices=-1",
                "--config.mesh.shard_hash_tables=True", "--config.mesh.distributed=True",
                f"--config.mesh.coordinator_address=127.0.0.1:{port}",
                "--config.mesh.num_processes=2", f"--config.mesh.process_id={i}"]
-        for i in range(2)], env)
+        for i in range(2)], env, timeout=600, stop_on_failure=True) if code != 0)
     if not errors:
       break
   assert not errors, errors[-4000:]

@@ -17,9 +17,10 @@ splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is th
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
 that finished the run (`provenance.running_code_version`: the commit when the process
-started, "+changes.<digest>" for uncommitted edits, null outside a git checkout) and `machine` the processor it ran on
-(`provenance.machine`: model and vector extension on CPU, device kind on GPU/TPU; the
-same code and seeds give the same numbers on the same kind of processor).
+started, "+changes.<digest>" for uncommitted edits, null outside a git checkout) and
+`machine` the processor it ran on (`provenance.machine`: model and vector extension on
+CPU, device kind on GPU/TPU; the same code and seeds give the same numbers on the same
+kind of processor).
 `wall_seconds` is the run's time over resumes: each process's time up to its last
 checkpoint (a killed process's time after it is lost with its work, and a resumed one's
 restart and compiling count); `examples_per_second` counts the
