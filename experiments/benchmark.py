@@ -2,8 +2,9 @@
 
     python -m experiments.benchmark --configs=demo,serve,1k,chunked --out=benchmark.json
 
-Everything is measured in one process, after compilation, in float32, every program
-compiled with the package's `xla_options.compiler_options()` (recorded in the JSON). For
+Everything is measured in one process, after compilation, in float32 (each path's
+`fprop_dtype` is recorded in the JSON and named in the table), every program compiled
+with the package's `xla_options.compiler_options()` (recorded in the JSON). For
 each configuration: median forward time of the fast path (`attention_impl="isolated"`)
 and of the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
 compile time, peak memory of each compiled program, achieved GFLOP/s from an analytic
@@ -11,10 +12,10 @@ count of useful FLOPs (`useful_flops`), and model FLOP utilisation (MFU): achiev
 over the GFLOP/s of a square fp32 matmul timed in the same rounds. The `chunked` case
 serves one user through `RankingRunner.rank_chunked` (context encoded once, candidates
 scored in chunks); its reference is the dense model on all candidates in one call (timed
-`--dense_iters` times on its own: tens of seconds a call), and it also reports
-`RankingRunner.rank` on all candidates in one call (`one_call`: the isolated path, in
-micro-batches of `micro_batch_rows` rows, as every fast call). Also
-reported: KV-cache bytes per user context for each GQA ratio, and the compile time of a
+`--dense_iters` times on its own, each time kept: tens of seconds a call), and it also
+reports `RankingRunner.rank` on all candidates in one call (`one_call`: the isolated
+path, in micro-batches of `micro_batch_rows` rows, as every fast call). Also reported:
+KV-cache bytes per user context for each GQA ratio, and the compile time of a
 deep model relative to a shallow one.
 
 Training throughput (`--train_presets`, `--train_seeds`): the scanned on-device training
@@ -243,7 +244,8 @@ def bench_full(case: Case, iters: int, warmup: int, min_seconds: float, seed: in
     params, static = eqx.partition(model, eqx.is_array)
     exe, seconds, peak = compile_fn(_logits_fn(static), params, batch, emb)
     calls[name] = lambda exe=exe, params=params: exe(params, batch, emb)
-    result[name] = {"compile_s": seconds, "peak_bytes": peak, "kind": impl}
+    result[name] = {"compile_s": seconds, "peak_bytes": peak, "kind": impl,
+                    "fprop_dtype": model.config.fprop_dtype}
     if impl == "isolated":
       result[name].update(_micro_batches(model, case.batch, case.candidates))
   result["max_abs_logit_diff"] = _max_abs_diff(calls["fast"](), calls["reference"]())
@@ -295,8 +297,10 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
   peaks = [compile_fn(encode, params, batch, emb)[2],
            compile_fn(score, params, cache, chunk_batch, chunk_emb)[2]]
   result["fast"].update(kind=f"rank_chunked({case.chunk})", peak_bytes=max(peaks),
-                        num_chunks=-(-case.candidates // case.chunk))
+                        num_chunks=-(-case.candidates // case.chunk),
+                        fprop_dtype=model.config.fprop_dtype)
   result["one_call"].update(kind="rank (isolated, one call)",
+                            fprop_dtype=model.config.fprop_dtype,
                             **_micro_batches(model, 1, case.candidates),
                             peak_bytes=compile_fn(_logits_fn(static), params, batch, emb)[2])
 
@@ -312,6 +316,7 @@ def bench_chunked(case: Case, iters: int, warmup: int, min_seconds: float, seed:
     jax.block_until_ready(exe(dense_params, batch, emb))
     times.append(time.perf_counter() - start)
   result["reference"] = {"kind": "dense (one call)", "compile_s": seconds, "peak_bytes": peak,
+                         "fprop_dtype": dense.config.fprop_dtype, "times_s": times,
                          "median_s": statistics.median(times), "iters": dense_iters}
   return result
 
@@ -439,9 +444,11 @@ def save_report(report: dict, path: str) -> None:
 def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
   mib = lambda b: b / 2 ** 20
+  dtypes = sorted({r[path]["fprop_dtype"] for r in report["configs"].values()
+                   for path in ("fast", "reference")})
   lines = [
       f"{report['device']} ({report['machine']}), "
-      f"jax {report['jax_version']}, float32, compiler options "
+      f"jax {report['jax_version']}, {' and '.join(dtypes)}, compiler options "
       f"{report['compiler_options']}, median over at least "
       f"{report['iters']} rounds and {report['min_seconds']:g} s; MFU = achieved GFLOP/s / "
       f"GFLOP/s of a {report['matmul_size']}^3 matmul timed in the same rounds; dense/fast "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -118,7 +119,14 @@ def test_run_benchmark_reports_every_field(tmp_path):
                                                        - chunked[path]["median_s"])
   assert report["configs"]["full"]["reference"]["kind"] == "dense"
   assert chunked["reference"]["kind"] == "dense (one call)"
-  assert chunked["reference"]["iters"] == 2
+  # The dense reference's median is over its `dense_iters` timed calls, all kept.
+  times = chunked["reference"]["times_s"]
+  assert chunked["reference"]["iters"] == len(times) == 2 and min(times) > 0
+  assert chunked["reference"]["median_s"] == statistics.median(times)
+  # Every timed program runs the float32 forward, and the table's first line says so.
+  for r in report["configs"].values():
+    assert {r[p]["fprop_dtype"] for p in ("fast", "reference", "one_call") if p in r} == {
+        "float32"}
   assert report["configs"]["full"]["flop_ratio"] > 1.0 and chunked["flop_ratio"] > 1.0
 
   kv = {row["kv_heads"]: row["float32_bytes"] for row in report["kv_cache"]}
@@ -137,6 +145,10 @@ def test_run_benchmark_reports_every_field(tmp_path):
   table = benchmark.format_table(report)
   assert "| full |" in table and "| chunked |" in table and "compile time" in table
   assert f"({report['machine']})" in table.splitlines()[0]
+  assert ", float32, compiler options" in table.splitlines()[0]
+  mixed = json.loads(json.dumps(report))
+  mixed["configs"]["full"]["fast"]["fprop_dtype"] = "bfloat16"
+  assert ", bfloat16 and float32, compiler" in benchmark.format_table(mixed).splitlines()[0]
   # The session caches compilations (conftest.py): the report and the table say so.
   assert report["persistent_compilation_cache"] is bool(jax.config.jax_compilation_cache_dir)
   assert ("persistent compilation cache was on" in table) is report["persistent_compilation_cache"]

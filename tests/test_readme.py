@@ -100,6 +100,23 @@ def test_quickstart_runs():
   assert diff <= 1e-5
 
 
+def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
+  """The printed difference is chunked against one-call scores: an error planted in one
+  chunked probability shows up as that error."""
+  from experiments import quickstart
+  from phoenix_flax.inference import RankingRunner
+
+  rank_chunked = RankingRunner.rank_chunked
+  def planted(self, *args, **kwargs):
+    out = rank_chunked(self, *args, **kwargs)
+    return out._replace(scores=out.scores.at[1, 5, 2].add(0.25))
+  monkeypatch.setattr(RankingRunner, "rank_chunked", planted)
+  with contextlib.redirect_stdout(io.StringIO()) as stdout:
+    quickstart.rank_demo()
+  diff = float(re.search(r"all at once = (\S+)", stdout.getvalue()).group(1))
+  assert abs(diff - 0.25) <= 1e-3, stdout.getvalue()
+
+
 # Import name -> the distribution that provides it, for every third-party import we use.
 DISTRIBUTIONS = {"jax": "jax", "jaxlib": "jax", "equinox": "equinox", "jaxtyping": "jaxtyping",
                  "optax": "optax", "chex": "chex", "absl": "absl-py",
