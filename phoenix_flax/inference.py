@@ -410,7 +410,7 @@ class RankingRunner:
     C = np.shape(batch.candidate_post_hashes)[1]
     # A chunk larger than the list would score only padding past C (a chunk_size of 10**9
     # asked XLA for 256 GB): shrink it to the power of two that covers C, so the padding
-    # stays under C and at most log2(chunk_size) + 1 chunk programs ever compile.
+    # stays under C and at most ceil(log2(chunk_size)) + 1 chunk programs ever compile.
     chunk_size = min(chunk_size, 1 << (C - 1).bit_length())
     pad = -C % chunk_size
     candidates = ({f: getattr(batch, f) for f in CANDIDATE_BATCH_FIELDS

@@ -182,7 +182,8 @@ def _exp_without_shift(cap: Optional[float], dtype, keys: int) -> bool:
   square root of its smallest normal number, which leaves the value product that range
   again as headroom. Masked logits (`MASK_VALUE`) give exactly 0. For float32 and
   bfloat16 that allows the release's cap of 30 up to about a million keys, and caps up
-  to about 39 at 130 keys; float16 always keeps the row max."""
+  to about 39 at 130 keys; float16 keeps it for any cap above about 4.8 (the release's
+  30 included)."""
   if cap is None:
     return False
   info = jnp.finfo(dtype)
@@ -422,8 +423,10 @@ class Transformer(eqx.Module):
                candidate_positions_BC: Optional[Array] = None) -> TransformerOutput:
     """Context + isolated candidates in one pass over `[B, N+C, D]` (outputs in that order).
 
-    Equal to `encode_context` followed by `score_candidates`; every layer runs one q|k|v,
-    output and GeGLU matmul over all tokens, and only attention is split in two.
+    Its embeddings equal those of `encode_context` followed by `score_candidates` (context
+    rows, then candidate rows); its diagnostics cover both parts at once (the residual RMS
+    over every valid token, the larger max |logit|). Every layer runs one q|k|v, output and
+    GeGLU matmul over all tokens, and only attention is split in two.
     """
     tokens, mask, attend = self._isolated_setup(
         context_BND, context_mask_BN, candidates_BCD, candidate_mask_BC,

@@ -82,10 +82,13 @@ def test_ranking_metrics_of_a_non_finite_model():
   probs = rng.random((B, C, A)).astype(np.float32)
   mask = np.ones((B, C), bool)
   fine = ranking_metrics_jit(logits, labels, probs, mask, k=3)
+  one_action = logits.copy()
+  one_action[5, 2, 2] = np.nan     # one logit of the last action: every action's AUC too
   for broken in (np.full_like(logits, np.nan), np.where(np.arange(B)[:, None, None] < 4,
-                                                         np.nan, logits)):
+                                                         np.nan, logits), one_action):
     got = ranking_metrics_jit(broken, labels, probs, mask, k=3)
-    for key in ("auc_mean", "auc_gap", "logloss", "calibration_error", "ndcg@3", "recall@3"):
+    for key in ("auc_mean", "auc_gap", "logloss", "calibration_error", "ndcg@3", "recall@3",
+                "auc/action_0", "auc/action_1", "auc/action_2"):
       assert np.isnan(float(got[key])), key
     for key in ("bayes_auc_mean", "bayes_logloss", "bayes_recall@3", "num_valid_actions"):
       assert float(got[key]) == pytest.approx(float(fine[key])), key

@@ -40,7 +40,7 @@ class TrainState(eqx.Module):
 
   params: PyTree
   opt_state: PyTree
-  step: Array            # int32, updates applied so far
+  step: Array            # int32, steps run so far (a diverged seed's count, unapplied)
   data_key: Array        # uint32[2], this seed's training-batch key
   diverged: Array        # bool
   diverged_step: Array   # int32, 1-based step of the first non-finite loss or gradient

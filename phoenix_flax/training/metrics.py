@@ -205,8 +205,8 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   `bayes_auc/<action>` per action (NaN, null in JSON, where the action is not valid: no
   positive or no negative among the lists). Which actions are valid depends on the
   labels only, so the Bayes figures never depend on the model. A NaN logit of a valid
-  candidate (a diverged model) makes every model metric NaN (null in JSON), never a
-  number computed over the rest. The AUCs pool every valid candidate of every list given
+  candidate (a diverged model), of any action, makes every model metric NaN (null in
+  JSON), the other actions' `auc/<action>` too, never a number computed over the rest. The AUCs pool every valid candidate of every list given
   (the runner passes all its evaluation batches at once): a global AUC, which compares
   candidates across users, not a mean of per-list AUCs.
   """
@@ -247,6 +247,6 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
     out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k)
   out["num_valid_actions"] = jnp.sum(valid_A).astype(jnp.float32)
   for i, name in enumerate(names):
-    out[f"auc/{name}"] = auc_A[i]
+    out[f"auc/{name}"] = model(auc_A[i])
     out[f"bayes_auc/{name}"] = bayes_A[i]
   return out

@@ -17,7 +17,8 @@ splits' as "<split>/<metric>" (NaN/inf are written as null). `fprop_dtype` is th
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
 that finished the run (`provenance.running_code_version`: the commit when the process
-started, "+changes.<digest>" for uncommitted edits, null outside a git checkout) and
+started, "+changes.<digest>" for uncommitted edits; outside a git checkout
+`PHOENIX_FLAX_CODE_VERSION`, else null) and
 `machine` the processor it ran on (`provenance.machine`: model and vector extension on
 CPU, device kind on GPU/TPU; the same code and seeds give the same numbers on the same
 kind of processor).

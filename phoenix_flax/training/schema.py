@@ -38,7 +38,9 @@ command line as `--config.<section>.<field>=value`):
   train.*             `num_steps`, `batch_size` (per seed, global over devices),
                       `steps_per_call` (steps scanned per host call; divides num_steps,
                       eval_every and checkpoint_every), `eval_every` (0 = at the end only),
-                      `checkpoint_every` (0 = never), `eval_batch_size`, `eval_batches`
+                      `checkpoint_every` (0 = none on the way: the final state, and a
+                      run stopped by SIGINT/SIGTERM, are still checkpointed),
+                      `eval_batch_size`, `eval_batches`
                       (retrieval's evaluation loss contrasts each user with the others of
                       its group of `batch_size` users, as training does, where
                       `batch_size` divides `eval_batch_size`; with the whole evaluation
