@@ -63,8 +63,9 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
   the script with its message, `resume_hint`, and the shell's status for that signal
   (130, 143); a Ctrl-C or SIGTERM anywhere else in the block (setup, compiling, probes;
-  in the main thread SIGTERM raises `Terminated` there) with a one-line message and 130 or
-  143; one of `RUN_ERRORS` with its message and status 2."""
+  in the main thread SIGTERM raises `Terminated` there), or a second one during training
+  (which stops at once), with a one-line message and 130 or 143; one of `RUN_ERRORS` with
+  its message and status 2."""
   main_thread = threading.current_thread() is threading.main_thread()
   previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
   try:
@@ -74,8 +75,11 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
     sys.exit(128 + e.signum)
   except KeyboardInterrupt as e:
     signum = getattr(e, "signum", signal.SIGINT)
-    sys.stderr.write(f"interrupted by {signal.Signals(signum).name} while no training chunk "
-                     "was running, so no new checkpoint was written; finished runs and "
+    name = signal.Signals(signum).name
+    what = (f"stopped at once by a second signal ({name}) during training, losing the "
+            "chunk under way" if getattr(e, "stopped_at_once", False)
+            else f"interrupted by {name} while no training chunk was running")
+    sys.stderr.write(f"{what}, so no new checkpoint was written; finished runs and "
                      "checkpoints are kept: run the same command again\n")
     sys.exit(128 + signum)
   except RUN_ERRORS as e:

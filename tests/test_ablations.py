@@ -740,6 +740,15 @@ def test_an_interrupted_run_ends_the_sweep_with_its_message_and_status(capsys):
       raise KeyboardInterrupt
   assert e.value.code == 130
   assert capsys.readouterr().err.startswith("interrupted by SIGINT while no training chunk")
+  twice = KeyboardInterrupt()   # the second signal during training (`_StopRequests`)
+  twice.stopped_at_once = True
+  with pytest.raises(SystemExit) as e:
+    with sweep.exit_on_interrupt():
+      raise twice
+  assert e.value.code == 130
+  assert capsys.readouterr().err.startswith(
+      "stopped at once by a second signal (SIGINT) during training, losing the chunk "
+      "under way, so no new checkpoint was written")
   previous = signal.getsignal(signal.SIGTERM)
   with pytest.raises(SystemExit) as e:   # SIGTERM there too: the same, not a silent kill
     with sweep.exit_on_interrupt():

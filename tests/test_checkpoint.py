@@ -509,6 +509,7 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
                                              r"checkpoint in .*stopped; run the same") as e:
       run_experiment(config, run_dir, progress=_stop_at({10: [signal.SIGINT]}))
     assert e.value.signum == signal.SIGINT and e.value.step == 10
+    assert not hasattr(e.value, "stopped_at_once")   # (stopped with a checkpoint)
     assert checkpoint.available_steps(run_dir) == [10]
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
@@ -532,6 +533,7 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
     with pytest.raises(KeyboardInterrupt) as e:
       run_experiment(config, again, progress=_stop_at({10: [signal.SIGINT, signal.SIGINT]}))
     assert type(e.value) is KeyboardInterrupt and checkpoint.available_steps(again) == []
+    assert e.value.stopped_at_once   # (for the scripts' message)
   finally:
     signal.signal(signal.SIGINT, previous)
 

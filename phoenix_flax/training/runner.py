@@ -119,9 +119,11 @@ class _StopRequests:
   """While training, the first SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) only
   asks the loop to stop at the end of its current chunk, checkpoint and raise
   `RunInterrupted`, since a state interrupted inside a chunk (its buffers donated) cannot
-  be saved. A second signal acts as it did before. Handlers are installed only in the
-  main thread of a single-process run (every process of a multi-process run would have
-  to stop at the same chunk) and restored on exit."""
+  be saved. A second signal acts as it did before; the `KeyboardInterrupt` it raises
+  leaves with `stopped_at_once = True`, so that a script can say why no checkpoint was
+  written. Handlers are installed only in the main thread of a single-process run (every
+  process of a multi-process run would have to stop at the same chunk) and restored on
+  exit."""
 
   SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -151,8 +153,11 @@ class _StopRequests:
       signal.signal(s, handler)
     self._previous = {}
 
-  def __exit__(self, *exc) -> None:
+  def __exit__(self, exc_type, exc, traceback) -> None:
     self._restore()
+    if (self.signum is not None and isinstance(exc, KeyboardInterrupt)
+        and not isinstance(exc, RunInterrupted)):
+      exc.stopped_at_once = True    # (a second signal, during training)
 
 
 def _lock(run_dir: str) -> Optional[int]:
