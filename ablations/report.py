@@ -181,8 +181,9 @@ def fmt_pm(mean: float, half: float) -> str:
 
 def metric_table(results: Mapping, metric: str) -> list[str]:
   """Markdown rows: value per variant, the generator's Bayes-optimal value beside it when
-  the runs report one (the ceiling on the same evaluation lists), and the paired
-  difference to the baseline."""
+  the runs report one (its oracle on the same evaluation lists: a ceiling for the ranking
+  metrics, a reference that a model can exceed for retrieval's `bayes_recall@K`), and the
+  paired difference to the baseline."""
   comps = {c["variant"]: c for c in results.get("comparisons", []) if c["metric"] == metric}
   better = results.get("better", {}).get(metric)
   ceiling = any(metric in v.get("bayes", {}) for v in results["variants"].values())

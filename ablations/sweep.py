@@ -567,7 +567,8 @@ class Sweep:
   def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list, dict]:
     """metric -> per-seed values (None for a diverged run), the divergence steps, every
     metric name the finished runs provide, the code version each run recorded (None for
-    runs from before `result.json` held it, or from outside a git checkout), and metric ->
+    runs from before `result.json` held it, or from outside a git checkout without
+    `PHOENIX_FLAX_CODE_VERSION`), and metric ->
     the Bayes-optimal value each finished run reported beside it (`bayes_counterpart`)."""
     values = {m: [] for m in self.ablation.metrics}
     bayes = {m: [] for m in self.ablation.metrics}
@@ -687,7 +688,8 @@ def environment() -> dict:
   """What produced the numbers: Python, JAX and NumPy versions, the git state of the code
   this process runs (`provenance.running_code_version`: the commit when it started, with
   "+changes.<digest>" when the Python files of phoenix_flax/, ablations/ or experiments/
-  had uncommitted edits; None outside a git checkout) and the processor
+  had uncommitted edits; outside a git checkout `PHOENIX_FLAX_CODE_VERSION`, else None)
+  and the processor
   (`provenance.machine`)."""
   return {"python": sys.version.split()[0], "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
@@ -743,8 +745,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "smoke: a tiny world and model, for tests (a sweep still takes a "
                   "few minutes on 2 CPU cores, mostly compilation); cpu: about 3-15 "
-                  "minutes an ablation on 2 CPU cores (sandwich_norm, 16 runs, the "
-                  "longest); full: accelerator scale.")
+                  "minutes an ablation on 2 CPU cores (sandwich_norm, 16 variants x 3 "
+                  "seeds, the longest); full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
                     "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>; for "

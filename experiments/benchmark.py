@@ -2,9 +2,11 @@
 
     python -m experiments.benchmark --configs=demo,serve,1k,chunked --out=benchmark.json
 
-Everything is measured in one process, after compilation, in float32 (each path's
-`fprop_dtype` is recorded in the JSON and named in the table), every program compiled
-with the package's `xla_options.compiler_options()` (recorded in the JSON). For
+Everything is measured in one process, after compilation, every program compiled with
+the package's `xla_options.compiler_options()` (recorded in the JSON). The forward paths
+run in float32 (each path's `fprop_dtype` is recorded in the JSON and named in the
+table); the training loops in their preset's forward dtype, float32 on CPU and bfloat16
+on GPU/TPU (recorded with each training entry). For
 each configuration: median forward time of the fast path (`attention_impl="isolated"`)
 and of the dense masked reference (same parameters, same inputs), their ratio, candidates/s,
 compile time, peak memory of each compiled program, achieved GFLOP/s from an analytic

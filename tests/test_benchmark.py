@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import equinox as eqx
 import jax
@@ -263,6 +264,7 @@ def test_cli_writes_json_and_table(tmp_path):
                                                                          ("smoke", 2)]
   for r in report["training"]:
     assert (r["machine"], r["code"]) == (report["machine"], report["code"])
+    assert r["fprop_dtype"] == "float32"   # the presets' None, on this CPU
     assert r["scanned_examples_per_second"] > 0 and r["plain_examples_per_second"] > 0
     assert r["plain_device_sampled_examples_per_second"] > 0
     assert r["speedup"] == pytest.approx(
@@ -341,6 +343,7 @@ def test_training_throughput_counts_every_seeds_examples(monkeypatch):
 
   class FakeLoops:
     steps, batch_size, num_seeds = 5, 8, 3
+    spec = types.SimpleNamespace(model=types.SimpleNamespace(fprop_dtype="bfloat16"))
     times = {"scanned": iter([2.0, 1.0, 4.0]), "plain": iter([10.0, 20.0, 40.0]),
              "device": iter([5.0, 5.0, 1.0])}
 
@@ -364,3 +367,4 @@ def test_training_throughput_counts_every_seeds_examples(monkeypatch):
   assert out["plain_device_sampled_examples_per_second"] == 16.0
   assert out["speedup"] == 30.0 and out["speedup_vs_device_sampled"] == 7.5
   assert (out["steps_per_round"], out["batch_size"], out["num_seeds"]) == (10, 8, 3)
+  assert out["fprop_dtype"] == "bfloat16"   # the loops' forward dtype, whatever it is
