@@ -32,6 +32,10 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
   # (a negative one clipped every bucket to a negative id, which embeds as zeros)
   _count("granularity_mins", granularity_mins, 1)
   impression_ts, post_ts = jnp.asarray(impression_ts), jnp.asarray(post_ts)
+  for name, ts in (("impression_ts", impression_ts), ("post_ts", post_ts)):
+    if not jnp.issubdtype(ts.dtype, jnp.integer):   # (float32 rounds epoch seconds to 128 s)
+      raise ValueError(f"{name} must hold integer seconds since the epoch, got dtype "
+                       f"{ts.dtype}")
   minutes = (impression_ts - post_ts) // 60
   top = POST_AGE_MAX_MINUTES // granularity_mins + 1
   bucket = jnp.clip(minutes // granularity_mins + 1, 0, top)
@@ -41,8 +45,14 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
 
 def normalize_continuous_value(value: Array, config: NormConfig) -> Array:
   """`clip(v, 0, s) / s`, or `log1p(clip(v, 0, s)) / log1p(s)` with `use_log`."""
+  if not isinstance(config, NormConfig):
+    raise TypeError(f"config must be a NormConfig, got {type(config).__name__}")
+  value = jnp.asarray(value)
+  if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+    raise ValueError(f"value must hold real numbers (integers or floats), got dtype "
+                     f"{value.dtype}")
   s = config.norm_scale
-  clipped = jnp.clip(jnp.asarray(value, jnp.float32), 0.0, s)
+  clipped = jnp.clip(value.astype(jnp.float32), 0.0, s)
   if config.use_log:
     return jnp.log1p(clipped) / jnp.log1p(s)
   return clipped / s

@@ -44,6 +44,23 @@ def test_post_age_bucket_rejects_bad_granularity(granularity):
     pf.compute_post_age_bucket(NOW, NOW - 3600, granularity)
 
 
+def test_post_age_bucket_and_normalization_refuse_wrong_dtypes():
+  """Timestamps are integer seconds: float32 would round today's epoch seconds to 128 s
+  (1_700_000_059.0 reads as 1_700_000_000), so float and bool arrays are refused by name."""
+  assert float(np.float32(1_700_000_059)) == 1_700_000_000.0
+  for bad in (jnp.array([NOW], jnp.float32), np.array([float(NOW)]), jnp.array([True])):
+    with pytest.raises(ValueError, match=r"impression_ts must hold integer seconds"):
+      pf.compute_post_age_bucket(bad, jnp.array([NOW]))
+    with pytest.raises(ValueError, match=r"post_ts must hold integer seconds"):
+      pf.compute_post_age_bucket(jnp.array([NOW]), bad)
+  cfg = pf.NormConfig(norm_scale=10.0)
+  with pytest.raises(ValueError, match=r"value must hold real numbers.*bool"):
+    pf.normalize_continuous_value(jnp.array([True, False]), cfg)
+  with pytest.raises(TypeError, match="config must be a NormConfig, got float"):
+    pf.normalize_continuous_value(jnp.array([1.0]), 10.0)
+  np.testing.assert_allclose(pf.normalize_continuous_value(np.array([5, 20]), cfg), [0.5, 1.0])
+
+
 def test_missing_timestamps_map_to_zero():
   assert bucket(impression=0, post=NOW) == 0
   assert bucket(impression=NOW, post=0) == 0
