@@ -223,43 +223,45 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   B, T, KV, G, d = q_BTKGd.shape
   N = ctx_k_BNKd.shape[1]
   mult, cap = cfg.attn_output_multiplier, cfg.attn_logit_cap
-  q_BKQd = _swap_time_heads(q_BTKGd).reshape(B, KV, T * G, d)
-  raw = jnp.einsum("bkqd,bkdn->bkqn", q_BKQd,
-                   jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
-  keep = ctx_mask_BN[:, None, None, None, :]
+  q_BKQd = _swap_time_heads(q_BTKGd).reshape(B, KV, T * G, d)   # Q = T * G query rows
+  raw_BKQN = jnp.einsum("bkqd,bkdn->bkqn", q_BKQd,
+                        jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
+  keep_B1T1N = ctx_mask_BN[:, None, None, None, :]   # (T: 1 for candidates, all keys)
   if candidates is None:
-    keep = keep & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
-  logits, max_logit = masked_logits(raw.reshape(B, KV, T, G, N) * mult, keep, cap)
+    keep_B1T1N = keep_B1T1N & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
+  logits_BKTGN, max_logit = masked_logits(raw_BKQN.reshape(B, KV, T, G, N) * mult,
+                                          keep_B1T1N, cap)
   if candidates is not None:
     # The own-key term stays in token order ([B,T,KV,G]): only its small result moves
     # to heads-first, not a second copy of the queries.
     k_BTKd, v_BTKd, mask_BT = candidates
-    raw_self = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
-    logits_self, max_self = masked_logits(raw_self, mask_BT[:, :, None, None], cap)
-    logits_self = _swap_time_heads(logits_self)
+    raw_self_BTKG = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
+    logits_self_BTKG, max_self = masked_logits(raw_self_BTKG, mask_BT[:, :, None, None], cap)
+    logits_self_BKTG = _swap_time_heads(logits_self_BTKG)
     max_logit = jnp.maximum(max_logit, max_self)
   if _exp_without_shift(cap, q_BTKGd.dtype, N + 1):
-    exp = jnp.exp(logits)
-    exp_self = None if candidates is None else jnp.exp(logits_self)
+    exp_BKTGN = jnp.exp(logits_BKTGN)
+    exp_self_BKTG = None if candidates is None else jnp.exp(logits_self_BKTG)
   else:
-    top = jnp.max(logits, axis=-1)
+    top_BKTG = jnp.max(logits_BKTGN, axis=-1)
     if candidates is not None:
-      top = jnp.maximum(top, logits_self)
+      top_BKTG = jnp.maximum(top_BKTG, logits_self_BKTG)
     # The row max only keeps exp in range and the softmax does not depend on it, so its
     # gradient is zero; stopping it skips that backward work (as `jax.nn.softmax` does).
-    top = jax.lax.stop_gradient(top)
-    exp = jnp.exp(logits - top[..., None])
-    exp_self = None if candidates is None else jnp.exp(logits_self - top)
-  total = jnp.sum(exp, axis=-1)
+    top_BKTG = jax.lax.stop_gradient(top_BKTG)
+    exp_BKTGN = jnp.exp(logits_BKTGN - top_BKTG[..., None])
+    exp_self_BKTG = None if candidates is None else jnp.exp(logits_self_BKTG - top_BKTG)
+  total_BKTG = jnp.sum(exp_BKTGN, axis=-1)
   if candidates is not None:
-    total = total + exp_self
-  attn = jnp.einsum("bkqn,bknd->bkqd", exp.reshape(B, KV, T * G, N).astype(q_BTKGd.dtype),
-                    _swap_time_heads(ctx_v_BNKd)).reshape(B, KV, T, G, d)
-  attn_BTKGd = _swap_time_heads(attn)
-  total_BTKG = _swap_time_heads(jnp.where(total > 0, total, 1.0))[..., None]
+    total_BKTG = total_BKTG + exp_self_BKTG
+  attn_BKQd = jnp.einsum("bkqn,bknd->bkqd",
+                         exp_BKTGN.reshape(B, KV, T * G, N).astype(q_BTKGd.dtype),
+                         _swap_time_heads(ctx_v_BNKd))
+  attn_BTKGd = _swap_time_heads(attn_BKQd.reshape(B, KV, T, G, d))
+  total_BTKG1 = _swap_time_heads(jnp.where(total_BKTG > 0, total_BKTG, 1.0))[..., None]
   if candidates is not None:
-    attn_BTKGd = attn_BTKGd + _swap_time_heads(exp_self)[..., None] * v_BTKd[:, :, :, None]
-  return (attn_BTKGd / total_BTKG).astype(q_BTKGd.dtype), max_logit
+    attn_BTKGd = attn_BTKGd + _swap_time_heads(exp_self_BKTG)[..., None] * v_BTKd[:, :, :, None]
+  return (attn_BTKGd / total_BTKG1).astype(q_BTKGd.dtype), max_logit
 
 
 class Transformer(eqx.Module):
