@@ -407,6 +407,8 @@ class RankingRunner:
     # Everything stays on the device: the candidates are padded once, each chunk is a
     # traced-offset slice of them, and the chunks' scores are joined and ordered there. The
     # host only dispatches; its one transfer per chunk is the chunk's offset, made explicit.
+    # (Each scoring call, an `eqx.filter_jit`, returns once its chunk is scored:
+    # docs/performance.md, "Chunked serving".)
     C = np.shape(batch.candidate_post_hashes)[1]
     # A chunk larger than the list would score only padding past C (a chunk_size of 10**9
     # asked XLA for 256 GB): shrink it to the power of two that covers C, so the padding
