@@ -206,9 +206,10 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
   positive or no negative among the lists). Which actions are valid depends on the
   labels only, so the Bayes figures never depend on the model. A NaN logit of a valid
   candidate (a diverged model), of any action, makes every model metric NaN (null in
-  JSON), the other actions' `auc/<action>` too, never a number computed over the rest. The AUCs pool every valid candidate of every list given
-  (the runner passes all its evaluation batches at once): a global AUC, which compares
-  candidates across users, not a mean of per-list AUCs.
+  JSON), the other actions' `auc/<action>` too, never a number computed over the rest.
+  The AUCs pool every valid candidate of every list given (the runner passes all its
+  evaluation batches at once): a global AUC, which compares candidates across users, not
+  a mean of per-list AUCs.
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else
