@@ -747,6 +747,14 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   assert together[0]["examples_per_second"] == result["examples_per_second"]
   loaded = load_run(str(tmp_path / "both" / "seed_1"))
   assert loaded.step == 40
+  # The workdir of several seeds is no run: the error names the runs under it.
+  with pytest.raises(FileNotFoundError, match=r"both is not a run directory \(no config"
+                                               r"\.json\); it holds the runs seed_0, seed_1: "
+                                               r"pass one of them, e.g. .*both/seed_0$"):
+    load_run(str(tmp_path / "both"))
+  with pytest.raises(FileNotFoundError, match=r"empty is not a run directory \(no "
+                                               r"config\.json\)$"):
+    load_run(str(tmp_path / "empty"))
   sb = jax.jit(sample_batch, static_argnums=(1, 2))(
       loaded.trainer.world, loaded.trainer.spec.train_split, 2, jax.random.PRNGKey(0))
   assert eqx.filter_jit(loaded.system)(sb.batch).shape == (2, 4, 19)

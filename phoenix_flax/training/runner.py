@@ -53,6 +53,7 @@ is complete.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -725,8 +726,16 @@ class LoadedRun(NamedTuple):
 
 def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   """The system of a run from its config.json and checkpoint (the newest, or `step`),
-  on one device."""
-  cfg = with_defaults(read_json(os.path.join(run_dir, CONFIG_FILE)))
+  on one device. `run_dir` is one seed's run: a workdir of several seeds, or a sweep's,
+  is refused with the run directories found under it."""
+  path = os.path.join(run_dir, CONFIG_FILE)
+  if not os.path.exists(path):
+    found = sorted(os.path.relpath(os.path.dirname(p), run_dir) for p in glob.glob(
+        os.path.join(glob.escape(run_dir), "**", CONFIG_FILE), recursive=True))
+    hint = (f"; it holds the runs {', '.join(found[:4])}{', ...' * (len(found) > 4)}: pass "
+            f"one of them, e.g. {os.path.join(run_dir, found[0])}" if found else "")
+    raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE}){hint}")
+  cfg = with_defaults(read_json(path))
   cfg.mesh.num_devices = 1
   cfg.mesh.distributed = False
   steps = checkpoint.available_steps(run_dir)
