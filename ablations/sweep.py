@@ -689,8 +689,7 @@ def environment() -> dict:
   this process runs (`provenance.running_code_version`: the commit when it started, with
   "+changes.<digest>" when the Python files of phoenix_flax/, ablations/ or experiments/
   had uncommitted edits; outside a git checkout `PHOENIX_FLAX_CODE_VERSION`, else None)
-  and the processor
-  (`provenance.machine`)."""
+  and the processor (`provenance.machine`)."""
   return {"python": sys.version.split()[0], "jax": jax.__version__,
           "jaxlib": jaxlib.__version__, "numpy": np.__version__,
           "code": provenance.running_code_version(), "machine": provenance.machine()}
