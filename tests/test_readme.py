@@ -19,12 +19,21 @@ from phoenix_flax import haiku_compat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _section(title: str) -> str:
-  """The README's text under the heading `title`, up to the next heading of any level."""
-  readme = (ROOT / "README.md").read_text(encoding="utf-8")
-  found = re.search(rf"^{re.escape(title)}\n(.*?)(?=^#+ |\Z)", readme, re.M | re.S)
-  assert found, f"README.md has no {title!r} section"
-  return found.group(1)
+def _section(title: str, path: pathlib.Path = ROOT / "README.md") -> str:
+  """The text of `path` under the heading `title`, up to the next heading of any level
+  (a `#` line inside a fenced code block is code, not a heading)."""
+  lines, found, fenced = [], False, False
+  for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+    if line.startswith("```"):
+      fenced = not fenced
+    heading = not fenced and re.match(r"#+ ", line)
+    if found and heading:
+      break
+    if found:
+      lines.append(line)
+    found = found or (heading and line.rstrip("\n") == title)
+  assert found, f"{path.name} has no {title!r} section"
+  return "".join(lines)
 
 
 def usage_blocks() -> list[str]:
@@ -43,6 +52,34 @@ def test_readme_usage_runs_as_written():
     with contextlib.redirect_stdout(stdout):
       exec(compile(block, f"README.md:Usage[{i}]", "exec"), namespace)
     assert stdout.getvalue().strip().splitlines()[-1] == last, stdout.getvalue()
+
+
+def test_readme_flax_nnx_example_runs_as_written(tmp_path, monkeypatch):
+  """The Flax NNX section's example: train a step with nnx.Optimizer, save and restore with
+  orbax, score with the Equinox runner."""
+  block, = re.findall(r"```python\n(.*?)```", _section("## Flax NNX"), re.S)
+  monkeypatch.setenv("TMPDIR", str(tmp_path))
+  monkeypatch.setattr("tempfile.tempdir", None)
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    exec(compile(block, "README.md:Flax NNX", "exec"), {"__name__": "readme_nnx"})
+  loss, shape = stdout.getvalue().strip().splitlines()
+  assert 0.0 < float(loss) < 2.0 and shape == "(4, 4)", stdout.getvalue()
+
+
+def test_links_in_the_readme_and_docs_resolve():
+  """Every relative link of README.md and docs/*.md, and every repository path it names in
+  backquotes, points at a file or directory of the checkout."""
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+  assert len(pages) >= 5, pages
+  for page in pages:
+    text = page.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)", text):
+      if not re.match(r"[a-z]+://", target):
+        assert (page.parent / target).exists(), f"{page.relative_to(ROOT)} links {target}"
+    for named in re.findall(r"`((?:phoenix_flax|experiments|ablations|tests|notebooks|docs)"
+                            r"/[\w./]*\w/?)`", text):
+      assert (ROOT / named).exists(), f"{page.relative_to(ROOT)} names {named}"
 
 
 def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):

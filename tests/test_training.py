@@ -1040,7 +1040,7 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
   in user chunks of any size. Its recall is not a ceiling: recall counts favorites among
   the candidates the sampler drew, and ranking by the chance of being drawn (the sampler's
   topic softmax) times the favorite probability scores above it, on the cpu preset's
-  first 40 evaluation batches of 128 lists (README, "Training on the synthetic world")."""
+  first 40 evaluation batches of 128 lists (docs/training.md, "The retrieval task")."""
   from phoenix_flax.synthetic import true_logits
   from phoenix_flax.training.loop import bayes_corpus_hits
   spec = parse_config(retrieval_configs.get_config("cpu"))
@@ -1085,7 +1085,7 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
   gain = np.asarray(draw_aware) - np.asarray(oracle)
   print(f"recall@{K}: oracle {np.mean(oracle):.3f}, draw-aware {np.mean(draw_aware):.3f}, "
         f"{len(gain)} users, standard error of the difference "
-        f"{gain.std(ddof=1) / np.sqrt(len(gain)):.4f}")   # the README's figures (pytest -s)
+        f"{gain.std(ddof=1) / np.sqrt(len(gain)):.4f}")   # docs/training.md's figures (pytest -s)
   assert len(gain) > 4000
   assert gain.mean() > 3 * gain.std(ddof=1) / np.sqrt(len(gain)), (
       np.mean(oracle), np.mean(draw_aware), len(gain))

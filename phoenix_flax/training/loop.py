@@ -158,7 +158,7 @@ def bayes_corpus_hits(world: World, interest_BL: Array, bias_B: Array, action: i
   That recall is an oracle reference, not a ceiling: it knows the link but not how
   candidate lists are drawn, and recall counts positives among the drawn candidates. A
   model trained with the in-batch loss also learns which posts tend to be drawn for a
-  user and can score above it (README, "Training on the synthetic world").
+  user and can score above it (docs/training.md, "The retrieval task").
   """
   hits = lambda logits, ids, positive: metrics.corpus_hits(logits, ids, positive, ks)
   return _over_corpus_logits(world, interest_BL, bias_B, action, budget, hits, ids_BC,
