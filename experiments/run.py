@@ -25,7 +25,8 @@ from ml_collections import config_flags
 
 from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import check_config, not_in_model_section
+from phoenix_flax.training.schema import (base_config, check_config, flatten,
+                                          not_in_model_section)
 from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -137,6 +138,25 @@ def _key_error_message(e: BaseException) -> str:
   return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
+SCHEMA_HINT = "The schema is in phoenix_flax/training/schema.py"
+
+
+def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
+  """The message for an override of a field the config does not have: the overrides that
+  name the missing key, the lookup error (with ml_collections' "Did you mean"), and where
+  a field of that name does exist (another section, e.g. `ranking.top_k`)."""
+  key = lookup_error.splitlines()[0].strip().strip("'\"")
+  named = [p for p in paths if key in p.split(".")]
+  text = ("a --config.* override names a field the config does not have"
+          + (": " + ", ".join(f"--config.{p}" for p in named) if named else "") + "\n  "
+          + lookup_error.replace("\n", "\n  "))
+  elsewhere = sorted({path for task in ("ranking", "retrieval")
+                      for path in flatten(base_config(task))
+                      if path.rsplit(".", 1)[-1] == key and path not in named})
+  if elsewhere:
+    text += "\n  A field of that name is at: " + ", ".join(elsewhere)
+  return f"{text}\n{SCHEMA_HINT}"
+
 def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
   and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
@@ -150,16 +170,17 @@ def parse_config_flags(argv: list[str]) -> list[str]:
     lines = [line for line in str(e).splitlines() if line.strip()]
     if any(line.startswith("Traceback") for line in lines):
       lines = [lines[0], lines[-1]]
+    if lines[0].startswith("flag --config."):   # --helpfull does not list config fields
+      _fail("\n".join(lines) + f"\n{SCHEMA_HINT}")
     usage_error("\n".join(lines))
   except (AttributeError, KeyError) as e:
-    for arg in overrides:
-      path = arg[len("--config."):].split("=", 1)[0]
+    paths = [a[len("--config."):].split("=", 1)[0] for a in overrides]
+    for path in paths:
       why = not_in_model_section(path[len("model."):]) if path.startswith("model.") else None
       if why:
-        _fail(f"{arg.split('=', 1)[0]}: {why}")
-    _fail("a --config.* override names a field the config does not have:\n  "
-          + _key_error_message(e).replace("\n", "\n  ")
-          + "\nThe schema is in phoenix_flax/training/schema.py")
+        _fail(f"--config.{path}: {why}")
+    _fail(_unknown_field_message(_key_error_message(e), paths))
+
   except (TypeError, ValueError) as e:
     _fail(f"bad --config value: {e}")
   except SyntaxError as e:

@@ -40,7 +40,12 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
        "error: --config could not be loaded: [Errno 2] No such file or directory: "
        "'experiments/configs/nope.py'\n"),
       (["--config.model.num_layer=2"],          # the suggestion, unescaped, on its own line
-       "\n  'num_layer'\n  Did you mean \"num_layers\" instead of \"num_layer\"?\n"),
+       ": --config.model.num_layer\n  'num_layer'\n  Did you mean \"num_layers\" instead of "
+       "\"num_layer\"?\n"),
+      (["--config.retrieval.top_k=7"],          # a field of another section
+       ": --config.retrieval.top_k\n  'top_k'\n  A field of that name is at: ranking.top_k\n"),
+      (["--config.model.num_layers=abc"],       # --helpfull lists no config field
+       "'abc'\nThe schema is in phoenix_flax/training/schema.py\n"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
       (["--config.mesh.num_devices=64"], "mesh.num_devices"),
       (["--no_such_flag"], "no_such_flag"),
