@@ -157,6 +157,7 @@ def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
     text += "\n  A field of that name is at: " + ", ".join(elsewhere)
   return f"{text}\n{SCHEMA_HINT}"
 
+
 def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
   and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
@@ -180,7 +181,6 @@ def parse_config_flags(argv: list[str]) -> list[str]:
       if why:
         _fail(f"--config.{path}: {why}")
     _fail(_unknown_field_message(_key_error_message(e), paths))
-
   except (TypeError, ValueError) as e:
     _fail(f"bad --config value: {e}")
   except SyntaxError as e:
