@@ -95,7 +95,7 @@ from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_che
                                    parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
 from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
-                                         not_in_model_section)
+                                         not_in_model_section, paths_named)
 from phoenix_flax.training.sharding import initialize_distributed
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           final_metric_names, finished_seeds, seed_dir)
@@ -283,9 +283,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
           why = not_in_model_section(key) if where == "config.model" else None
           if why:
             raise ValueError(why)
+          elsewhere = paths_named(key) if key == leaf else []
           raise ValueError(
               f"{where} has no field {key!r}"
-              + (f" (did you mean {near[0]!r}?)" if near else f" (fields: {fields})")
+              + (f" (did you mean {near[0]!r}?)" if near else
+                 f" (a field of that name is at: {', '.join(elsewhere)})" if elsewhere else
+                 f" (fields: {fields})")
               + ("; a new switch needs its default in phoenix_flax/training/schema.py "
                  "base_config" if where != "config" else ""))
         if key == leaf:

@@ -25,8 +25,7 @@ from ml_collections import config_flags
 
 from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import (base_config, check_config, flatten,
-                                          not_in_model_section)
+from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
 from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -150,9 +149,7 @@ def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
   text = ("a --config.* override names a field the config does not have"
           + (": " + ", ".join(f"--config.{p}" for p in named) if named else "") + "\n  "
           + lookup_error.replace("\n", "\n  "))
-  elsewhere = sorted({path for task in ("ranking", "retrieval")
-                      for path in flatten(base_config(task))
-                      if path.rsplit(".", 1)[-1] == key and path not in named})
+  elsewhere = [path for path in paths_named(key) if path not in named]
   if elsewhere:
     text += "\n  A field of that name is at: " + ", ".join(elsewhere)
   return f"{text}\n{SCHEMA_HINT}"

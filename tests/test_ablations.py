@@ -119,6 +119,9 @@ def test_overrides():
   with pytest.raises(ValueError, match=r"config.model has no field 'zzz' \(fields: "
                                        r"\['attention_impl'.*'num_layers'.*base_config"):
     sweep.apply_overrides(base, {"model.zzz": 3})
+  with pytest.raises(ValueError, match=r"config.retrieval has no field 'top_k' \(a field of "
+                                       r"that name is at: ranking.top_k\)"):
+    sweep.apply_overrides(base, {"retrieval.top_k": (3,)})   # another section's field
   with pytest.raises(ValueError, match=r"model.micro_batch_rows=64 is invalid: "
                                        r"'micro_batch_rows' is a field of PhoenixModelConfig "
                                        r"that the experiment config does not expose"):

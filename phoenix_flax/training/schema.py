@@ -529,6 +529,13 @@ def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
   return flatten(config, skip=RUNTIME_SECTIONS + (other,))
 
 
+def paths_named(name: str) -> list[str]:
+  """The dotted paths of the schema (either task's base config) whose last key is `name`:
+  where a field that an override or a config file put in the wrong section lives."""
+  return sorted({path for task in ("ranking", "retrieval") for path in flatten(base_config(task))
+                 if path.rsplit(".", 1)[-1] == name})
+
+
 def flatten(config: Mapping[str, Any], skip: tuple = ()) -> dict[str, Any]:
   """`{"model.num_layers": 2, ...}` of every leaf of a ConfigDict or nested dict, skipping
   the top-level sections `skip`."""
