@@ -25,7 +25,8 @@ from ml_collections import config_flags
 
 from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
+from phoenix_flax.training.schema import (check_config, flatten, not_in_model_section,
+                                          paths_named)
 from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -43,7 +44,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "file defines them with schema.split_config(); the command line can only change "
     "the fields of splits the file defines), ranking.*, retrieval.*, "
     "mesh.* (devices, sharding, multi-host), output.*; "
-    "every field is documented in phoenix_flax/training/schema.py.",
+    "every field is documented in phoenix_flax/training/schema.py; --print_config "
+    "lists them with their values.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None,
@@ -51,6 +53,11 @@ _WORKDIR = flags.DEFINE_string(
     "interrupted run and skips a finished one; a different config there is an error.")
 _QUIET = flags.DEFINE_bool(
     "quiet", False, "Print only the final summary, not a progress line per host call.")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False,
+    "Check --config (with its overrides) and print every field as `path = value`, then "
+    "exit without training; needs no --workdir. The fields are documented in "
+    "phoenix_flax/training/schema.py.")
 
 
 def _duration(seconds: float) -> str:
@@ -205,12 +212,16 @@ def main(argv: list[str]) -> None:
   if not isinstance(config, ml_collections.ConfigDict):
     _fail(f"--config's get_config() must return an ml_collections.ConfigDict, got "
           f"{type(config).__name__}")
-  if not _WORKDIR.value:
+  if not _WORKDIR.value and not _PRINT_CONFIG.value:
     _fail("--workdir is required")
   try:
     check_config(config)   # before reading any section (no backend touched)
   except ConfigError as e:
     _fail(str(e))
+  if _PRINT_CONFIG.value:
+    for path, value in flatten(config).items():
+      print(f"{path} = {value!r}")
+    return
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
   report = None if _QUIET.value else (

@@ -108,8 +108,26 @@ def test_helpfull_explains_every_flag():
   proc = _run("--helpfull")
   assert proc.returncode in (0, 1), proc.stderr  # absl exits 1 after printing help
   for flag, words in (("--config:", "--config.model.num_layers"),
-                      ("--workdir:", "resumes"), ("quiet:", "progress line")):
+                      ("--workdir:", "resumes"), ("quiet:", "progress line"),
+                      ("print_config:", "path = value")):
     assert flag in proc.stdout and words in proc.stdout, flag
+
+
+def test_print_config_lists_every_field_with_its_value(tmp_path):
+  """--print_config checks the config and prints each field as `path = value` (overrides
+  applied; every path of the schema), without training or needing --workdir; a bad
+  override still exits 2."""
+  from phoenix_flax.training.schema import base_config, flatten
+  proc = _run("--config=experiments/configs/ranking.py:smoke", "--config.model.num_layers=3",
+              "--print_config")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  printed = dict(line.split(" = ", 1) for line in proc.stdout.splitlines())
+  assert printed["model.num_layers"] == "3" and printed["task"] == "'ranking'"
+  assert printed["ranking.top_k"] == "(2,)"                      # the smoke preset's
+  assert set(printed) == set(flatten(base_config("ranking")))
+  bad = _run("--config=experiments/configs/ranking.py:smoke", "--config.model.num_kv_heads=3",
+             "--print_config")
+  assert bad.returncode == 2 and "num_kv_heads" in bad.stderr and not bad.stdout
 
 
 def test_progress_durations_and_the_summary_metrics():
