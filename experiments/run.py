@@ -18,6 +18,8 @@ value exits with status 2 and a message naming it, before any work starts.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 from absl import flags
 import ml_collections
@@ -219,8 +221,12 @@ def main(argv: list[str]) -> None:
   except ConfigError as e:
     _fail(str(e))
   if _PRINT_CONFIG.value:
-    for path, value in flatten(config).items():
-      print(f"{path} = {value!r}")
+    text = "".join(f"{path} = {value!r}\n" for path, value in flatten(config).items())
+    try:
+      sys.stdout.write(text)
+      sys.stdout.flush()
+    except BrokenPipeError:   # `| head`: the reader has what it wanted
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return
   # The first K of a retrieval config (recall_k is validated later, by run_experiment).
   eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
