@@ -73,6 +73,9 @@ def main(argv):
       sweeps = make_sweeps(FLAGS.ablations, workdir)
     except (ValueError,) + sweep.RUN_ERRORS as e:
       sweep.usage_error(str(e))
+    if FLAGS.dry_run:
+      print("\n".join(sw.plan() for sw in sweeps))
+      return
     path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
   print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
 

@@ -464,6 +464,24 @@ class Sweep:
   def run_dir(self, variant: Variant, seed: int) -> str:
     return seed_dir(self.variant_dir(variant), seed)
 
+  def plan(self) -> str:
+    """What `run` would do, as text: each variant's overrides on top of the base config,
+    and how many of its seeds are finished already (reused) or still to train."""
+    a, t = self.ablation, self.base.train
+    lines = [f"{a.name} at preset {self.preset!r}: {len(self.variants)} variants x "
+             f"{len(self.seeds)} seeds {self.seeds}, {t.num_steps} steps of batch "
+             f"{t.batch_size} each, into {self.workdir}"
+             + (f"; your overrides {self.overrides}" if self.overrides else "")]
+    for variant in self.variants:
+      done = finished_seeds(self.config(variant), self.variant_dir(variant))
+      state = (f"{len(done)} of {len(self.seeds)} seeds finished (reused)" if done
+               else "to train")
+      settings = ", ".join(f"{k}={v!r}" for k, v in variant.overrides.items())
+      baseline = " (baseline)" if variant.arm == a.baseline else ""
+      lines.append(f"  {variant.name}{baseline}: {settings or 'the base config'}; {state}")
+    lines.append(f"metrics: {', '.join(a.metrics)}")
+    return "\n".join(lines)
+
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
     runner = self._runner or functools.partial(run_experiment, progress=_log_evaluation)
@@ -765,9 +783,13 @@ flags.DEFINE_multi_string("override", [],
 flags.DEFINE_bool("reprobe", False,
                   "Measure the probes of every finished run again instead of using their "
                   "cached probes.json / joint_probes.json (after changing a probe).")
+flags.DEFINE_bool("dry_run", False,
+                  "Build and check the sweep (variants, their configs, metric names, the "
+                  "workdir's existing runs) and print what it would train, then exit "
+                  "without training or writing anything.")
 
 
-SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override", "reprobe")
+SWEEP_FLAGS = ("preset", "seeds", "workdir", "variants", "override", "reprobe", "dry_run")
 
 
 def expose_flags() -> None:
@@ -830,6 +852,9 @@ def main(ablation: Ablation) -> None:
         sweep = sweep_from_flags(ablation)
       except (ValueError,) + RUN_ERRORS as e:
         usage_error(str(e))
+      if FLAGS.dry_run:
+        print(sweep.plan())
+        return
       sweep.run()
     print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
           f"Curves: tensorboard --logdir {sweep.workdir}")

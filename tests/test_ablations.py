@@ -669,6 +669,33 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+  """--dry_run builds and checks the sweep, prints each variant's settings and how many of
+  its seeds are finished, and trains and writes nothing; run_all prints every sweep's."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  workdir = tmp_path / "sweep"
+  results = [subprocess.run([sys.executable, "-m", f"ablations.{module}", "--preset=smoke",
+                             f"--workdir={workdir}", "--dry_run", *extra],
+                            capture_output=True, text=True, env=env, cwd=root)
+             for module, extra in (("gqa_ratio", ["--override=optim.learning_rate=0.02"]),
+                                   ("run_all", ["--ablations=gqa_ratio,soft_capping"]))]
+  for proc in results:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+  single, both = (proc.stdout.splitlines() for proc in results)
+  ablation = ablations.gqa_ratio.ABLATION
+  variants = ablation.variants("smoke")
+  assert single[0].startswith(f"gqa_ratio at preset 'smoke': {len(variants)} variants x 2 "
+                              "seeds [0, 1],")
+  assert single[0].endswith(f"into {workdir}; your overrides {{'optim.learning_rate': 0.02}}")
+  assert single[1] == "  kv8 (baseline): model.num_kv_heads=8; to train"
+  assert [line.split(" ")[2].rstrip(":") for line in single[1:-1]] == [v.name for v in variants]
+  assert single[-1] == f"metrics: {', '.join(ablation.metrics)}"
+  assert both[0].startswith("gqa_ratio at preset 'smoke'") and any(
+      line.startswith("soft_capping at preset 'smoke'") for line in both)
+  assert not workdir.exists()
+
+
 def test_a_misnamed_metric_is_refused_before_training(tmp_path):
   """An ablation without probes names finals only; a name its runs will not report (here
   a K that the smoke preset's retrieval config does not evaluate) is refused up front."""
