@@ -6,8 +6,8 @@ Each ablation writes its runs, results.json, REPORT.md and plots to
 `<workdir>/<ablation>/`; `<workdir>/REPORT.md` gathers their verdicts and effect plots,
 and `<workdir>/results.json` maps each ablation to its results. Re-running the command
 resumes an interrupted sweep and skips finished runs. The flags are those of the single
-ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`, `--reprobe`, `--dry_run`; not
-`--variants`, which names one script's variants), plus `--ablations`.
+ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`, `--reprobe`,
+`--dry_run`; not `--variants`, which names one script's variants), plus `--ablations`.
 "Every ablation" is every script named in `ablations.SCRIPTS`.
 """
 
