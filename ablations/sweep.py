@@ -283,7 +283,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
           why = not_in_model_section(key) if where == "config.model" else None
           if why:
             raise ValueError(why)
-          elsewhere = paths_named(key) if key == leaf else []
+          elsewhere = paths_named(key) if key == leaf and not near else []
           raise ValueError(
               f"{where} has no field {key!r}"
               + (f" (did you mean {near[0]!r}?)" if near else

@@ -19,11 +19,11 @@ from phoenix_flax import haiku_compat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _section(title: str, path: pathlib.Path = ROOT / "README.md") -> str:
-  """The text of `path` under the heading `title`, up to the next heading of any level
+def _section(title: str) -> str:
+  """The README's text under the heading `title`, up to the next heading of any level
   (a `#` line inside a fenced code block is code, not a heading)."""
   lines, found, fenced = [], False, False
-  for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+  for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines(keepends=True):
     if line.startswith("```"):
       fenced = not fenced
     heading = not fenced and re.match(r"#+ ", line)
@@ -32,7 +32,7 @@ def _section(title: str, path: pathlib.Path = ROOT / "README.md") -> str:
     if found:
       lines.append(line)
     found = found or (heading and line.rstrip("\n") == title)
-  assert found, f"{path.name} has no {title!r} section"
+  assert found, f"README.md has no {title!r} section"
   return "".join(lines)
 
 
