@@ -98,7 +98,7 @@ from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
                                          not_in_model_section, paths_named)
 from phoenix_flax.training.sharding import initialize_distributed
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
-                                          final_metric_names, finished_seeds, seed_dir)
+                                          finished_seeds, metric_names, seed_dir)
 from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
@@ -190,7 +190,9 @@ class Ablation:
       when any run of a seed lacks one, that seed is measured again as a whole.
     derived: `derived(found) -> {metric: value}`, metrics computed from one run's
       flattened finals and probe outputs (e.g. a ratio of two of them).
-    curves: metrics.jsonl keys drawn in curves.png.
+    curves: metrics.jsonl keys drawn in curves.png (checked before training), such as
+      "train/loss" (each arm's own loss: compare an idea that changes the loss by
+      "eval/logloss" instead), "eval/auc_mean" or "long_list/auc_mean".
     plots: extra `plot(results, workdir) -> png file name or None` for the report.
     better: metric -> "higher"/"lower" is better, on top of `BETTER`.
     experiment: the config the variants start from, `experiments/configs/<experiment>.py`:
@@ -432,27 +434,51 @@ class Sweep:
       specs.append(parse_config(cfg))
       check_placement(specs[-1])
       check_run_dirs(cfg, self.variant_dir(variant))
-    if (runner is None and ablation.probe is None and ablation.joint_probe is None
-        and ablation.derived is None):   # (another runner may report other finals)
+    if runner is None:   # (another runner may report other metrics)
       self._check_metric_names(specs)
 
   def _check_metric_names(self, specs: Sequence[ExperimentSpec]) -> None:
-    """Every metric of an ablation without probes is a final of its runs (found by
-    tracing their evaluation), so that a misnamed one is refused before training, not
-    after it."""
+    """Every curve is a metric its runs log, and every metric of an ablation without
+    probes or derived metrics a final of its runs (both found by tracing a run), so that
+    a misnamed one is refused before training, not found after it (a metric as an
+    error, a curve as an empty panel)."""
+    a = self.ablation
+    check_finals = a.probe is None and a.joint_probe is None and a.derived is None
+    if not (check_finals or a.curves):
+      return
     distinct = {json.dumps(jsonable(flatten(spec.config, skip=("optim",))), sort_keys=True): spec
                 for spec in specs}   # (the optimizer changes no metric's name)
-    finals = set().union(*(final_metric_names(spec) for spec in distinct.values()))
-    missing = [m for m in self.ablation.metrics if m != "diverged" and m not in finals]
+    finals, logged = set(), set()
+    for spec in distinct.values():
+      # A training chunk is traced (three times as long as the evaluation) only until
+      # every curve is found: usually in the first variant's runs alone.
+      find_curves = not set(a.curves) <= logged
+      if not (check_finals or find_curves):
+        break
+      names = metric_names(spec, logged=find_curves)
+      finals |= names.final
+      logged |= names.logged or set()
+    if check_finals:
+      experiments = ", ".join(sorted(m for m in finals if "/" not in m))
+      self._refuse_unknown("metrics", [m for m in a.metrics if m != "diverged"], finals,
+                           "final metrics", f"the {a.experiment} experiment's: {experiments}; "
+                           "plus train/loss, train/grad_norm and the per-action, per-layer "
+                           "and per-split ones")
+    if a.curves:
+      examples = ", ".join(sorted(m for m in logged if m.count("/") == 1
+                                  and m.startswith(("train/", "eval/"))))
+      self._refuse_unknown("curves", a.curves, logged, "logged metrics (metrics.jsonl keys)",
+                           f"such as {examples}")
+
+  def _refuse_unknown(self, field: str, names: Sequence[str], known: set[str], kind: str,
+                      examples: str) -> None:
+    missing = [m for m in names if m not in known]
     if missing:
-      near = {m: difflib.get_close_matches(m, sorted(finals), n=1) for m in missing}
+      near = {m: difflib.get_close_matches(m, sorted(known), n=1) for m in missing}
       hints = ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
                         for m in missing)
-      raise ValueError(f"{self.ablation.name}: metrics {hints} are not among its runs' "
-                       f"final metrics at preset {self.preset!r} (the {self.ablation.experiment} "
-                       f"experiment's: {', '.join(sorted(m for m in finals if '/' not in m))}; "
-                       "plus train/loss, train/grad_norm and the per-action, per-layer and "
-                       "per-split ones)")
+      raise ValueError(f"{self.ablation.name}: {field} {hints} are not among its runs' "
+                       f"{kind} at preset {self.preset!r} ({examples})")
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
     """The full config of a variant (all seeds)."""

@@ -488,17 +488,20 @@ def test_missing_run_is_an_error(tmp_path):
     sw.run()
 
 
-ARMS = {   # what an arm's name says it sets
-    "cap30": {"model.attn_logit_cap": 30.0}, "cap10": {"model.attn_logit_cap": 10.0},
-    "cap50": {"model.attn_logit_cap": 50.0}, "off": {"model.attn_logit_cap": None},
-    **{f"kv{k}": {"model.num_kv_heads": k} for k in (8, 4, 2, 1)},
-    **{a: {"model.norm_layout": a, "model.param_init": "variance_scaling"}
-       for a in ("sandwich", "pre", "post")},
-    "rezero": {"model.norm_layout": "sandwich", "model.param_init": "rezero"},
-    "isolated": {"model.candidate_isolation": True},
-    "causal": {"model.candidate_isolation": False},
-    "sequential": {"model.right_anchored_rope": False},
-    "right_anchored": {"model.right_anchored_rope": True}}
+ARMS = {   # per ablation, what each arm's name says it sets
+    "soft_capping": {"cap30": {"model.attn_logit_cap": 30.0},
+                     "cap10": {"model.attn_logit_cap": 10.0},
+                     "cap50": {"model.attn_logit_cap": 50.0},
+                     "off": {"model.attn_logit_cap": None}},
+    "gqa_ratio": {f"kv{k}": {"model.num_kv_heads": k} for k in (8, 4, 2, 1)},
+    "sandwich_norm": {
+        **{a: {"model.norm_layout": a, "model.param_init": "variance_scaling"}
+           for a in ("sandwich", "pre", "post")},
+        "rezero": {"model.norm_layout": "sandwich", "model.param_init": "rezero"}},
+    "candidate_isolation": {"isolated": {"model.candidate_isolation": True},
+                            "causal": {"model.candidate_isolation": False}},
+    "rope_anchoring": {"sequential": {"model.right_anchored_rope": False},
+                       "right_anchored": {"model.right_anchored_rope": True}}}
 
 
 def _get(cfg, path):
@@ -547,9 +550,10 @@ def test_scripts_state_their_design_and_build_valid_configs(module):
       assert cfg.num_seeds == len(sw.seeds) and cfg.output.seed_subdirs is True
       for path, value in v.overrides.items():
         assert _get(cfg, path) == value, path
-      assert v.arm in ARMS, (f"arm {v.arm!r} of {ab.name}: add what its name says it "
-                             f"sets to ARMS in tests/test_ablations.py")
-      expected = dict(documented, **ARMS[v.arm])
+      named = ARMS.get(ab.name, {})
+      assert v.arm in named, (f"arm {v.arm!r} of {ab.name}: add what its name says it "
+                             f"sets to ARMS[{ab.name!r}] in tests/test_ablations.py")
+      expected = dict(documented, **named[v.arm])
       for part in filter(None, v.cell.split("_")):
         expected.update(_cell_settings(part))
       for path, value in expected.items():
@@ -565,7 +569,7 @@ def test_presets_grow_and_fit_the_budget():
   assert cpu.train.num_steps < sweep.preset_config("full").train.num_steps
   # At the cpu preset an ablation trains at most 16 runs (sandwich_norm's 16 took 848 s on
   # the 2-core AVX2 host of docs/results).
-  runs = {m.ABLATION.name: len(sweep.Sweep(m.ABLATION, "cpu", "/x").variants) for m in SCRIPTS}
+  runs = {m.ABLATION.name: len(m.ABLATION.variants("cpu")) for m in SCRIPTS}
   assert max(runs.values()) <= 16, runs
 
 
@@ -595,7 +599,8 @@ def test_sweep_refuses_ignored_overrides_and_runs_of_other_configs(tmp_path):
 def test_retrieval_ablations_start_from_the_retrieval_config(tmp_path):
   ab = toy_ablation(arms={"a": {"retrieval.temperature": 0.05},
                           "b": {"retrieval.temperature": 0.2}},
-                    metrics=("recall@10", "auc", "diverged"), experiment="retrieval")
+                    metrics=("recall@10", "auc", "diverged"), experiment="retrieval",
+                    curves=("train/loss", "eval/recall@10"))
   sw = sweep.Sweep(ab, "cpu", str(tmp_path))
   cfgs = [sw.config(v) for v in sw.variants]
   assert [c.task for c in cfgs] == ["retrieval", "retrieval"]
@@ -696,9 +701,10 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
   assert not workdir.exists()
 
 
-def test_a_misnamed_metric_is_refused_before_training(tmp_path):
+def test_a_misnamed_metric_or_curve_is_refused_before_training(tmp_path):
   """An ablation without probes names finals only; a name its runs will not report (here
-  a K that the smoke preset's retrieval config does not evaluate) is refused up front."""
+  a K that the smoke preset's retrieval config does not evaluate) is refused up front, as
+  is a curve that no run logs."""
   ablation = sweep.Ablation(
       name="temperature", doc="x", arms={"t05": {"retrieval.temperature": 0.05},
                                          "t20": {"retrieval.temperature": 0.2}},
@@ -709,7 +715,14 @@ def test_a_misnamed_metric_is_refused_before_training(tmp_path):
   assert not os.path.exists(tmp_path / "sweep")
   fixed = dataclasses.replace(ablation, metrics=("recall@20", "loss", "diverged"),
                               primary_metric=None, headline=())
-  sweep.Sweep(fixed, "smoke", str(tmp_path / "sweep"))
+  # The curves too, whatever the probes: here the default curves, a ranking run's.
+  for probed in (fixed, dataclasses.replace(fixed, probe=lambda ctx: {"x": 1.0})):
+    with pytest.raises(ValueError, match=r"curves 'eval/auc_mean' \(did you mean 'eval/auc'\?\) "
+                                         r"are not among its runs' logged metrics"):
+      sweep.Sweep(probed, "smoke", str(tmp_path / "sweep"))
+  sweep.Sweep(dataclasses.replace(fixed, curves=("train/loss", "eval/recall@20")), "smoke",
+              str(tmp_path / "sweep"))
+  assert not os.path.exists(tmp_path / "sweep")
 
 
 def test_a_run_error_ends_the_sweep_with_its_message(capsys):

@@ -28,7 +28,7 @@ from phoenix_flax.training import checkpoint, metrics, provenance, schema
 from phoenix_flax.training.loss import binary_cross_entropy
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         unstack)
-from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, final_metric_names,
+from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, metric_names,
                                           load_run)
 from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
 from phoenix_flax.training.writers import read_metrics
@@ -509,7 +509,29 @@ OUT_OF_RANGE = [
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
     ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
+    ("ranking", {"task": "ranker"}, "config.task='ranker' is invalid"),
+    ("ranking", {"optim.b2": 1.0}, r"optim.b2=1.0 is invalid: must be in \[0, 1\)"),
+    ("ranking", {"optim.eps": 0.0}, "optim.eps=0.0 is invalid: must be > 0"),
+    ("ranking", {"optim.learning_rate": 0.0}, "optim.learning_rate=0.0 is invalid"),
+    ("ranking", {"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1 is invalid"),
+    ("ranking", {"train.num_steps": 0}, "train.num_steps=0 is invalid"),
+    ("ranking", {"train.steps_per_call": 0}, "train.steps_per_call=0 is invalid"),
+    ("ranking", {"train.eval_batches": 0}, "train.eval_batches=0 is invalid"),
+    ("retrieval", {"retrieval.temperature": 0.0}, "retrieval.temperature=0.0 is invalid"),
+    ("ranking", {"output.keep_checkpoints": 0}, "output.keep_checkpoints=0 is invalid"),
+    ("ranking", {"mesh.num_processes": 0}, "mesh.num_processes=0 is invalid"),
+    ("ranking", {"mesh.process_id": -1}, "mesh.process_id=-1 is invalid"),
 ]
+
+# Fields of `base_config` that need no case above, and why. (The model section's other
+# keys are model-config fields, with their cases in `BAD_CONFIGS` of tests/test_config.py;
+# the world's and the splits' are `WorldConfig` / `SplitConfig` fields, tested in
+# tests/test_synthetic.py.)
+NO_OUT_OF_RANGE_CASE = {
+    "train.score_consistency": "a bool: ml_collections refuses any other type",
+    "mesh.distributed": "a bool: ml_collections refuses any other type",
+    "mesh.shard_hash_tables": "a bool: ml_collections refuses any other type",
+}
 
 # Values on the edge of what their fields allow (a world of 400 posts, 19 actions).
 AT_THE_EDGE = {
@@ -529,6 +551,29 @@ AT_THE_EDGE = {
 def test_values_just_out_of_range_are_refused_by_name(task, overrides, message):
   with pytest.raises(ConfigError, match=message):
     parse_config(_overridden(task, overrides))
+
+
+def test_every_training_field_has_an_out_of_range_case():
+  """A field added to `base_config` outside the model, world and split sections (a
+  training-side idea: a loss or optimizer option) needs a case in `OUT_OF_RANGE`, or a
+  reason in `NO_OUT_OF_RANGE_CASE`."""
+  covered = {path for _, overrides, _ in OUT_OF_RANGE for path in overrides}
+  covered |= {path.split(".")[0] for path in covered}   # extra_eval_splits.<name>
+
+  def leaves(node, prefix=""):
+    for key, value in node.items():
+      if hasattr(value, "items") and value:
+        yield from leaves(value, f"{prefix}{key}.")
+      else:
+        yield prefix + key
+
+  for task in schema.TASKS:
+    paths = [p for p in leaves(base_config(task))
+             if p.split(".")[0] not in ("model", "world", "train_split", "eval_split")]
+    paths += [f"model.{key}" for key in schema.TRAINING_MODEL_KEYS]
+    missing = sorted(set(paths) - covered - set(NO_OUT_OF_RANGE_CASE))
+    assert not missing, (f"{task} config fields without a case in OUT_OF_RANGE "
+                         f"(tests/test_training.py): {missing}")
 
 
 def test_values_at_the_edge_of_their_range_are_accepted():
@@ -1015,7 +1060,10 @@ def test_a_bfloat16_forward_trains_end_to_end(tmp_path, configs, cli):
                                                                                "bayes_auc/", 1)
     assert (final[k] is None) == (final[twin] is None), (k, twin)
     assert final[k] is None or np.isfinite(final[k])
-  assert set(final) == final_metric_names(parse_config(config))  # traced, not run
+  names = metric_names(parse_config(config))   # traced, not run
+  assert set(final) == names.final
+  logged = set().union(*read_metrics(str(tmp_path))) - {"step", "wall_seconds"}
+  assert logged == names.logged, logged ^ names.logged
   assert json.load(open(tmp_path / "config.json"))["model"]["fprop_dtype"] == "bfloat16"
   run = load_run(str(tmp_path))
   assert run.trainer.spec.model.fprop_dtype == "bfloat16"

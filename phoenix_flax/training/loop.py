@@ -258,8 +258,7 @@ class Trainer:
     system = self.system(params)
     if self.spec.task == "ranking":
       out, diag = system.forward(sb.batch)
-      w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
-      loss = ranking_loss(out.logits, sb.labels, sb.candidate_mask, w)
+      loss = self._ranking_loss(out.logits, sb.labels, sb.candidate_mask)
       return loss, {"max_attn_logit": diag.max_abs_attn_logit,
                     "residual_rms": diag.residual_rms}
     # Only each user's first positive enters the loss, so the candidate tower runs on
@@ -286,6 +285,13 @@ class Trainer:
     idx_B, has_B = first_positive(labels_BCA, mask_BC,
                                   self.spec.config.retrieval.positive_action)
     return (jnp.arange(idx_B.shape[0]), idx_B), has_B
+
+  def _ranking_loss(self, logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
+    """The ranking loss with the config's options: the one definition that training
+    (`train/loss`) and evaluation (`eval/loss`) share, so an option added here reaches
+    both."""
+    w = self.spec.action_weights
+    return ranking_loss(logits_BCA, labels_BCA, mask_BC, None if w is None else jnp.asarray(w))
 
   def _contrast(self, user_BD: Array, positive_BD: Array, has_B: Array,
                 positive_ids_B: Array) -> Array:
@@ -396,8 +402,7 @@ class Trainer:
     probs, mask = flat(r["probs"]), flat(r["mask"])
     out = dict(metrics.ranking_metrics(logits, labels, probs, mask,
                                        k=tuple(self.spec.config.ranking.top_k)))
-    w = None if self.spec.action_weights is None else jnp.asarray(self.spec.action_weights)
-    out["loss"] = ranking_loss(logits, labels, mask, w)
+    out["loss"] = self._ranking_loss(logits, labels, mask)
     out.update(_diagnostics(r["max_logit"], r["rms"]))
     if consistency:
       out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)

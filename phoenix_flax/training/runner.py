@@ -356,17 +356,32 @@ def _train_scalars(stats: dict, i: int) -> dict[str, float]:
 
 
 FINAL_TRAIN_METRICS = ("train/loss", "train/grad_norm")
+# The timing scalars of a training chunk's row (`_train_group`): a rate, or the time of
+# the compiling first chunk.
+PERF_METRICS = ("perf/steps_per_second", "perf/examples_per_second", "perf/first_call_seconds")
 
 
-def final_metric_names(spec: ExperimentSpec) -> set[str]:
-  """The keys of `result.json`'s `final` for a run of `spec`, found by tracing its
-  evaluation (shapes only: nothing is computed) instead of training it."""
+class MetricNames(NamedTuple):
+  """The metric keys a run of a config reports, found by tracing it (nothing computed)."""
+
+  final: set[str]             # result.json's `final`
+  logged: Optional[set[str]]  # metrics.jsonl rows and TensorBoard scalars (`train/*`,
+                              # `perf/*`, `eval/*`, `<split>/*`); None unless asked for
+
+
+def metric_names(spec: ExperimentSpec, logged: bool = True) -> MetricNames:
+  """What a run of `spec` reports, from tracing its evaluation and, with `logged`, one
+  training chunk (which takes about three times as long) instead of training it."""
   world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
   trainer = Trainer(spec, world=world)
-  keys = jax.random.PRNGKey(0)[None]
-  params = eqx.filter_eval_shape(lambda k: trainer._init(k).params, keys)
-  evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, params)
-  return {_final_key(key) for key in evaluated} | set(FINAL_TRAIN_METRICS)
+  state = eqx.filter_eval_shape(trainer._init, jax.random.PRNGKey(0)[None])
+  evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, state.params)
+  final = {_final_key(key) for key in evaluated} | set(FINAL_TRAIN_METRICS)
+  if not logged:
+    return MetricNames(final, None)
+  stats = eqx.filter_eval_shape(trainer._chunk, trainer.world, state)[1]
+  train = _train_scalars({name: np.zeros(x.shape, x.dtype) for name, x in stats.items()}, 0)
+  return MetricNames(final, set(evaluated) | set(train) | set(PERF_METRICS))
 
 
 def _final_key(key: str) -> str:
@@ -652,9 +667,8 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
       eval_step = g.step
     # A compiling chunk logs its time, not a rate that would start every perf curve
     # with a dip.
-    perf = ({"perf/steps_per_second": t.steps_per_call / dt,
-             "perf/examples_per_second": examples_per_chunk / dt} if chunks > 1
-            else {"perf/first_call_seconds": dt})
+    perf = (dict(zip(PERF_METRICS[:2], (t.steps_per_call / dt, examples_per_chunk / dt)))
+            if chunks > 1 else {PERF_METRICS[2]: dt})
     g.log({i: {**row, **perf, **{key: float(v[i]) for key, v in new_eval.items()}}
            for i, row in train_rows.items()})
     saved = bool(t.checkpoint_every) and g.step % t.checkpoint_every == 0
