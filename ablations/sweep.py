@@ -124,6 +124,10 @@ BETTER = {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower", "diverge
           "loss": "lower"}
 HIGHER_AT_K = re.compile(r"(recall|ndcg)@\d+")   # the model's, not the bayes_ ones
 EXPERIMENTS = {"ranking": ranking, "retrieval": retrieval}
+# Config fields a sweep sets in every variant, whatever an override says, and what to use
+# instead.
+SWEEP_SETS = {"num_seeds": "use --seeds (the `seeds` argument)",
+              "output.seed_subdirs": "every run has its seed's directory in a sweep"}
 
 Overrides = Mapping[str, Any]
 Conditions = Mapping[str, Mapping[str, Overrides]]
@@ -397,6 +401,9 @@ class Sweep:
     n = SEEDS[preset] if seeds is None else seeds
     if n < 1:
       raise ValueError(f"seeds={n}: need at least 1 (3 or more for confidence intervals)")
+    for path, instead in SWEEP_SETS.items():
+      if path in dict(overrides):
+        raise ValueError(f"override of {path!r}: a sweep sets it itself; {instead}")
     self.ablation, self.preset, self.workdir, self.command = ablation, preset, workdir, command
     self.variants = select(ablation.variants(preset), variants, ablation.baseline)
     self.subset = len(self.variants) < len(ablation.variants(preset))
@@ -414,7 +421,7 @@ class Sweep:
                          ) from None
     self.base = apply_overrides(cfg, dict(overrides))
     self.overrides = dict(overrides)   # the user's, for every variant (results.json)
-    self.base.num_seeds = n
+    self.base.num_seeds = n   # (SWEEP_SETS)
     self.base.output.seed_subdirs = True
     self.seeds = list(range(self.base.seed, self.base.seed + n))
     ignored = [path for path in dict(overrides)

@@ -42,7 +42,6 @@ ratios are more trustworthy than absolute times on a busy host.
 from __future__ import annotations
 
 import dataclasses
-import os
 import resource
 import statistics
 import sys
@@ -55,12 +54,13 @@ import jax
 import jax.numpy as jnp
 
 from experiments import train_throughput
-from experiments.cli import check_output_file, parse_flags, quiet_backend_search, usage_error
+from experiments.cli import (check_output_file, parse_flags, quiet_backend_search, usage_error,
+                             write_output_file)
 from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
 from phoenix_flax import xla_options
-from phoenix_flax.training import provenance, writers
+from phoenix_flax.training import provenance
 
 KEY_SIZE = 64
 WIDENING_FACTOR = 2.0
@@ -437,12 +437,6 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   return report
 
 
-def save_report(report: dict, path: str) -> None:
-  """Writes `report` to `path` atomically (`writers.atomic_file`), creating its folder."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  writers.write_json(path, report)   # NaN and inf become null
-
-
 def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
   mib = lambda b: b / 2 ** 20
@@ -548,7 +542,7 @@ def main(argv: Sequence[str]) -> None:
                          compile_layers, train,
                          FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
   report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
-  save_report(report, FLAGS.out)
+  write_output_file(FLAGS.out, report)
   print(format_table(report))
   print(f"wrote {FLAGS.out}")
 

@@ -1,5 +1,6 @@
 """What the command-line scripts share: usage errors as one line with exit status 2,
-absl flag parsing that reports through them, the exit of a run that was interrupted or
+absl flag parsing that reports through them (`parse_config_flags` and `checked_config`
+for the scripts that take a `--config` file), the exit of a run that was interrupted or
 refused, and a quieter JAX backend search."""
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 from typing import Iterator, NoReturn
 
 from absl import app, flags
+import ml_collections
 
 from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError
 from phoenix_flax.training.checkpoint import CheckpointError
+from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
+from phoenix_flax.training import writers
 from phoenix_flax.training.writers import nearest_existing
 
 EXIT_BAD_INPUT = 2
@@ -37,15 +42,29 @@ def usage_error(message: str, flags_hint: bool = True) -> NoReturn:
 
 
 def check_output_file(flag: str, path: str) -> None:
-  """A `usage_error` unless `--<flag>=path` names a file that can be written: checked
-  before minutes of work, not after."""
+  """A `usage_error` unless `--<flag>=path` names a file that can be written (its folder
+  is created if missing, by `write_output_file`): checked before minutes of work, not
+  after, by writing a scratch file where the folder would start."""
   if not os.path.basename(path):
     usage_error(f"--{flag}={path!r} names no file")
   if os.path.isdir(path):
     usage_error(f"--{flag}={path} is a directory; name a file")
   folder = nearest_existing(os.path.dirname(os.path.abspath(path)))
-  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-    usage_error(f"--{flag}={path} cannot be written: {folder} is not a writable directory")
+  if not os.path.isdir(folder):
+    usage_error(f"--{flag}={path} cannot be written: {folder} is not a directory")
+  try:   # (os.access says yes to root in a folder such as /proc, where nothing is written)
+    with tempfile.TemporaryFile(dir=folder):
+      pass
+  except OSError as e:
+    usage_error(f"--{flag}={path} cannot be written: {folder} is not a writable directory "
+                f"({e.strerror})")
+
+
+def write_output_file(path: str, obj) -> None:
+  """Writes `obj` as JSON to `path` atomically (`writers.write_json`: NaN and inf become
+  null), creating its folder."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  writers.write_json(path, obj)
 
 
 class Terminated(KeyboardInterrupt):
@@ -114,6 +133,102 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except flags.Error as e:
     usage_error(str(e))
+
+
+def fail(message: str) -> NoReturn:
+  """A `usage_error` without the pointer to `--helpfull` (the fault is not in a flag)."""
+  usage_error(message, flags_hint=False)
+
+
+def _key_error_message(e: BaseException) -> str:
+  """The text of a lookup error, unwrapped: ml_collections raises AttributeError(KeyError(
+  message)), and a KeyError's str() is the repr of its message."""
+  while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0],
+                                                                              BaseException):
+    e = e.args[0]
+  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+SCHEMA_HINT = "The schema is in phoenix_flax/training/schema.py"
+
+
+def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
+  """The message for an override of a field the config does not have: the overrides that
+  name the missing key, the lookup error (with ml_collections' "Did you mean"), and where
+  a field of that name does exist (another section, e.g. `ranking.top_k`)."""
+  key = lookup_error.splitlines()[0].strip().strip("'\"")
+  named = [p for p in paths if key in p.split(".")]
+  text = ("a --config.* override names a field the config does not have"
+          + (": " + ", ".join(f"--config.{p}" for p in named) if named else "") + "\n  "
+          + lookup_error.replace("\n", "\n  "))
+  elsewhere = [path for path in paths_named(key) if path not in named]
+  if elsewhere:
+    text += "\n  A field of that name is at: " + ", ".join(elsewhere)
+  if any(p.startswith("extra_eval_splits.") and p.split(".")[1] == key for p in named):
+    text += ("\n  An extra evaluation split is defined in the config file (with "
+             "schema.split_config()); the command line only changes the fields of those it "
+             "defines")
+  return f"{text}\n{SCHEMA_HINT}"
+
+
+def parse_config_flags(argv: list[str]) -> list[str]:
+  """absl flag parsing that turns every bad flag or `--config` override into a message
+  and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
+  overrides = [a for a in argv[1:] if a.startswith("--config.")]
+  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+    fail(f"--config is required: the overrides {overrides} apply to a config file, e.g. "
+         "--config=experiments/configs/ranking.py")
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    if any(line.startswith("Traceback") for line in lines):
+      lines = [lines[0], lines[-1]]
+    if lines[0].startswith("flag --config."):   # --helpfull does not list config fields
+      fail("\n".join(lines) + f"\n{SCHEMA_HINT}")
+    usage_error("\n".join(lines))
+  except (AttributeError, KeyError) as e:
+    if "has no attribute 'get_config'" in _key_error_message(e):
+      fail("--config could not be loaded: the file defines no get_config() (a config file "
+           "is a Python file whose get_config() returns an ml_collections.ConfigDict)")
+    paths = [a[len("--config."):].split("=", 1)[0] for a in overrides]
+    for path in paths:
+      why = not_in_model_section(path[len("model."):]) if path.startswith("model.") else None
+      if why:
+        fail(f"--config.{path}: {why}")
+    fail(_unknown_field_message(_key_error_message(e), paths))
+  except (TypeError, ValueError) as e:
+    fail(f"bad --config value: {e}")
+  except SyntaxError as e:
+    fail(f"--config could not be loaded: {e.filename}, line {e.lineno}: {e.msg}")
+  except Exception as e:   # raised by the config file's own code while loading it
+    fail(f"--config could not be loaded ({type(e).__name__}: {e})")
+
+
+def checked_config(config) -> ml_collections.ConfigDict:
+  """The value of a `--config` flag (`config_flags.DEFINE_config_file`), checked: a file
+  that could not be loaded, a `get_config()` that returns no ConfigDict and any invalid
+  field (`schema.check_config`) end the script with a usage error, before any work."""
+  if config is None:
+    fail("--config is required, e.g. --config=experiments/configs/ranking.py")
+  try:
+    config.to_dict()   # ml_collections defers a config file's load error to first use
+  except OSError as e:
+    # ml_collections wraps the cause ("[Errno 2] No such file ...: 'path'") in lines about
+    # its own loader; the cause is the line to show.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    fail("--config could not be loaded: "
+         + next((line for line in reversed(lines) if "Errno" in line), " ".join(lines)))
+  except AttributeError:
+    pass   # no ConfigDict: said next
+  if not isinstance(config, ml_collections.ConfigDict):
+    fail(f"--config's get_config() must return an ml_collections.ConfigDict, got "
+         f"{type(config).__name__}")
+  try:
+    check_config(config)   # before reading any section (no backend touched)
+  except ConfigError as e:
+    fail(str(e))
+  return config
 
 
 def quiet_backend_search() -> None:

@@ -22,13 +22,12 @@ import os
 import sys
 
 from absl import flags
-import ml_collections
 from ml_collections import config_flags
 
-from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
-from phoenix_flax.training import ConfigError, Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import (check_config, flatten, not_in_model_section,
-                                          paths_named)
+from experiments.cli import (checked_config, exit_on_run_errors, fail, parse_config_flags,
+                             quiet_backend_search, run_app)
+from phoenix_flax.training import Progress, run_dirs, run_experiment
+from phoenix_flax.training.schema import flatten
 from phoenix_flax.training.runner import finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -133,93 +132,12 @@ def _finished_before(config, workdir: str) -> list[int]:
     return []
 
 
-def _fail(message: str) -> None:
-  usage_error(message, flags_hint=False)
-
-
-def _key_error_message(e: BaseException) -> str:
-  """The text of a lookup error, unwrapped: ml_collections raises AttributeError(KeyError(
-  message)), and a KeyError's str() is the repr of its message."""
-  while isinstance(e, (AttributeError, KeyError)) and e.args and isinstance(e.args[0],
-                                                                              BaseException):
-    e = e.args[0]
-  return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-
-
-SCHEMA_HINT = "The schema is in phoenix_flax/training/schema.py"
-
-
-def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
-  """The message for an override of a field the config does not have: the overrides that
-  name the missing key, the lookup error (with ml_collections' "Did you mean"), and where
-  a field of that name does exist (another section, e.g. `ranking.top_k`)."""
-  key = lookup_error.splitlines()[0].strip().strip("'\"")
-  named = [p for p in paths if key in p.split(".")]
-  text = ("a --config.* override names a field the config does not have"
-          + (": " + ", ".join(f"--config.{p}" for p in named) if named else "") + "\n  "
-          + lookup_error.replace("\n", "\n  "))
-  elsewhere = [path for path in paths_named(key) if path not in named]
-  if elsewhere:
-    text += "\n  A field of that name is at: " + ", ".join(elsewhere)
-  return f"{text}\n{SCHEMA_HINT}"
-
-
-def parse_config_flags(argv: list[str]) -> list[str]:
-  """absl flag parsing that turns every bad flag or `--config` override into a message
-  and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
-  overrides = [a for a in argv[1:] if a.startswith("--config.")]
-  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
-    _fail(f"--config is required: the overrides {overrides} apply to a config file, e.g. "
-          "--config=experiments/configs/ranking.py")
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    lines = [line for line in str(e).splitlines() if line.strip()]
-    if any(line.startswith("Traceback") for line in lines):
-      lines = [lines[0], lines[-1]]
-    if lines[0].startswith("flag --config."):   # --helpfull does not list config fields
-      _fail("\n".join(lines) + f"\n{SCHEMA_HINT}")
-    usage_error("\n".join(lines))
-  except (AttributeError, KeyError) as e:
-    paths = [a[len("--config."):].split("=", 1)[0] for a in overrides]
-    for path in paths:
-      why = not_in_model_section(path[len("model."):]) if path.startswith("model.") else None
-      if why:
-        _fail(f"--config.{path}: {why}")
-    _fail(_unknown_field_message(_key_error_message(e), paths))
-  except (TypeError, ValueError) as e:
-    _fail(f"bad --config value: {e}")
-  except SyntaxError as e:
-    _fail(f"--config could not be loaded: {e.filename}, line {e.lineno}: {e.msg}")
-  except Exception as e:   # raised by the config file's own code while loading it
-    _fail(f"--config could not be loaded ({type(e).__name__}: {e})")
-
-
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
-  config = _CONFIG.value
-  if config is None:
-    _fail("--config is required, e.g. --config=experiments/configs/ranking.py")
-  try:
-    config.to_dict()   # ml_collections defers a config file's load error to first use
-  except OSError as e:
-    # ml_collections wraps the cause ("[Errno 2] No such file ...: 'path'") in lines about
-    # its own loader; the cause is the line to show.
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    _fail("--config could not be loaded: "
-          + next((line for line in reversed(lines) if "Errno" in line), " ".join(lines)))
-  except AttributeError:
-    pass   # no ConfigDict: said next
-  if not isinstance(config, ml_collections.ConfigDict):
-    _fail(f"--config's get_config() must return an ml_collections.ConfigDict, got "
-          f"{type(config).__name__}")
+    fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  config = checked_config(_CONFIG.value)
   if not _WORKDIR.value and not _PRINT_CONFIG.value:
-    _fail("--workdir is required")
-  try:
-    check_config(config)   # before reading any section (no backend touched)
-  except ConfigError as e:
-    _fail(str(e))
+    fail("--workdir is required")
   if _PRINT_CONFIG.value:
     text = "".join(f"{path} = {value!r}\n" for path, value in flatten(config).items())
     try:

@@ -39,11 +39,12 @@ import ml_collections
 import numpy as np
 from ml_collections import config_flags
 
-from experiments.cli import check_output_file, parse_flags, quiet_backend_search, usage_error
+from experiments.cli import (check_output_file, checked_config, parse_config_flags,
+                             quiet_backend_search, usage_error, write_output_file)
 from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
-from phoenix_flax.training import Trainer, parse_config, provenance, writers
+from phoenix_flax.training import Trainer, parse_config, provenance
 from phoenix_flax.training.loop import unstack
 
 
@@ -146,17 +147,17 @@ def _define_flags() -> dict:
 def main(argv: list[str], flag_values: dict) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
+  config = checked_config(flag_values["config"].value)
   if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
-  result = measure(flag_values["config"].value, flag_values["rounds"].value,
-                   flag_values["chunks"].value)
+  result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)
   text = json.dumps(result, indent=2)
   print(text)
   if flag_values["out"].value:
-    writers.write_json(flag_values["out"].value, result)
+    write_output_file(flag_values["out"].value, result)
 
 
 if __name__ == "__main__":
   _flags = _define_flags()
   quiet_backend_search()
-  app.run(lambda argv: main(argv, _flags), flags_parser=parse_flags)
+  app.run(lambda argv: main(argv, _flags), flags_parser=parse_config_flags)

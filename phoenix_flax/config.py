@@ -32,8 +32,10 @@ def _fail(cls: str, field: str, value: Any, fix: str) -> None:
 
 
 def _positive_int(cls: str, field: str, value: Any) -> None:
+  # A config is static (hashed, compared, written to JSON): its sizes are Python ints.
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    _fail(cls, field, value, "must be an integer >= 1")
+    _fail(cls, field, value, "must be an integer >= 1" + (
+        f" (a Python int: int({value!r}))" if isinstance(value, np.integer) else ""))
 
 
 def _is_real(value: Any) -> bool:
@@ -54,6 +56,19 @@ def _count(name: str, value: Any, low: int, high: Optional[int] = None, what: st
     bound = f">= {low}" if high is None else f"in [{low}, {high}]"
     raise ValueError(f"{name}={value!r} must be an integer {bound}{what}")
   return int(value)
+
+
+def _check_key(owner: str, key: Any) -> None:
+  """A TypeError naming `owner`'s `key` argument unless it is a PRNG key: a typed one
+  (`jax.random.key(seed)`) or the legacy `uint32[2]` of `jax.random.PRNGKey(seed)`."""
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  if (typed and tuple(shape) == ()) or (dtype == np.uint32 and tuple(shape) == (2,)):
+    return
+  what = (f"an array of shape {tuple(shape)} and dtype {dtype}" if dtype is not None
+          else repr(key))
+  raise TypeError(f"{owner}: key={what} is not a PRNG key; pass jax.random.key(seed) (or "
+                  "jax.random.PRNGKey(seed)), one key, not a batch of them")
 
 
 def _positive_float(cls: str, field: str, value: Any) -> None:

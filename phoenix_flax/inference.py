@@ -506,7 +506,7 @@ class RetrievalRunner:
     return self._tower(self.model.candidate_tower, jnp.asarray(post), jnp.asarray(author))
 
   def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
-    """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`."""
+    """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`, distinct."""
     D = self.config.emb_size
     emb = np.asarray(embeddings)
     if emb.ndim != 2 or emb.shape[1] != D or emb.shape[0] < 1:
@@ -521,6 +521,12 @@ class RetrievalRunner:
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise ValueError(f"corpus post_ids has dtype {ids.dtype}, expected integers")
     _check_values("post_ids", ids, _beyond_int32(ids), "post ids must fit int32", "corpus")
+    # A post twice in the corpus would be retrieved twice, taking two of the top k.
+    order = np.argsort(ids, kind="stable")
+    repeated = np.zeros(ids.shape, bool)
+    repeated[order[1:]] = ids[order[1:]] == ids[order[:-1]]
+    _check_values("post_ids", ids, repeated, "post ids must be distinct (it appears earlier "
+                  "too)", "corpus")
     self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
     self.corpus_post_ids = jnp.asarray(ids)
 

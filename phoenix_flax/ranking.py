@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax import features
-from phoenix_flax.config import PhoenixModelConfig
+from phoenix_flax.config import PhoenixModelConfig, _check_key
 from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
 from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
@@ -114,6 +114,7 @@ class PhoenixModel(eqx.Module):
   def __init__(self, config: PhoenixModelConfig, *, key: PRNGKeyArray):
     if not isinstance(config, PhoenixModelConfig):
       raise TypeError(f"config must be a PhoenixModelConfig, got {type(config).__name__}")
+    _check_key("PhoenixModel", key)
     self.config = c = config
     hc, D, A = c.hash_config, c.emb_size, c.num_actions
     ks = jax.random.split(key, 12)   # 11 used; splitting into 12 keeps every init as it was

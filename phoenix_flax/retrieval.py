@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from phoenix_flax.config import PhoenixRetrievalModelConfig, _count
+from phoenix_flax.config import PhoenixRetrievalModelConfig, _check_key, _count
 from phoenix_flax.layers import variance_scaling
 from phoenix_flax.ranking import Diagnostics, context_tokens
 from phoenix_flax.transformer import Transformer
@@ -85,6 +85,7 @@ class PhoenixRetrievalModel(eqx.Module):
     if not isinstance(config, PhoenixRetrievalModelConfig):
       raise TypeError("config must be a PhoenixRetrievalModelConfig, got "
                       f"{type(config).__name__}")
+    _check_key("PhoenixRetrievalModel", key)
     self.config = c = config
     hc, D = c.hash_config, c.emb_size
     ks = jax.random.split(key, 6)

@@ -579,6 +579,12 @@ def test_sweep_refuses_ignored_overrides_and_runs_of_other_configs(tmp_path):
   for path in ("model.num_layers", "optim.learning_rate"):   # set by every arm / condition
     with pytest.raises(ValueError, match=rf"\['{path}'\] would change nothing"):
       sweep.Sweep(ab, "smoke", str(tmp_path), overrides={path: 4})
+  # ... and one of what the sweep itself sets in every variant, which would be ignored.
+  for path, value, instead in (("num_seeds", 5, "use --seeds"),
+                               ("output.seed_subdirs", False, "every run has its seed's")):
+    with pytest.raises(ValueError, match=rf"override of '{path}': a sweep sets it itself; "
+                                         rf"{instead}"):
+      sweep.Sweep(ab, "smoke", str(tmp_path), overrides={path: value})
   # An override that only some variants set is the value of the others.
   partial = toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {}})
   sw = sweep.Sweep(partial, "smoke", str(tmp_path), overrides={"model.num_layers": 3})

@@ -491,6 +491,11 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   too_small[0] = -2 ** 31 - 1
   with pytest.raises(ValueError, match="corpus.post_ids holds -2147483649.*fit int32"):
     runner.set_corpus(corpus_ND, too_small)
+  repeated = np.asarray(ids_N).copy()
+  repeated[9] = repeated[4]
+  with pytest.raises(ValueError, match=rf"corpus.post_ids holds {int(repeated[4])} at index "
+                                       r"\(9,\); post ids must be distinct"):
+    runner.set_corpus(corpus_ND, repeated)
   edges = np.asarray(ids_N, np.int64)
   edges[:2] = -2 ** 31, 2 ** 31 - 1                # int32's own extremes fit
   runner.set_corpus(corpus_ND, edges)

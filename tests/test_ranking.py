@@ -332,6 +332,17 @@ def test_wrong_dtype_names_the_field():
     model(batch, emb._replace(user_embeddings=emb.user_embeddings.astype(jnp.int32)))
 
 
+def test_a_model_is_built_from_one_prng_key():
+  from conftest import retrieval_config
+  for cls, cfg in ((pf.PhoenixModel, ranking_config()),
+                   (pf.PhoenixRetrievalModel, retrieval_config())):
+    for key in (0, jax.random.split(jax.random.key(0), 2), jnp.zeros((2, 2), jnp.uint32)):
+      with pytest.raises(TypeError, match=rf"{cls.__name__}: key=.* is not a PRNG key; pass "
+                                          r"jax.random.key\(seed\)"):
+        cls(cfg, key=key)
+    cls(cfg, key=jax.random.PRNGKey(0))   # the legacy uint32[2] key
+
+
 @pytest.mark.parametrize("entry", ["build_inputs", "build_context_tokens",
                                    "build_candidate_tokens", "score_candidates"])
 def test_every_model_entry_point_names_a_bad_field(entry):

@@ -31,6 +31,7 @@ def test_every_preset_is_valid(module, preset):
 
 
 def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
+  """... of experiments.run, and of experiments.train_throughput's --config and --out."""
   workdir = tmp_path / "never"
   cases = [
       (["--config.model.num_kv_heads=3"], "num_kv_heads"),
@@ -47,6 +48,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.num_layers=abc"],       # --helpfull lists no config field
        "'abc'\nThe schema is in phoenix_flax/training/schema.py\n"),
       (["--config.optim.learning_rate=fast"], "learning_rate"),
+      (["--config.extra_eval_splits.foo.min_history=2"],   # splits come from the file
+       "'foo'\n  An extra evaluation split is defined in the config file"),
       (["--config.mesh.num_devices=64"], "mesh.num_devices"),
       (["--no_such_flag"], "no_such_flag"),
       # checked before jax.distributed.initialize, which would wait for a coordinator
@@ -79,7 +82,7 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
              f"{a_file} is a file, not a directory")]
   # Broken config files: a syntax error, a dict instead of a ConfigDict, a misspelled key
   # (which no command-line lock catches), another task's setting.
-  configs = {"syntax": "def get_config(:\n",
+  configs = {"syntax": "def get_config(:\n", "no_get_config": "x = 1\n",
              "plain_dict": "def get_config():\n  return {'task': 'ranking'}\n",
              "typo": "from experiments.configs import ranking\ndef get_config():\n"
                      "  c = ranking.get_config('smoke')\n  c.train.num_stepz = 7\n  return c\n"}
@@ -89,12 +92,28 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
              f"--config could not be loaded: {tmp_path}/syntax.py, line 1: invalid syntax"),
             ([f"--config={tmp_path}/plain_dict.py", f"--workdir={workdir}"],
              "must return an ml_collections.ConfigDict, got dict"),
+            ([f"--config={tmp_path}/no_get_config.py", f"--workdir={workdir}"],
+             "--config could not be loaded: the file defines no get_config()"),
+            # a folder where nothing can be written, whoever runs the test
+            (["--config=experiments/configs/ranking.py:smoke", "--workdir=/proc/pf_test/run"],
+             "workdir '/proc/pf_test/run' cannot be written"),
             ([f"--config={tmp_path}/typo.py", f"--workdir={workdir}"],
              "config has no field(s) 'train.num_stepz' (did you mean train.num_steps?)"),
             (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
               "--config.retrieval.temperature=0.5"],
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
-  results = run_at_once([_command(*args) for args, _ in cases], env=subprocess_env())
+  commands = [_command(*args) for args, _ in cases]
+  # experiments.train_throughput reads its --config the same way, and checks --out.
+  throughput = [sys.executable, "-m", "experiments.train_throughput"]
+  for args, needle in (
+      (["--config.model.num_layer=2"], "Did you mean \"num_layers\" instead of \"num_layer\"?"),
+      (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
+      (["--out=/proc/pf_test.json"], "--out=/proc/pf_test.json cannot be written")):
+    commands.append(throughput + ["--config=experiments/configs/ranking.py:smoke", *args])
+    cases.append((args, needle))
+  commands.append(throughput + ["--config=experiments/configs/nope.py"])
+  cases.append(([], "--config could not be loaded: [Errno 2] No such file or directory"))
+  results = run_at_once(commands, env=subprocess_env())
   for (code, stderr), (extra, needle) in zip(results, cases):
     assert code == 2, (extra, stderr[-2000:])
     assert needle in stderr, (extra, stderr[-2000:])

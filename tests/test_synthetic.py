@@ -41,10 +41,13 @@ def test_config_validation_names_the_field():
                         # a bool would pass for 1; inf would clip every post's age
                         (dict(recency_decay=True), "recency_decay"),
                         (dict(mean_post_age_hours=float("inf")), "mean_post_age_hours"),
-                        (dict(base_rates=("a",) * 19), "base_rates")]:
+                        (dict(base_rates=("a",) * 19), "base_rates"),
+                        (dict(negative_actions=(14, True)), "negative_actions")]:
     with pytest.raises(ValueError, match=field):
       WorldConfig(**kwargs)
   assert WorldConfig(recency_decay=np.float32(0.5)).recency_decay == 0.5   # NumPy scalars
+  negs = WorldConfig(negative_actions=(np.int64(14),)).negative_actions
+  assert negs == (14,) and type(negs[0]) is int   # a static config holds Python ints
   for kwargs, field in [(dict(min_history=5, max_history=3), "max_history"),
                         (dict(history_dist="normal"), "history_dist"),
                         (dict(candidate_order="score"), "candidate_order"),

@@ -800,6 +800,13 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   with pytest.raises(FileNotFoundError, match=r"empty is not a run directory \(no "
                                                r"config\.json\)$"):
     load_run(str(tmp_path / "empty"))
+  with pytest.raises(ValueError, match="step='40' must be an integer >= 0"):
+    load_run(str(tmp_path / "both" / "seed_1"), step="40")
+  damaged = tmp_path / "damaged"
+  damaged.mkdir()
+  (damaged / "config.json").write_text("{bad")
+  with pytest.raises(ConfigError, match=r"damaged/config.json cannot be read \(Expecting"):
+    load_run(str(damaged))
   sb = jax.jit(sample_batch, static_argnums=(1, 2))(
       loaded.trainer.world, loaded.trainer.spec.train_split, 2, jax.random.PRNGKey(0))
   assert eqx.filter_jit(loaded.system)(sb.batch).shape == (2, 4, 19)
@@ -987,7 +994,7 @@ def test_retrieval_task_trains_and_reports_recall(tmp_path, cli):
 
 @pytest.mark.slow
 def test_throughput_measures_both_loops(tmp_path, main):
-  out = tmp_path / "throughput.json"
+  out = tmp_path / "new_folder" / "throughput.json"   # created
   main("experiments.train_throughput", "--config=experiments/configs/ranking.py:smoke",
        "--rounds=1", "--chunks_per_round=1", f"--out={out}")
   result = json.load(open(out))

@@ -132,9 +132,9 @@ class WorldConfig:
     if len(rates) != self.num_actions or not all(_is_real(r) and 0 < r < 1 for r in rates):
       _fail(c, "base_rates", self.base_rates,
             f"give {self.num_actions} probabilities in (0, 1), one per action")
-    negs = tuple(self.negative_actions)
+    negs = tuple(int(i) if _is_int(i) else i for i in self.negative_actions)
     if len(set(negs)) != len(negs) or not all(
-        isinstance(i, int) and 0 <= i < self.num_actions for i in negs):
+        _is_int(i) and 0 <= i < self.num_actions for i in negs):
       _fail(c, "negative_actions", self.negative_actions,
             f"give distinct action indices in [0, {self.num_actions})")
     object.__setattr__(self, "base_rates", rates)

@@ -59,6 +59,7 @@ import logging
 import math
 import os
 import signal
+import tempfile
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -69,6 +70,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from phoenix_flax.config import _count
 from phoenix_flax.synthetic import make_world
 from phoenix_flax.training import checkpoint, provenance
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
@@ -181,7 +183,7 @@ def _lock(run_dir: str) -> Optional[int]:
 def check_workdir(workdir: str) -> None:
   """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
   parents that exists, is not a directory, and `PermissionError` when this process cannot
-  write there."""
+  write there (tried with a scratch file)."""
   path = nearest_existing(workdir)
   if not os.path.isdir(path):
     raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
@@ -189,6 +191,12 @@ def check_workdir(workdir: str) -> None:
   if not os.access(path, os.W_OK | os.X_OK):
     raise PermissionError(f"workdir {workdir!r} cannot be written: this user may not "
                           f"write in {path}")
+  try:   # (os.access says yes to root in a folder such as /proc, where nothing is written)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise PermissionError(f"workdir {workdir!r} cannot be written: nothing can be written "
+                          f"in {path} ({e.strerror})") from None
 
 
 class Progress(NamedTuple):
@@ -749,13 +757,13 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
     hint = (f"; it holds the runs {', '.join(found[:4])}{', ...' * (len(found) > 4)}: pass "
             f"one of them, e.g. {os.path.join(run_dir, found[0])}" if found else "")
     raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE}){hint}")
-  cfg = with_defaults(read_json(path))
+  cfg = with_defaults(_read_run_file(path))
   cfg.mesh.num_devices = 1
   cfg.mesh.distributed = False
   steps = checkpoint.available_steps(run_dir)
   if not steps:
     raise FileNotFoundError(f"{run_dir} has no checkpoint")
-  step = steps[-1] if step is None else step
+  step = steps[-1] if step is None else _count("step", step, 0)
   trainer = Trainer(parse_config(cfg))
   state, _ = load_checkpoint(trainer, run_dir, step)
   return LoadedRun(trainer.system(jax.tree.map(jnp.asarray, state.params)), trainer, step)
