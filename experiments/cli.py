@@ -17,10 +17,9 @@ from typing import Iterator, NoReturn
 from absl import app, flags
 import ml_collections
 
-from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError
+from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError, writers
 from phoenix_flax.training.checkpoint import CheckpointError
 from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
-from phoenix_flax.training import writers
 from phoenix_flax.training.writers import nearest_existing
 
 EXIT_BAD_INPUT = 2
