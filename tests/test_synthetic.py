@@ -29,35 +29,68 @@ def world(cfg: WorldConfig = SMALL, seed: int = 0):
   return make_world(cfg, jax.random.PRNGKey(seed))
 
 
-def test_config_validation_names_the_field():
-  for kwargs, field in [(dict(num_topics=0), "num_topics"),
-                        (dict(num_authors=4, num_topics=8), "num_authors"),
-                        (dict(post_buckets=1), "post_buckets"),
-                        (dict(recency_decay=0.0), "recency_decay"),
-                        (dict(interest_mix=1.5), "interest_mix"),
-                        (dict(base_rates=(0.1,) * 3), "base_rates"),
-                        (dict(negative_actions=(14, 19)), "negative_actions"),
-                        (dict(affinity_scale=-1.0), "affinity_scale"),
-                        # a bool would pass for 1; inf would clip every post's age
-                        (dict(recency_decay=True), "recency_decay"),
-                        (dict(mean_post_age_hours=float("inf")), "mean_post_age_hours"),
-                        (dict(base_rates=("a",) * 19), "base_rates"),
-                        (dict(negative_actions=(14, True)), "negative_actions")]:
-    with pytest.raises(ValueError, match=field):
-      WorldConfig(**kwargs)
+# (field, kwargs): each value is just outside what its field allows.
+BAD_WORLD = [
+    ("num_topics", dict(num_topics=0)), ("num_authors", dict(num_authors=4, num_topics=8)),
+    ("num_posts", dict(num_posts=8, num_topics=16)), ("num_users", dict(num_users=0)),
+    ("latent_dim", dict(latent_dim=0)), ("history_len", dict(history_len=0)),
+    ("num_candidates", dict(num_candidates=0)), ("num_user_hashes", dict(num_user_hashes=0)),
+    ("num_item_hashes", dict(num_item_hashes=0)),
+    ("num_author_hashes", dict(num_author_hashes=0)),
+    ("user_buckets", dict(user_buckets=1)), ("post_buckets", dict(post_buckets=1)),
+    ("author_buckets", dict(author_buckets=1)),
+    ("product_surface_vocab_size", dict(product_surface_vocab_size=0)),
+    ("num_actions", dict(num_actions=0)),
+    ("recency_decay", dict(recency_decay=0.0)), ("interest_mix", dict(interest_mix=1.5)),
+    ("topic_switch_prob", dict(topic_switch_prob=-0.1)), ("explore_prob", dict(explore_prob=1.1)),
+    ("taste_concentration", dict(taste_concentration=-1.0)),
+    ("author_style", dict(author_style=-0.1)), ("post_noise", dict(post_noise=float("nan"))),
+    ("retrieval_sharpness", dict(retrieval_sharpness=-1.0)),
+    ("base_rates", dict(base_rates=(0.1,) * 3)),
+    ("negative_actions", dict(negative_actions=(14, 19))),
+    ("affinity_scale", dict(affinity_scale=-1.0)), ("quality_scale", dict(quality_scale=-1.0)),
+    ("surface_scale", dict(surface_scale=float("inf"))),
+    ("user_bias_scale", dict(user_bias_scale=-1.0)), ("session_scale", dict(session_scale=-1.0)),
+    ("post_age", dict(post_age=1)), ("age_decay_per_day", dict(age_decay_per_day=-1.0)),
+    # a bool would pass for 1; inf would clip every post's age
+    ("recency_decay", dict(recency_decay=True)),
+    ("mean_post_age_hours", dict(mean_post_age_hours=float("inf"))),
+    ("base_rates", dict(base_rates=("a",) * 19)),
+    ("negative_actions", dict(negative_actions=(14, True))),
+]
+BAD_SPLIT = [
+    ("max_history", dict(min_history=5, max_history=3)), ("min_history", dict(min_history=-1)),
+    ("history_dist", dict(history_dist="normal")),
+    ("candidate_order", dict(candidate_order="score")),
+    ("relevant_fraction", dict(relevant_fraction=2.0)),
+    ("list_correlation", dict(list_correlation=-0.5)),
+    ("num_candidates", dict(num_candidates=0)),
+    ("min_candidates", dict(num_candidates=4, min_candidates=5)),
+    ("min_history", dict(min_history=True)), ("relevant_fraction", dict(relevant_fraction=True)),
+    ("max_history", dict(max_history=-1)),
+]
+
+
+@pytest.mark.parametrize("cls, field, kwargs", [(WorldConfig, *case) for case in BAD_WORLD]
+                         + [(SplitConfig, *case) for case in BAD_SPLIT],
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_config_validation_names_the_field(cls, field, kwargs):
+  with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}=.* is invalid"):
+    cls(**kwargs)
+
+
+def test_every_world_and_split_field_has_a_bad_value_case():
+  """A data-side idea's field is validated in `__post_init__`, with a case above."""
+  for cls, cases in ((WorldConfig, BAD_WORLD), (SplitConfig, BAD_SPLIT)):
+    missing = {f.name for f in dataclasses.fields(cls)} - {field for field, _ in cases}
+    assert not missing, (f"{cls.__name__} fields without a case in BAD_WORLD or BAD_SPLIT "
+                         f"(tests/test_synthetic.py): {sorted(missing)}")
+
+
+def test_config_checks_across_fields_and_numpy_scalars():
   assert WorldConfig(recency_decay=np.float32(0.5)).recency_decay == 0.5   # NumPy scalars
   negs = WorldConfig(negative_actions=(np.int64(14),)).negative_actions
   assert negs == (14,) and type(negs[0]) is int   # a static config holds Python ints
-  for kwargs, field in [(dict(min_history=5, max_history=3), "max_history"),
-                        (dict(history_dist="normal"), "history_dist"),
-                        (dict(candidate_order="score"), "candidate_order"),
-                        (dict(relevant_fraction=2.0), "relevant_fraction"),
-                        (dict(num_candidates=4, min_candidates=5), "min_candidates"),
-                        (dict(min_history=True), "min_history"),
-                        (dict(relevant_fraction=True), "relevant_fraction"),
-                        (dict(max_history=-1), "max_history")]:
-    with pytest.raises(ValueError, match=field):
-      SplitConfig(**kwargs)
   assert SplitConfig(relevant_fraction=np.float32(0.25)).relevant_fraction == 0.25
   with pytest.raises(ValueError, match="batch_size"):
     sample(world(), SplitConfig(), True, jax.random.PRNGKey(0))
