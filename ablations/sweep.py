@@ -295,8 +295,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
               + (f" (did you mean {near[0]!r}?)" if near else
                  f" (a field of that name is at: {', '.join(elsewhere)})" if elsewhere else
                  f" (fields: {fields})")
-              + ("; a new switch needs its default in phoenix_flax/training/schema.py "
-                 "base_config" if where != "config" else ""))
+              + _where_new_fields_go(where))
         if key == leaf:
           try:
             node[leaf] = value
@@ -309,6 +308,20 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
     except (ValueError, TypeError) as e:
       raise ValueError(f"config override {path}={value!r} is invalid: {e}") from None
   return config
+
+
+def _where_new_fields_go(where: str) -> str:
+  """The hint that ends an unknown-field error in section `where` ("config.world", ...)."""
+  section = where.split(".")
+  if len(section) < 2:
+    return ""
+  if section[1:] == ["extra_eval_splits"]:
+    return "; extra evaluation splits are defined in the experiment config file"
+  if section[1] == "world":
+    return "; a new field needs its default in WorldConfig (phoenix_flax/synthetic/config.py)"
+  if section[1] in ("train_split", "eval_split", "extra_eval_splits"):
+    return "; a new field needs its default in SplitConfig (phoenix_flax/synthetic/config.py)"
+  return "; a new field needs its default in phoenix_flax/training/schema.py base_config"
 
 
 def _has_path(config: ml_collections.ConfigDict, path: str) -> bool:

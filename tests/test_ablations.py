@@ -114,11 +114,20 @@ def test_overrides():
     assert sweep.parse_override(f"model.attn_logit_cap={text}") == ("model.attn_logit_cap",
                                                                    None)
   with pytest.raises(ValueError, match=r"config.model has no field 'num_layerz' \(did you "
-                                       r"mean 'num_layers'\?\); a new switch .*base_config"):
+                                       r"mean 'num_layers'\?\); a new field .*base_config"):
     sweep.apply_overrides(base, {"model.num_layerz": 3})
   with pytest.raises(ValueError, match=r"config.model has no field 'zzz' \(fields: "
                                        r"\['attention_impl'.*'num_layers'.*base_config"):
     sweep.apply_overrides(base, {"model.zzz": 3})
+  # The world's and the splits' defaults are their dataclasses' (no base_config entry).
+  with pytest.raises(ValueError, match=r"config.world has no field 'position_bias' .*; a new "
+                                       r"field needs its default in WorldConfig"):
+    sweep.apply_overrides(base, {"world.position_bias": 0.5})
+  with pytest.raises(ValueError, match=r"config.eval_split has no field 'zzz' .*in SplitConfig"):
+    sweep.apply_overrides(base, {"eval_split.zzz": 1})
+  with pytest.raises(ValueError, match=r"no field 'foo' .*; extra evaluation splits are "
+                                       r"defined in the experiment config file"):
+    sweep.apply_overrides(base, {"extra_eval_splits.foo.min_history": 1})
   with pytest.raises(ValueError, match=r"config.retrieval has no field 'top_k' \(a field of "
                                        r"that name is at: ranking.top_k\)"):
     sweep.apply_overrides(base, {"retrieval.top_k": (3,)})   # another section's field

@@ -277,29 +277,56 @@ def test_cli_writes_json_and_table(tmp_path):
 HOST_WORLD = synthetic.WorldConfig(
     num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8, history_len=12,
     num_candidates=6, user_buckets=40, post_buckets=128, author_buckets=16, post_age=True)
-
-
-@pytest.mark.parametrize("post_age", [False, True])
-@pytest.mark.parametrize("split", [
+# The host sampler mirrors `sample_batch`, so the worlds and splits it is compared on set
+# every field of WorldConfig and SplitConfig away from its default
+# (`test_host_sampler_cases_set_every_field`): a field that changes how batches are drawn
+# fails the comparison until the host sampler draws it too.
+HOST_WORLDS = {
+    "small": dataclasses.replace(HOST_WORLD, post_age=False),
+    "aged": HOST_WORLD,
+    "shifted": dataclasses.replace(
+        HOST_WORLD, num_user_hashes=3, num_item_hashes=1, num_author_hashes=3,
+        product_surface_vocab_size=5, num_actions=7, base_rates=(0.2, 0.1, 0.05, 0.3, 0.1,
+                                                                  0.05, 0.15),
+        negative_actions=(4, 5), recency_decay=0.3, interest_mix=0.4, topic_switch_prob=0.6,
+        explore_prob=0.3, taste_concentration=1.0, author_style=0.8, post_noise=0.2,
+        retrieval_sharpness=3.0, affinity_scale=2.0, quality_scale=1.0, surface_scale=0.2,
+        user_bias_scale=1.0, session_scale=0.5, age_decay_per_day=3.0,
+        mean_post_age_hours=6.0)}
+HOST_SPLITS = [
     synthetic.SplitConfig(),
     synthetic.SplitConfig(history_dist="log_uniform", list_correlation=0.5,
                           candidate_order="relevance", min_candidates=2, num_candidates=9),
     synthetic.SplitConfig(min_history=0, max_history=7, relevant_fraction=0.8,
-                          list_correlation=1.0, candidate_order="grouped")])
-def test_host_sampler_draws_the_device_samplers_batches(split, post_age):
+                          list_correlation=1.0, candidate_order="grouped")]
+
+
+def test_host_sampler_cases_set_every_field():
+  for cls, cases in ((synthetic.WorldConfig, HOST_WORLDS.values()),
+                     (synthetic.SplitConfig, HOST_SPLITS)):
+    default = cls()
+    unset = {f.name for f in dataclasses.fields(cls)
+             if all(getattr(c, f.name) == getattr(default, f.name) for c in cases)}
+    assert not unset, (f"{cls.__name__} fields that no host-sampler case sets (HOST_WORLDS, "
+                       f"HOST_SPLITS in tests/test_benchmark.py): {sorted(unset)}")
+
+
+@pytest.mark.parametrize("world_name", list(HOST_WORLDS))
+@pytest.mark.parametrize("split", HOST_SPLITS)
+def test_host_sampler_draws_the_device_samplers_batches(split, world_name):
   """The plain loop's numpy sampler, given the device sampler's uniforms, gives its batch:
   every id, hash, label and mask equal, floats to rounding, and timestamps within the one
   second that rounding an age can move."""
   from experiments import host_sampler
   from phoenix_flax.synthetic.sampling import uniform_shapes
   from phoenix_flax.synthetic.world import random_blocks
-  world_cfg = dataclasses.replace(HOST_WORLD, post_age=post_age)
+  world_cfg = HOST_WORLDS[world_name]
   world = synthetic.make_world(world_cfg, jax.random.key(0))
   B, (_, C) = 128, split.resolve(world_cfg)
   key = jax.random.key(1)
   device = jax.jit(synthetic.sample_batch, static_argnums=(1, 2))(world, split, B, key)
   uniforms = random_blocks(key, jax.random.uniform,
-                           uniform_shapes(B, HOST_WORLD.history_len, C, HOST_WORLD.num_actions))
+                           uniform_shapes(B, world_cfg.history_len, C, world_cfg.num_actions))
   host = host_sampler.sample_from_uniforms(host_sampler.host_world(world), split, B,
                                            {k: np.asarray(v) for k, v in uniforms.items()})
   paths = jax.tree_util.tree_leaves_with_path(device)

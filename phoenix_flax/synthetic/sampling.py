@@ -154,7 +154,8 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   probs_BCA = jax.nn.sigmoid(logits_BCA)
   labels_BCA = u["label"] < probs_BCA
 
-  # Slot order of the valid candidates, padding last.
+  # Slot order of the valid candidates, padding last. Everything above is in draw order:
+  # an effect of the slot a candidate is shown in belongs after `take`.
   if split.min_candidates is None:
     num_valid_B = jnp.full((B,), C, jnp.int32)
   else:
