@@ -25,7 +25,8 @@ override of a field that the task sets wins.
 
 results.json:
 
-    {"ablation": str, "preset": str, "baseline": arm, "primary_metric": str,
+    {"ablation": str, "experiment": "ranking"|"retrieval", "preset": str, "baseline": arm,
+     "primary_metric": str,
      "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
      "hypothesis": str, "design": str (the docstring's other sections),
      "training": {"num_steps", "batch_size", "eval_batches", "eval_batch_size", "eval_lists",
@@ -722,7 +723,8 @@ class Sweep:
                        "test": f"{row['test']} of seed means", "conditions": len(members)})
         pooled += _with_holm(prow)
     axes = ab.conditions(self.preset) if ab.conditions else {}
-    return {"ablation": ab.name, "preset": self.preset, "baseline": ab.baseline,
+    return {"ablation": ab.name, "experiment": ab.experiment, "preset": self.preset,
+            "baseline": ab.baseline,
             "primary_metric": ab.primary_metric, "headline": list(ab.headline),
             "metrics": list(ab.metrics),
             "better": {m: better(m, ab.better) for m in ab.metrics},

@@ -148,31 +148,34 @@ class PhoenixRetrievalModel(eqx.Module):
     `top_k` fixes an output shape: under `jax.jit` pass it as a static argument
     (`RetrievalRunner` does this for you)."""
     user, _ = self.build_user_representation(batch, embeddings)
-    return retrieve_top_k(user, corpus_embeddings, top_k, corpus_mask)
+    return self.retrieve(user, corpus_embeddings, top_k, corpus_mask)
 
+  def scores(self, user_BD: Array, items_ND: Array) -> Array:
+    """How well each user matches each item, `[B, N]`: the dot product of their unit
+    vectors (the release's), in the user's dtype. Every retrieval score is this one:
+    serving (`retrieve`), the in-batch training loss, and the evaluation's recall, AUC
+    and loss (`training/loop.py`), so an idea that changes the scoring is written here
+    once."""
+    return user_BD @ items_ND.astype(user_BD.dtype).T
 
-def retrieval_scores(user_BD: Array, corpus_ND: Array) -> Array:
-  """Every user's dot product with every corpus item `[B, N]`, in the user's dtype."""
-  return user_BD @ corpus_ND.astype(user_BD.dtype).T
-
-
-def retrieve_top_k(user_BD: Array, corpus_ND: Array, top_k: int,
-                   corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
-  """`scores = user @ corpus.T`, masked entries at -1e12, then `lax.top_k`."""
-  chex.assert_rank(corpus_ND, 2, custom_message="corpus_embeddings must be [N, D]")
-  if not jnp.issubdtype(corpus_ND.dtype, jnp.floating):
-    raise ValueError(f"corpus_embeddings has dtype {corpus_ND.dtype}, expected floats")
-  if corpus_ND.shape[1] != user_BD.shape[1]:
-    raise ValueError(f"corpus_embeddings has dim {corpus_ND.shape[1]}, user representation "
-                     f"has {user_BD.shape[1]}")
-  if not 1 <= top_k <= corpus_ND.shape[0]:
-    raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
-  scores = retrieval_scores(user_BD, corpus_ND)
-  if corpus_mask_N is not None:
-    chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
-    if corpus_mask_N.dtype != jnp.bool_:
-      raise ValueError(f"corpus_mask has dtype {corpus_mask_N.dtype}, expected bool (True "
-                       "keeps an item; RetrievalRunner.retrieve also takes 0/1 numbers)")
-    scores = jnp.where(corpus_mask_N[None, :], scores, MASKED_SCORE)
-  top_scores, top_idx = jax.lax.top_k(scores, top_k)
-  return RetrievalOutput(user_BD, top_idx.astype(jnp.int32), top_scores)
+  def retrieve(self, user_BD: Array, corpus_ND: Array, top_k: int,
+               corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
+    """The top-k corpus items of users already encoded: `scores`, masked entries at
+    -1e12, then `lax.top_k`."""
+    chex.assert_rank(corpus_ND, 2, custom_message="corpus_embeddings must be [N, D]")
+    if not jnp.issubdtype(corpus_ND.dtype, jnp.floating):
+      raise ValueError(f"corpus_embeddings has dtype {corpus_ND.dtype}, expected floats")
+    if corpus_ND.shape[1] != user_BD.shape[1]:
+      raise ValueError(f"corpus_embeddings has dim {corpus_ND.shape[1]}, user representation "
+                       f"has {user_BD.shape[1]}")
+    if not 1 <= top_k <= corpus_ND.shape[0]:
+      raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
+    scores = self.scores(user_BD, corpus_ND)
+    if corpus_mask_N is not None:
+      chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
+      if corpus_mask_N.dtype != jnp.bool_:
+        raise ValueError(f"corpus_mask has dtype {corpus_mask_N.dtype}, expected bool (True "
+                         "keeps an item; RetrievalRunner.retrieve also takes 0/1 numbers)")
+      scores = jnp.where(corpus_mask_N[None, :], scores, MASKED_SCORE)
+    top_scores, top_idx = jax.lax.top_k(scores, top_k)
+    return RetrievalOutput(user_BD, top_idx.astype(jnp.int32), top_scores)

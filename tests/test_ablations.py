@@ -269,6 +269,10 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert all(len(row.split("|")) == len(auc_table[0].split("|")) for row in auc_table)
   assert auc_table[2].startswith("| a_lo | 4 | 0 | ") and " | 0.8 | baseline |" in auc_table[2]
   assert " | 0.81 | " in auc_table[-1]
+  # A retrieval sweep's oracle is a reference that a model can exceed, not a ceiling.
+  assert on_disk["experiment"] == "ranking"
+  assert "| Bayes oracle (a reference) | Δ vs baseline" in report.metric_table(
+      dict(on_disk, experiment="retrieval"), "auc_mean")[0]
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
   # Metrics outside the headline get their pooled differences too (logloss moves with AUC).
   differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
@@ -723,19 +727,19 @@ def test_a_misnamed_metric_or_curve_is_refused_before_training(tmp_path):
   ablation = sweep.Ablation(
       name="temperature", doc="x", arms={"t05": {"retrieval.temperature": 0.05},
                                          "t20": {"retrieval.temperature": 0.2}},
-      baseline="t05", experiment="retrieval", metrics=("recall@10", "loss", "diverged"))
-  with pytest.raises(ValueError, match=r"metrics 'recall@10' \(did you mean 'recall@20'\?\) "
+      baseline="t05", experiment="retrieval", metrics=("recall@50", "loss", "diverged"))
+  with pytest.raises(ValueError, match=r"metrics 'recall@50' \(did you mean 'recall@10'\?\) "
                                        r"are not among its runs' final metrics"):
     sweep.Sweep(ablation, "smoke", str(tmp_path / "sweep"))
   assert not os.path.exists(tmp_path / "sweep")
-  fixed = dataclasses.replace(ablation, metrics=("recall@20", "loss", "diverged"),
+  fixed = dataclasses.replace(ablation, metrics=("recall@100", "loss", "diverged"),
                               primary_metric=None, headline=())
   # The curves too, whatever the probes: here the default curves, a ranking run's.
   for probed in (fixed, dataclasses.replace(fixed, probe=lambda ctx: {"x": 1.0})):
     with pytest.raises(ValueError, match=r"curves 'eval/auc_mean' \(did you mean 'eval/auc'\?\) "
                                          r"are not among its runs' logged metrics"):
       sweep.Sweep(probed, "smoke", str(tmp_path / "sweep"))
-  sweep.Sweep(dataclasses.replace(fixed, curves=("train/loss", "eval/recall@20")), "smoke",
+  sweep.Sweep(dataclasses.replace(fixed, curves=("train/loss", "eval/recall@100")), "smoke",
               str(tmp_path / "sweep"))
   assert not os.path.exists(tmp_path / "sweep")
 

@@ -8,7 +8,7 @@ import pytest
 
 import phoenix_flax as pf
 from conftest import EMB, call, make_batch, retrieval_config
-from phoenix_flax.retrieval import MASKED_SCORE, l2_normalize, retrieve_top_k
+from phoenix_flax.retrieval import MASKED_SCORE, l2_normalize
 
 B, C, HASHES, CORPUS, TOP_K = 4, 8, 4, 100, 10
 
@@ -148,7 +148,8 @@ def test_corpus_mask_excludes_items():
   np.testing.assert_array_equal(out.top_k_scores[:, 3:], np.float32(MASKED_SCORE))
 
 
-def test_retrieve_top_k_checks_arguments():
+def test_retrieve_checks_arguments():
+  retrieve_top_k = model_and_batch()[0].retrieve
   user = jnp.ones((2, EMB)) / np.sqrt(EMB)
   with pytest.raises(AssertionError, match="corpus_embeddings"):
     retrieve_top_k(user, corpus()[None], 3)

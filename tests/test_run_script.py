@@ -28,6 +28,8 @@ def test_every_preset_is_valid(module, preset):
   assert spec.task == module.__name__.rsplit(".", 1)[-1]
   if spec.task == "ranking":   # no ranking metric is 1.0 by construction (K < list size)
     assert max(spec.config.ranking.top_k) < spec.world.num_candidates
+  else:   # an ablation that names recall@10 or recall@100 runs at every preset
+    assert {10, 100} <= set(spec.config.retrieval.recall_k)
 
 
 def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
@@ -179,8 +181,8 @@ def test_progress_durations_and_the_summary_metrics():
       proc.stdout.splitlines()[-9:])
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
   headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
-  assert retrieval_keys == str(headline + ["recall@5", "bayes_recall@5", "recall@20",
-                                           "bayes_recall@20"])
+  assert retrieval_keys == str(headline + ["recall@10", "bayes_recall@10", "recall@100",
+                                           "bayes_recall@100"])
   assert ranking_keys == str(headline)
   # The line before a run's first chunk (smoke: 40 steps of batch 8, chunks of 10).
   assert starts == [

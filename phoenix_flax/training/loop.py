@@ -12,6 +12,7 @@ that a seed's parameters and metrics equal those it would get alone.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import equinox as eqx
@@ -22,7 +23,6 @@ from jaxtyping import Array, PyTree
 
 from phoenix_flax import xla_options
 from phoenix_flax.ranking import Diagnostics
-from phoenix_flax.retrieval import retrieval_scores
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
@@ -267,15 +267,16 @@ class Trainer:
     at, has_B = self._first_positive(sb.labels, sb.candidate_mask)
     positive_BD = system.corpus_representation(sb.batch.candidate_post_hashes[at],
                                                sb.batch.candidate_author_hashes[at])
-    loss = self._contrast(user_BD, positive_BD, has_B, sb.candidate_post_ids[at])
+    loss = self._contrast(system, user_BD, positive_BD, has_B, sb.candidate_post_ids[at])
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
 
-  def _retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+  def _retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
+                      ) -> tuple[Array, Array]:
     """In-batch softmax loss of the user and candidate vectors, and which users have a
     positive."""
-    return self._in_batch_loss(sb.labels, sb.candidate_mask, sb.candidate_post_ids,
+    return self._in_batch_loss(system, sb.labels, sb.candidate_mask, sb.candidate_post_ids,
                                user_BD, cand_BCD)
 
   def _first_positive(self, labels_BCA: Array, mask_BC: Array
@@ -293,19 +294,22 @@ class Trainer:
     w = self.spec.action_weights
     return ranking_loss(logits_BCA, labels_BCA, mask_BC, None if w is None else jnp.asarray(w))
 
-  def _contrast(self, user_BD: Array, positive_BD: Array, has_B: Array,
-                positive_ids_B: Array) -> Array:
-    return in_batch_softmax_loss(user_BD, positive_BD, has_B,
+  def _contrast(self, system: RetrievalSystem, user_BD: Array, positive_BD: Array,
+                has_B: Array, positive_ids_B: Array) -> Array:
+    """The in-batch loss of each user against every user's positive, scored by the model
+    (`PhoenixRetrievalModel.scores`)."""
+    return in_batch_softmax_loss(system.model.scores(user_BD, positive_BD), has_B,
                                  self.spec.config.retrieval.temperature, positive_ids_B)
 
-  def _in_batch_loss(self, labels_BCA: Array, mask_BC: Array, post_ids_BC: Array,
-                     user_BD: Array, cand_BCD: Array) -> tuple[Array, Array]:
+  def _in_batch_loss(self, system: RetrievalSystem, labels_BCA: Array, mask_BC: Array,
+                     post_ids_BC: Array, user_BD: Array, cand_BCD: Array
+                     ) -> tuple[Array, Array]:
     """The in-batch loss of candidate vectors already computed, and which users have a
     positive."""
     at, has_B = self._first_positive(labels_BCA, mask_BC)
-    return self._contrast(user_BD, cand_BCD[at], has_B, post_ids_BC[at]), has_B
+    return self._contrast(system, user_BD, cand_BCD[at], has_B, post_ids_BC[at]), has_B
 
-  def _eval_retrieval_loss(self, sb, user_BD: Array, cand_BCD: Array
+  def _eval_retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
                            ) -> tuple[Array, Array]:
     """The in-batch loss of an evaluation batch, on the training loss's scale: its users
     are split into groups of `train.batch_size` (where that divides the evaluation batch)
@@ -314,12 +318,12 @@ class Trainer:
     with a positive, and their number (to pool batches by)."""
     B, G = user_BD.shape[0], self.spec.config.train.batch_size
     if G >= B or B % G:
-      loss, has_B = self._retrieval_loss(sb, user_BD, cand_BCD)
+      loss, has_B = self._retrieval_loss(system, sb, user_BD, cand_BCD)
       return loss, jnp.sum(has_B).astype(jnp.float32)
     split = lambda x: x.reshape((B // G, G) + x.shape[1:])
     parts = jax.tree.map(split, (sb.labels, sb.candidate_mask, sb.candidate_post_ids,
                                  user_BD, cand_BCD))
-    loss_g, has_gB = jax.vmap(self._in_batch_loss)(*parts)
+    loss_g, has_gB = jax.vmap(functools.partial(self._in_batch_loss, system))(*parts)
     count_g = jnp.sum(has_gB, axis=1).astype(jnp.float32)
     count = jnp.sum(count_g)
     return jnp.sum(loss_g * count_g) / jnp.maximum(count, 1.0), count
@@ -420,13 +424,14 @@ class Trainer:
       sb = self._sample_eval(world, split, key)
       user_BD, diag = system.user_forward(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
-      loss, loss_count = self._eval_retrieval_loss(sb, user_BD, cand_BCD)
+      loss, loss_count = self._eval_retrieval_loss(system, sb, user_BD, cand_BCD)
       positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
-      found_BK, total_B = metrics.corpus_hits(retrieval_scores(user_BD, corpus_ND),
+      found_BK, total_B = metrics.corpus_hits(system.model.scores(user_BD, corpus_ND),
                                               sb.candidate_post_ids, positive_BC, ks)
       bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
                                             a, sb.candidate_post_ids, positive_BC, ks)
-      res = dict(scores=jnp.einsum("bd,bcd->bc", user_BD, cand_BCD),
+      own_BC = jax.vmap(lambda u_D, c_CD: system.model.scores(u_D[None], c_CD)[0])
+      res = dict(scores=own_BC(user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
                  loss=loss, loss_count=loss_count, max_logit=diag.max_abs_attn_logit,
                  rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)), total=total_B)

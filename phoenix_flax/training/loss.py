@@ -61,26 +61,26 @@ def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Arra
   return jnp.argmax(engaged_BC, axis=1), jnp.any(engaged_BC, axis=1)
 
 
-def in_batch_softmax_loss(user_BD: Array, positive_BD: Array, valid_B: Array,
-                          temperature: float, positive_ids_B: Optional[Array] = None
-                          ) -> Array:
+def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
+                          positive_ids_B: Optional[Array] = None) -> Array:
   """Sampled softmax where every user's positive is every other user's negative.
 
-  Row b scores user b against all positives of the batch (`u @ p.T / temperature`) and
-  is trained to pick its own. Users without a positive (`valid_B` false) contribute no
-  row and no negative column; when `positive_ids_B` is given, another user's positive
-  that is the same post is not counted as a negative (other collisions stay: a post the
-  user engaged with elsewhere in its list is a negative when it is another user's
-  positive, and there is no correction for how often a post is sampled). Mean over valid
-  rows. Every row keeps its own positive, so the excluded columns can be -inf.
+  `scores_BB[b, j]` scores user b against user j's positive (the model's `scores(user_BD,
+  positive_BD)`); row b, divided by the temperature, is trained to pick its own. Users
+  without a positive (`valid_B` false) contribute no row and no negative column; when
+  `positive_ids_B` is given, another user's positive that is the same post is not counted
+  as a negative (other collisions stay: a post the user engaged with elsewhere in its
+  list is a negative when it is another user's positive, and there is no correction for
+  how often a post is sampled). Mean over valid rows. Every row keeps its own positive,
+  so the excluded columns can be -inf.
   """
-  chex.assert_rank(user_BD, 2, custom_message="in_batch_softmax_loss: user must be [B, D]")
-  B = user_BD.shape[0]
-  chex.assert_shape(positive_BD, user_BD.shape, custom_message="in_batch_softmax_loss: positive")
+  chex.assert_rank(scores_BB, 2, custom_message="in_batch_softmax_loss: scores must be [B, B]")
+  B = scores_BB.shape[0]
+  chex.assert_shape(scores_BB, (B, B), custom_message="in_batch_softmax_loss: scores")
   chex.assert_shape(valid_B, (B,), custom_message="in_batch_softmax_loss: valid")
   if positive_ids_B is not None:
     chex.assert_shape(positive_ids_B, (B,), custom_message="in_batch_softmax_loss: positive_ids")
-  logits_BB = (user_BD.astype(jnp.float32) @ positive_BD.astype(jnp.float32).T) / temperature
+  logits_BB = jnp.asarray(scores_BB, jnp.float32) / temperature
   eye_BB = jnp.eye(B, dtype=bool)
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:

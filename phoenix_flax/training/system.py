@@ -19,7 +19,7 @@ from jaxtyping import Array, PRNGKeyArray
 from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
 from phoenix_flax.features import lookup_hash_embeddings
 from phoenix_flax.ranking import Diagnostics, PhoenixModel
-from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput, retrieve_top_k
+from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
 
 
@@ -122,5 +122,6 @@ class RetrievalSystem(eqx.Module):
 
   def __call__(self, batch: RecsysBatch, corpus_ND: Array, top_k: int,
                corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
-    """Top-k corpus items per user by dot product."""
-    return retrieve_top_k(self.user_representation(batch), corpus_ND, top_k, corpus_mask_N)
+    """Top-k corpus items per user by the model's `scores`."""
+    return self.model.retrieve(self.user_representation(batch), corpus_ND, top_k,
+                               corpus_mask_N)
