@@ -182,8 +182,8 @@ def _exp_without_shift(cap: Optional[float], dtype, keys: int) -> bool:
   square root of its smallest normal number, which leaves the value product that range
   again as headroom. Masked logits (`MASK_VALUE`) give exactly 0. For float32 and
   bfloat16 that allows the release's cap of 30 up to about a million keys, and caps up
-  to about 39 at 130 keys; float16 keeps it for any cap above about 4.8 (the release's
-  30 included)."""
+  to about 39 at 130 keys; float16 allows it only for caps below about 4.8 (fewer with
+  more keys), so at the release's 30 it keeps the row max."""
   if cap is None:
     return False
   info = jnp.finfo(dtype)

@@ -127,7 +127,7 @@ def test_bad_config_raises_naming_the_field(field, build):
 
 
 def test_every_switch_has_a_bad_value_case():
-  """Step 5 of adding an idea: every field that export refuses away from its default (what
+  """Step 6 of adding an idea: every field that export refuses away from its default (what
   a new switch is until it joins `haiku_compat._FREE_FIELDS`) has a case above."""
   named = {field for field, _ in BAD_CONFIGS}
   for cls, free in haiku_compat._FREE_FIELDS.items():

@@ -465,7 +465,7 @@ def test_grid_cases_reach_the_configs():
 
 
 def test_every_switch_is_set_in_a_grid_case():
-  """Step 5 of adding an idea: a ranking switch that export refuses away from its default
+  """Step 6 of adding an idea: a ranking switch that export refuses away from its default
   (every new switch, until it joins `haiku_compat._FREE_FIELDS`) is set by some grid case,
   so that the isolated-vs-dense comparisons cover it. Candidate isolation is the one
   exception: with it off, both implementations run the dense path."""

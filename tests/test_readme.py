@@ -102,7 +102,7 @@ def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
 
 
 def test_every_switch_and_ablation_is_listed():
-  """Step 6 of adding an idea: a config field that export refuses away from its default
+  """Step 5 of adding an idea: a config field that export refuses away from its default
   (what every new switch is until it joins `haiku_compat._FREE_FIELDS`) has a row in the
   Switches table, and every script of `ablations.SCRIPTS` is in the Ablations list."""
   rows = set(re.findall(r"^\| `(\w+)` \|", _section("### Switches"), re.M))
@@ -116,7 +116,7 @@ def test_every_switch_and_ablation_is_listed():
 
 
 def test_adding_an_idea_names_tests_that_exist():
-  """The test files and test functions that step 5 tells a reader to run are there."""
+  """The test files and test functions that step 6 tells a reader to run are there."""
   section = _section("### Adding an idea")
   named = re.findall(r"(tests/\w+\.py)(?:::(\w+))?", section)
   assert len(named) >= 6, named

@@ -168,14 +168,23 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   assert idx.tolist()[0] == 2 and has.tolist() == [True, False]
 
 
-@pytest.mark.parametrize("configs", [ranking_configs, retrieval_configs],
-                         ids=["ranking", "retrieval"])
-def test_every_parameter_gets_a_gradient_from_the_training_loss(configs):
+# (name, task, config overrides): the smoke configs, and an idea with parameters of its own
+# switched on (README, "Adding an idea", step 6).
+GRADIENT_CASES = [
+    ("ranking", "ranking", {}),
+    ("retrieval", "retrieval", {}),
+    ("ranking_pre_norm", "ranking", {"model.norm_layout": "pre"}),
+]
+
+
+@pytest.mark.parametrize("task, overrides", [case[1:] for case in GRADIENT_CASES],
+                         ids=[case[0] for case in GRADIENT_CASES])
+def test_every_parameter_gets_a_gradient_from_the_training_loss(task, overrides):
   """An idea's parameter that the loss never reaches (a branch written in the model but not
   in every path that scores, such as a retrieval scoring change outside
   `PhoenixRetrievalModel.scores`) would keep its initial value while its arm reads "no
   significant difference"."""
-  trainer = Trainer(parse_config(configs.get_config("smoke")))
+  trainer = Trainer(parse_config(_overridden(task, overrides)))
   state = unstack(trainer.init([0]), 0)
   sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
   grads = eqx.filter_jit(jax.grad(lambda p: trainer._loss(p, sb)[0]))(state.params)
