@@ -130,6 +130,12 @@ EXPERIMENTS = {"ranking": ranking, "retrieval": retrieval}
 SWEEP_SETS = {"num_seeds": "use --seeds (the `seeds` argument)",
               "output.seed_subdirs": "every run has its seed's directory in a sweep"}
 
+
+class SweepError(ValueError):
+  """A sweep that cannot go on for a reason its user can fix: the ablation scripts end
+  with its message alone, exit status 2 (`exit_on_interrupt`)."""
+
+
 Overrides = Mapping[str, Any]
 Conditions = Mapping[str, Mapping[str, Overrides]]
 
@@ -699,8 +705,16 @@ class Sweep:
           "bayes": {m: sum(b) / len(b) for m, b in bayes.items()}}
     missing = [m for m in ab.metrics if m != "diverged" and m not in available]
     if finished and missing:
-      raise ValueError(f"{ab.name}: metrics {missing} are in no run's result.json, "
-                       f"probes.json or joint_probes.json; available: {sorted(available)}")
+      near = {m: difflib.get_close_matches(m, sorted(available), n=1) for m in missing}
+      hints = ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
+                        for m in missing)
+      stale = ((ab.probe is not None or ab.joint_probe is not None) and not self._reprobe)
+      raise SweepError(
+          f"{ab.name}: metrics {hints} are in no run's result.json, probes.json or "
+          f"joint_probes.json ({len(available)} metrics are)"
+          + ("; finished runs keep the probes.json and joint_probes.json of the probe code "
+             "that measured them: after changing a probe, run again with --reprobe"
+             if stale else ""))
     baselines = {v.cell: v for v in self.variants if v.arm == ab.baseline}
     comparisons, pooled = [], []
     for metric in ab.metrics:
@@ -884,9 +898,13 @@ def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep
 
 @contextlib.contextmanager
 def exit_on_interrupt() -> Iterator[None]:
-  """`cli.exit_on_run_errors` with the sweep's resume hint."""
+  """`cli.exit_on_run_errors` with the sweep's resume hint; a `SweepError` ends the
+  script with its message, too."""
   with exit_on_run_errors("Run the same command again to go on with the sweep."):
-    yield
+    try:
+      yield
+    except SweepError as e:
+      usage_error(str(e), flags_hint=False)
 
 
 def main(ablation: Ablation) -> None:

@@ -13,7 +13,10 @@ from jaxtyping import Array
 
 
 class RecsysBatch(NamedTuple):
-  """Hashed ids and features. Hash 0 is padding; actions are 0/1.
+  """Hashed ids and features. Hash 0 is padding; actions are 0/1. History is left-aligned:
+  the valid items first, oldest first (the newest at index length - 1), then padding
+  (a history item is padding where its first post hash is 0); candidates are in list
+  order, padded ones after the valid ones (docs/models.md, "Inputs").
 
   The optional later-release fields count only when the model's config reads them:
   timestamps with `post_age_granularity_mins`, dwell times with `dwell_time_norm`

@@ -404,6 +404,13 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
   sw.run()
   assert len(calls) == 5
   assert _probe_scalars(tmp_path / "c" / "seed_1", "probes") == {"probe/value": [(20, 1.0)]}
+  # A probe changed to report another metric, run without --reprobe: the cached values
+  # lack it, and the error says why and what to do.
+  changed = dataclasses.replace(ab, metrics=("auc_mean", "probe/valu", "diverged"))
+  with pytest.raises(sweep.SweepError, match=r"metrics 'probe/valu' \(did you mean "
+                                             r"'probe/value'\?\) are in no run's .*run again "
+                                             r"with --reprobe"):
+    sweep.Sweep(changed, "smoke", str(tmp_path), runner=runner).run()
   # --reprobe (after a probe changed): every finished run is measured again.
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
   assert sorted(calls[5:]) == sorted(calls[:5])
@@ -749,7 +756,8 @@ def test_a_run_error_ends_the_sweep_with_its_message(capsys):
   status 2; anything else keeps its traceback."""
   from phoenix_flax.training import ConfigError, RunInUseError
   for error in (RunInUseError("/w/a is being trained by another process"),
-                ConfigError("/w/a/config.json cannot be read")):
+                ConfigError("/w/a/config.json cannot be read"),
+                sweep.SweepError("toy: metrics 'x' are in no run's result.json")):
     with pytest.raises(SystemExit) as e:
       with sweep.exit_on_interrupt():
         raise error

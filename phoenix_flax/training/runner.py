@@ -451,8 +451,9 @@ def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
            if r.get("code") is not None and r.get("code") != now}
   if other:
     _LOG.warning("%d finished run(s) reused as they are, trained by other code (%s; this "
-                 "checkout: %s): delete %s (or use a new workdir) to train them with this "
-                 "code", len(other), ", ".join(sorted(set(other.values()))), now,
+                 "checkout: %s): if the change affects training, delete %s (or use a new "
+                 "workdir) to train them with this code", len(other),
+                 ", ".join(sorted(set(other.values()))), now,
                  " ".join(dirs[k] for k in sorted(other)))
 
 
