@@ -179,6 +179,15 @@ def fmt_pm(mean: float, half: float) -> str:
   return f"{text(mean)} ± {text(half)}"
 
 
+def _experiment(results: Mapping) -> str:
+  """The sweep's experiment; for a results.json from before it was recorded, "retrieval"
+  when a variant holds the Bayes value of `auc`, which only retrieval runs report."""
+  if "experiment" in results:
+    return results["experiment"]
+  return ("retrieval" if any("auc" in v.get("bayes", {}) for v in results["variants"].values())
+          else "ranking")
+
+
 def metric_table(results: Mapping, metric: str) -> list[str]:
   """Markdown rows: value per variant, the generator's Bayes-optimal value beside it when
   the runs report one (its oracle on the same evaluation lists: a ceiling for the ranking
@@ -187,8 +196,8 @@ def metric_table(results: Mapping, metric: str) -> list[str]:
   comps = {c["variant"]: c for c in results.get("comparisons", []) if c["metric"] == metric}
   better = results.get("better", {}).get(metric)
   ceiling = any(metric in v.get("bayes", {}) for v in results["variants"].values())
-  oracle = ("Bayes oracle (a reference) " if results.get("experiment") == "retrieval"
-            else "Bayes-optimal ")   # (results.json before 'experiment': ranking sweeps)
+  oracle = ("Bayes oracle (a reference) " if _experiment(results) == "retrieval"
+            else "Bayes-optimal ")
   rows = [f"| variant | runs | diverged | `{metric}` (mean ± 95% CI) "
           + (f"| {oracle}" if ceiling else "")
           + "| Δ vs baseline [95% CI] | p | Holm p | verdict |",

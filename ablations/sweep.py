@@ -124,7 +124,14 @@ BETTER = {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower", "diverge
           "calibration_error": "lower", "score_consistency": "lower", "auc": "higher",
           "loss": "lower"}
 HIGHER_AT_K = re.compile(r"(recall|ndcg)@\d+")   # the model's, not the bayes_ ones
+_LAYER = re.compile(r"/layer_\d+")
 EXPERIMENTS = {"ranking": ranking, "retrieval": retrieval}
+# What an ablation reports and plots unless it says otherwise (every preset of the
+# retrieval config evaluates recall@10 and recall@100).
+DEFAULT_METRICS = {"ranking": ("auc_mean", "logloss", "calibration_error", "diverged"),
+                   "retrieval": ("recall@100", "recall@10", "auc", "diverged")}
+DEFAULT_CURVES = {"ranking": ("train/loss", "eval/auc_mean"),
+                  "retrieval": ("train/loss", "eval/recall@100")}
 # Config fields a sweep sets in every variant, whatever an override says, and what to use
 # instead.
 SWEEP_SETS = {"num_seeds": "use --seeds (the `seeds` argument)",
@@ -182,8 +189,9 @@ class Ablation:
     arms: arm -> config overrides (dotted paths, e.g. "model.attn_logit_cap").
     baseline: the arm with the released setting; every other arm is compared with it.
     metrics: every reported metric (result.json finals such as "auc_mean" or
-      "long/auc_mean", probe outputs, "diverged"), in report order. Without probes or
-      `derived`, each must be a final of the runs (checked before training).
+      "long/auc_mean", probe outputs, "diverged"), in report order (default:
+      `DEFAULT_METRICS` of the experiment). Without probes or `derived`, each must be a
+      final of the runs (checked before training).
     primary_metric: the metric of the main table (default: the first of `metrics`).
     headline: metrics whose comparisons the verdict spells out (default: primary and
       "diverged").
@@ -201,22 +209,25 @@ class Ablation:
       when any run of a seed lacks one, that seed is measured again as a whole.
     derived: `derived(found) -> {metric: value}`, metrics computed from one run's
       flattened finals and probe outputs (e.g. a ratio of two of them).
-    curves: metrics.jsonl keys drawn in curves.png (checked before training), such as
-      "train/loss" (each arm's own loss: compare an idea that changes the loss by
-      "eval/logloss" instead), "eval/auc_mean" or "long_list/auc_mean".
+    curves: metrics.jsonl keys drawn in curves.png (default: `DEFAULT_CURVES` of the
+      experiment), such as "train/loss" (each arm's own loss: compare an idea that
+      changes the loss by "eval/logloss" instead), "eval/auc_mean" or
+      "long_list/auc_mean"; checked before training against what the runs log (a
+      per-layer key against any layer: "train/residual_rms/layer_5" passes at a preset
+      with fewer layers).
     plots: extra `plot(results, workdir) -> png file name or None` for the report.
-    better: metric -> "higher"/"lower" is better, on top of `BETTER`.
+    better: metric -> "higher"/"lower" is better (None: neither), on top of `BETTER`.
     experiment: the config the variants start from, `experiments/configs/<experiment>.py`:
       "ranking" (PhoenixModel) or "retrieval" (PhoenixRetrievalModel, whose finals are
-      "auc", "loss", "recall@K" for the config's `retrieval.recall_k`, ...; set
-      `metrics` and `curves` accordingly).
+      "auc", "loss", "recall@K" for the config's `retrieval.recall_k`, ...; the default
+      `metrics` and `curves` follow it).
   """
 
   name: str
   doc: str
   arms: Mapping[str, Overrides]
   baseline: str
-  metrics: Sequence[str] = ("auc_mean", "logloss", "calibration_error", "diverged")
+  metrics: Optional[Sequence[str]] = None   # default: DEFAULT_METRICS[experiment]
   primary_metric: Optional[str] = None
   headline: Sequence[str] = ()
   preset_overrides: Mapping[str, Overrides] = dataclasses.field(default_factory=dict)
@@ -225,7 +236,7 @@ class Ablation:
   probe: Optional[Probe] = None
   joint_probe: Optional[JointProbe] = None
   derived: Optional[Callable[[Mapping[str, Optional[float]]], Mapping[str, Any]]] = None
-  curves: Sequence[str] = ("train/loss", "eval/auc_mean")
+  curves: Optional[Sequence[str]] = None    # default: DEFAULT_CURVES[experiment]
   plots: Sequence[Plot] = ()
   better: Mapping[str, str] = dataclasses.field(default_factory=dict)
   experiment: str = "ranking"
@@ -234,6 +245,9 @@ class Ablation:
     if self.experiment not in EXPERIMENTS:
       raise ValueError(f"Ablation {self.name!r}: experiment={self.experiment!r} must be one "
                        f"of {list(EXPERIMENTS)}")
+    for name, defaults in (("metrics", DEFAULT_METRICS), ("curves", DEFAULT_CURVES)):
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, defaults[self.experiment])
     if self.baseline not in self.arms:
       raise ValueError(f"Ablation {self.name!r}: baseline={self.baseline!r} is not one of "
                        f"the arms {list(self.arms)}")
@@ -477,9 +491,9 @@ class Sweep:
                 for spec in specs}   # (the optimizer changes no metric's name)
     finals, logged = set(), set()
     for spec in distinct.values():
-      # A training chunk is traced (three times as long as the evaluation) only until
+      # A training chunk is traced (about as long again as the evaluation) only until
       # every curve is found: usually in the first variant's runs alone.
-      find_curves = not set(a.curves) <= logged
+      find_curves = not _any_layer(a.curves) <= _any_layer(logged)
       if not (check_finals or find_curves):
         break
       names = metric_names(spec, logged=find_curves)
@@ -494,18 +508,16 @@ class Sweep:
     if a.curves:
       examples = ", ".join(sorted(m for m in logged if m.count("/") == 1
                                   and m.startswith(("train/", "eval/"))))
-      self._refuse_unknown("curves", a.curves, logged, "logged metrics (metrics.jsonl keys)",
+      unknown = [c for c in a.curves if not _any_layer([c]) <= _any_layer(logged)]
+      self._refuse_unknown("curves", unknown, logged, "logged metrics (metrics.jsonl keys)",
                            f"such as {examples}")
 
   def _refuse_unknown(self, field: str, names: Sequence[str], known: set[str], kind: str,
                       examples: str) -> None:
     missing = [m for m in names if m not in known]
     if missing:
-      near = {m: difflib.get_close_matches(m, sorted(known), n=1) for m in missing}
-      hints = ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
-                        for m in missing)
-      raise ValueError(f"{self.ablation.name}: {field} {hints} are not among its runs' "
-                       f"{kind} at preset {self.preset!r} ({examples})")
+      raise ValueError(f"{self.ablation.name}: {field} {did_you_mean(missing, known)} are not "
+                       f"among its runs' {kind} at preset {self.preset!r} ({examples})")
 
   def config(self, variant: Variant) -> ml_collections.ConfigDict:
     """The full config of a variant (all seeds)."""
@@ -705,15 +717,12 @@ class Sweep:
           "bayes": {m: sum(b) / len(b) for m, b in bayes.items()}}
     missing = [m for m in ab.metrics if m != "diverged" and m not in available]
     if finished and missing:
-      near = {m: difflib.get_close_matches(m, sorted(available), n=1) for m in missing}
-      hints = ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
-                        for m in missing)
       stale = ((ab.probe is not None or ab.joint_probe is not None) and not self._reprobe)
       raise SweepError(
-          f"{ab.name}: metrics {hints} are in no run's result.json, probes.json or "
-          f"joint_probes.json ({len(available)} metrics are)"
+          f"{ab.name}: metrics {did_you_mean(missing, available)} are in no run's "
+          f"result.json, probes.json or joint_probes.json ({len(available)} metrics are)"
           + ("; finished runs keep the probes.json and joint_probes.json of the probe code "
-             "that measured them: after changing a probe, run again with --reprobe"
+             "that measured them: if a probe changed since, run again with --reprobe"
              if stale else ""))
     baselines = {v.cell: v for v in self.variants if v.arm == ab.baseline}
     comparisons, pooled = [], []
@@ -752,6 +761,18 @@ class Sweep:
             "variants": variants, "comparisons": comparisons,
             "pooled_comparisons": pooled,
             "environment": {**environment(), "run_codes": dict(sorted(run_codes.items()))}}
+
+
+def _any_layer(names) -> set[str]:
+  """Metric names with their layer index dropped (a per-layer curve names any layer)."""
+  return {_LAYER.sub("/layer_", m) for m in names}
+
+
+def did_you_mean(names: Sequence[str], known: set[str]) -> str:
+  """`names`, quoted, each with the nearest of `known` where one is close."""
+  near = {m: difflib.get_close_matches(m, sorted(known), n=1) for m in names}
+  return ", ".join(f"{m!r}" + (f" (did you mean {near[m][0]!r}?)" if near[m] else "")
+                   for m in names)
 
 
 def bayes_counterpart(metric: str, finals: Mapping[str, Any]) -> Optional[str]:

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 from typing import Iterator, NoReturn
 
@@ -51,12 +50,10 @@ def check_output_file(flag: str, path: str) -> None:
   folder = nearest_existing(os.path.dirname(os.path.abspath(path)))
   if not os.path.isdir(folder):
     usage_error(f"--{flag}={path} cannot be written: {folder} is not a directory")
-  try:   # (os.access says yes to root in a folder such as /proc, where nothing is written)
-    with tempfile.TemporaryFile(dir=folder):
-      pass
-  except OSError as e:
+  why = writers.why_unwritable(folder)
+  if why:
     usage_error(f"--{flag}={path} cannot be written: {folder} is not a writable directory "
-                f"({e.strerror})")
+                f"({why})")
 
 
 def write_output_file(path: str, obj) -> None:
@@ -174,7 +171,8 @@ def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
   and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
   overrides = [a for a in argv[1:] if a.startswith("--config.")]
-  if overrides and not any(a == "--config" or a.startswith("--config=") for a in argv[1:]):
+  given = any(a == "--config" or a.startswith("--config=") for a in argv[1:])
+  if overrides and not given and flags.FLAGS["config"].default is None:
     fail(f"--config is required: the overrides {overrides} apply to a config file, e.g. "
          "--config=experiments/configs/ranking.py")
   try:

@@ -12,6 +12,7 @@ projections, final norm and unembedding could learn; "zeros" reproduces them) an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional, Union
 
@@ -58,12 +59,19 @@ def _count(name: str, value: Any, low: int, high: Optional[int] = None, what: st
   return int(value)
 
 
+@functools.lru_cache(maxsize=None)
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+  return jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
+
+
 def _check_key(owner: str, key: Any) -> None:
   """A TypeError naming `owner`'s `key` argument unless it is a PRNG key: a typed one
-  (`jax.random.key(seed)`) or the legacy `uint32[2]` of `jax.random.PRNGKey(seed)`."""
+  (`jax.random.key(seed)`) or the raw `uint32` key data of `jax.random.PRNGKey(seed)`
+  of the default implementation (`uint32[2]` for threefry, `uint32[4]` for "rbg")."""
   dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
   typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-  if (typed and tuple(shape) == ()) or (dtype == np.uint32 and tuple(shape) == (2,)):
+  if (typed and tuple(shape) == ()) or (
+      dtype == np.uint32 and tuple(shape) == _raw_key_shape(jax.config.jax_default_prng_impl)):
     return
   what = (f"an array of shape {tuple(shape)} and dtype {dtype}" if dtype is not None
           else repr(key))

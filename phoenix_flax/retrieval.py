@@ -152,7 +152,9 @@ class PhoenixRetrievalModel(eqx.Module):
 
   def scores(self, user_BD: Array, items_ND: Array) -> Array:
     """How well each user matches each item, `[B, N]`: the dot product of their unit
-    vectors (the release's), in the user's dtype. Every retrieval score is this one:
+    vectors (the release's), in the user's dtype (float32: `user_forward` pools in it,
+    whatever the forward dtype; the loss, which casts the scores to float32 after this
+    product, relies on that). Every retrieval score is this one:
     serving (`retrieve`), the in-batch training loss, and the evaluation's recall, AUC
     and loss (`training/loop.py`), so an idea that changes the scoring is written here
     once."""

@@ -273,6 +273,12 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert on_disk["experiment"] == "ranking"
   assert "| Bayes oracle (a reference) | Δ vs baseline" in report.metric_table(
       dict(on_disk, experiment="retrieval"), "auc_mean")[0]
+  # A results.json from before "experiment" was recorded: retrieval runs report `auc`.
+  older = {k: v for k, v in on_disk.items() if k != "experiment"}
+  assert "| Bayes-optimal |" in report.metric_table(older, "auc_mean")[0]
+  older["variants"] = {n: dict(v, bayes={**v["bayes"], "auc": 0.8})
+                       for n, v in older["variants"].items()}
+  assert "| Bayes oracle (a reference) |" in report.metric_table(older, "auc_mean")[0]
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
   # Metrics outside the headline get their pooled differences too (logloss moves with AUC).
   differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
@@ -547,7 +553,7 @@ def _cell_settings(part):
 
 
 @pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
-def test_scripts_state_their_design_and_build_valid_configs(module):
+def test_scripts_state_their_design_and_build_valid_configs(module, tmp_path):
   """The docstring's sections; and at every preset each variant's config sets its
   overrides, what its arm and condition names say (`cap10`: logits capped at 10;
   `L6_lr0.03`: 6 layers, peak learning rate 0.03; ...), and every `section.field=value`
@@ -561,7 +567,7 @@ def test_scripts_state_their_design_and_build_valid_configs(module):
   ab = module.ABLATION
   assert set(ab.headline) <= set(ab.metrics)
   for preset in sweep.PRESETS:
-    sw = sweep.Sweep(ab, preset, "/nonexistent")
+    sw = sweep.Sweep(ab, preset, str(tmp_path / "w"))
     assert sw.seeds == list(range(sweep.SEEDS[preset]))
     arms = {v.arm for v in sw.variants}
     assert arms == set(ab.arms)
@@ -741,13 +747,19 @@ def test_a_misnamed_metric_or_curve_is_refused_before_training(tmp_path):
   assert not os.path.exists(tmp_path / "sweep")
   fixed = dataclasses.replace(ablation, metrics=("recall@100", "loss", "diverged"),
                               primary_metric=None, headline=())
-  # The curves too, whatever the probes: here the default curves, a ranking run's.
-  for probed in (fixed, dataclasses.replace(fixed, probe=lambda ctx: {"x": 1.0})):
+  # The curves too, whatever the probes: here a ranking run's curve.
+  ranking_curve = dataclasses.replace(fixed, curves=("train/loss", "eval/auc_mean"))
+  for probed in (ranking_curve, dataclasses.replace(ranking_curve, probe=lambda ctx: {})):
     with pytest.raises(ValueError, match=r"curves 'eval/auc_mean' \(did you mean 'eval/auc'\?\) "
                                          r"are not among its runs' logged metrics"):
       sweep.Sweep(probed, "smoke", str(tmp_path / "sweep"))
-  sweep.Sweep(dataclasses.replace(fixed, curves=("train/loss", "eval/recall@100")), "smoke",
-              str(tmp_path / "sweep"))
+  # The defaults follow the experiment; a per-layer curve may name a layer that only a
+  # deeper preset has (the smoke model has one).
+  assert fixed.curves == ("train/loss", "eval/recall@100")
+  plain = sweep.Ablation(name="t", doc="x", arms={"a": {}}, baseline="a", experiment="retrieval")
+  assert plain.metrics[:2] == ("recall@100", "recall@10")
+  sweep.Sweep(dataclasses.replace(fixed, curves=("train/loss", "train/residual_rms/layer_3")),
+              "smoke", str(tmp_path / "sweep"))
   assert not os.path.exists(tmp_path / "sweep")
 
 

@@ -341,6 +341,14 @@ def test_a_model_is_built_from_one_prng_key():
                                           r"jax.random.key\(seed\)"):
         cls(cfg, key=key)
     cls(cfg, key=jax.random.PRNGKey(0))   # the legacy uint32[2] key
+    previous = jax.config.jax_default_prng_impl
+    try:   # another default implementation's raw keys: rbg's are uint32[4]
+      jax.config.update("jax_default_prng_impl", "rbg")
+      cls(cfg, key=jax.random.PRNGKey(0))
+    finally:
+      jax.config.update("jax_default_prng_impl", previous)
+    with pytest.raises(TypeError, match="an array of shape \\(4,\\) and dtype uint32"):
+      cls(cfg, key=jax.random.key_data(jax.random.key(0, impl="rbg")))   # not the default's
 
 
 @pytest.mark.parametrize("entry", ["build_inputs", "build_context_tokens",

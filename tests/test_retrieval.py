@@ -149,27 +149,27 @@ def test_corpus_mask_excludes_items():
 
 
 def test_retrieve_checks_arguments():
-  retrieve_top_k = model_and_batch()[0].retrieve
+  retrieve = model_and_batch()[0].retrieve
   user = jnp.ones((2, EMB)) / np.sqrt(EMB)
   with pytest.raises(AssertionError, match="corpus_embeddings"):
-    retrieve_top_k(user, corpus()[None], 3)
+    retrieve(user, corpus()[None], 3)
   with pytest.raises(ValueError, match="corpus_embeddings"):
-    retrieve_top_k(user, corpus()[:, :16], 3)
+    retrieve(user, corpus()[:, :16], 3)
   too_many = rf"top_k={CORPUS + 1} must lie in \[1, corpus size {CORPUS}\]"
   with pytest.raises(ValueError, match=too_many):   # ours, not lax.top_k's own error
-    retrieve_top_k(user, corpus(), CORPUS + 1)
+    retrieve(user, corpus(), CORPUS + 1)
   with pytest.raises(ValueError, match="top_k=0"):
-    retrieve_top_k(user, corpus(), 0)
-  whole = retrieve_top_k(user, corpus(), CORPUS)     # the whole corpus, best first
+    retrieve(user, corpus(), 0)
+  whole = retrieve(user, corpus(), CORPUS)     # the whole corpus, best first
   np.testing.assert_array_equal(np.sort(whole.top_k_indices[0]), np.arange(CORPUS))
   assert np.all(np.diff(np.asarray(whole.top_k_scores), axis=1) <= 0)
   with pytest.raises(AssertionError, match="corpus_mask"):
-    retrieve_top_k(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
+    retrieve(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
   with pytest.raises(ValueError, match="corpus_embeddings has dtype int32, expected floats"):
-    retrieve_top_k(user, jnp.ones((CORPUS, EMB), jnp.int32), 3)
+    retrieve(user, jnp.ones((CORPUS, EMB), jnp.int32), 3)
   # A float mask is refused rather than read as "nonzero keeps": 0.5 is no answer.
   with pytest.raises(ValueError, match="corpus_mask has dtype float32, expected bool"):
-    retrieve_top_k(user, corpus(), 3, jnp.full(CORPUS, 0.5))
+    retrieve(user, corpus(), 3, jnp.full(CORPUS, 0.5))
 
 
 @pytest.mark.parametrize("field", ["user_hashes", "history_post_hashes",

@@ -115,6 +115,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
     cases.append((args, needle))
   commands.append(throughput + ["--config=experiments/configs/nope.py"])
   cases.append(([], "--config could not be loaded: [Errno 2] No such file or directory"))
+  # Its --config has a default (ranking.py), which overrides alone apply to.
+  commands.append(throughput + ["--config.model.num_layers=0"])
+  cases.append((["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"))
   results = run_at_once(commands, env=subprocess_env())
   for (code, stderr), (extra, needle) in zip(results, cases):
     assert code == 2, (extra, stderr[-2000:])

@@ -59,7 +59,6 @@ import logging
 import math
 import os
 import signal
-import tempfile
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -72,7 +71,7 @@ import numpy as np
 
 from phoenix_flax.config import _count
 from phoenix_flax.synthetic import make_world
-from phoenix_flax.training import checkpoint, provenance
+from phoenix_flax.training import checkpoint, provenance, writers
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
                                           check_config, default_fprop_dtype, flatten, hparams,
@@ -188,15 +187,10 @@ def check_workdir(workdir: str) -> None:
   if not os.path.isdir(path):
     raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
                              "not a directory")
-  if not os.access(path, os.W_OK | os.X_OK):
-    raise PermissionError(f"workdir {workdir!r} cannot be written: this user may not "
-                          f"write in {path}")
-  try:   # (os.access says yes to root in a folder such as /proc, where nothing is written)
-    with tempfile.TemporaryFile(dir=path):
-      pass
-  except OSError as e:
+  why = writers.why_unwritable(path)
+  if why:
     raise PermissionError(f"workdir {workdir!r} cannot be written: nothing can be written "
-                          f"in {path} ({e.strerror})") from None
+                          f"in {path} ({why})")
 
 
 class Progress(NamedTuple):
@@ -233,18 +227,20 @@ def finished_seeds(config: ml_collections.ConfigDict, workdir: str) -> list[int]
           if os.path.exists(os.path.join(d, RESULT_FILE))]
 
 
-def _read_run_file(path: str) -> dict:
-  """A run's config.json or result.json, or a `ConfigError` saying what to do when it
-  cannot be read (damaged by something outside: the runner writes them atomically)."""
+def _read_run_file(path: str, advice: bool = True) -> dict:
+  """A run's config.json or result.json, or a `ConfigError` saying (with `advice`, for a
+  run about to train) what to do when it cannot be read (damaged by something outside:
+  the runner writes them atomically)."""
   try:
     found = read_json(path)
   except (OSError, ValueError) as e:
     found = e
   if not isinstance(found, dict):
     what = found if isinstance(found, Exception) else f"a {type(found).__name__}, not an object"
-    raise ConfigError(f"{path} cannot be read ({what}); delete it"
-                      + (" and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
-                         else ", or the run's directory, to start the run afresh"))
+    fix = ("" if not advice else "; delete it" + (
+        " and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
+        else ", or the run's directory, to start the run afresh"))
+    raise ConfigError(f"{path} cannot be read ({what}){fix}")
   return found
 
 
@@ -379,7 +375,7 @@ class MetricNames(NamedTuple):
 
 def metric_names(spec: ExperimentSpec, logged: bool = True) -> MetricNames:
   """What a run of `spec` reports, from tracing its evaluation and, with `logged`, one
-  training chunk (which takes about three times as long) instead of training it."""
+  training chunk (about as long again) instead of training it."""
   world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
   trainer = Trainer(spec, world=world)
   state = eqx.filter_eval_shape(trainer._init, jax.random.PRNGKey(0)[None])
@@ -758,7 +754,7 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
     hint = (f"; it holds the runs {', '.join(found[:4])}{', ...' * (len(found) > 4)}: pass "
             f"one of them, e.g. {os.path.join(run_dir, found[0])}" if found else "")
     raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE}){hint}")
-  cfg = with_defaults(_read_run_file(path))
+  cfg = with_defaults(_read_run_file(path, advice=False))
   cfg.mesh.num_devices = 1
   cfg.mesh.distributed = False
   steps = checkpoint.available_steps(run_dir)

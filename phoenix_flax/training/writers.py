@@ -76,6 +76,17 @@ def atomic_file(path: str, mode: str = "w") -> Iterator[IO]:
       os.close(fd)
 
 
+def why_unwritable(folder: str) -> Optional[str]:
+  """None when a file can be created in the existing `folder`, else why not (the OS's
+  words). Tried with a scratch file: `os.access` says yes to root in a folder such as
+  /proc, where nothing can be created."""
+  try:
+    with tempfile.TemporaryFile(dir=folder):
+      return None
+  except OSError as e:
+    return e.strerror or str(e)
+
+
 def nearest_existing(path: str) -> str:
   """`path` (made absolute) or its nearest ancestor that exists: where creating `path`
   would start, so whether it is a writable folder says whether that can work."""
