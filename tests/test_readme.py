@@ -116,8 +116,9 @@ def test_every_switch_and_ablation_is_listed():
 
 
 def test_adding_an_idea_names_tests_that_exist():
-  """The test files and test functions that step 6 tells a reader to run are there."""
-  section = _section("### Adding an idea")
+  """The test files and test functions that "Adding an idea" and docs/ideas.md tell a
+  reader to run or extend are there."""
+  section = _section("### Adding an idea") + (ROOT / "docs" / "ideas.md").read_text("utf-8")
   named = re.findall(r"(tests/\w+\.py)(?:::(\w+))?", section)
   assert len(named) >= 6, named
   for path, function in named:
@@ -125,6 +126,9 @@ def test_adding_an_idea_names_tests_that_exist():
     if function:
       text = (ROOT / path).read_text(encoding="utf-8")
       assert re.search(rf"^def {function}\(", text, re.M), f"{path} has no {function}"
+  tests = "".join(p.read_text("utf-8") for p in (ROOT / "tests").glob("test_*.py"))
+  for name in set(re.findall(r"`(test_\w+)`", section)):   # named without their file
+    assert re.search(rf"^def {name}\(", tests, re.M), f"no test is named {name}"
 
 
 def test_quickstart_runs():
