@@ -268,8 +268,10 @@ def preset_note(preset: str, seeds: Optional[int] = None) -> list[str]:
     return []
   n = "few seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
   return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
-          f"runs train for a few steps (near chance) with {n}; use `--preset=cpu` "
-          "for results.", ""]
+          f"runs train for a few steps (near chance) with {n}; its verdicts mean nothing, "
+          "the *significant* ones included (a metric as coarse as a smoke evaluation's "
+          "can differ by the same amount in every seed, which a paired test reads as "
+          "certain). Use `--preset=cpu` for results.", ""]
 
 
 def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:

@@ -360,7 +360,7 @@ def test_small_effect_reads_not_significant(tmp_path):
   text = (tmp_path / "REPORT.md").read_text()
   assert "**c** vs **a**, `auc_mean`: no significant difference" in text
   assert "Smoke preset: a check that the sweep runs end to end, not evidence" in text
-  assert "(near chance) with 3 seeds;" in text
+  assert "(near chance) with 3 seeds; its verdicts mean nothing" in text
   # The combined report names the sweeps' seed count too, where they share one.
   combined = report.combined_markdown([("x", results), ("y", results)], str(tmp_path), "smoke")
   assert "(near chance) with 3 seeds;" in combined
@@ -851,7 +851,7 @@ def test_a_one_seed_subset_report_says_what_it_is(tmp_path):
                         runner=fake_runner()).run()
   assert results["variants_run"] == ["a", "b"] and list(results["variants"]) == ["a", "b"]
   text = (tmp_path / "REPORT.md").read_text()
-  assert "with 1 seed; use `--preset=cpu`" in text
+  assert "with 1 seed; its verdicts mean nothing" in text
   assert "`auc_mean`: not testable: 1 complete pair (Δ = " in text and "1 pair)." in text
   assert "Variants run: a, b (a subset, chosen with `--variants`" in text
   assert "so with more than one seed the intervals would cover" in text
