@@ -500,11 +500,11 @@ class Sweep:
       finals |= names.final
       logged |= names.logged or set()
     if check_finals:
-      experiments = ", ".join(sorted(m for m in finals if "/" not in m))
-      self._refuse_unknown("metrics", [m for m in a.metrics if m != "diverged"], finals,
-                           "final metrics", f"the {a.experiment} experiment's: {experiments}; "
-                           "plus train/loss, train/grad_norm and the per-action, per-layer "
-                           "and per-split ones")
+      top_level = ", ".join(sorted(m for m in finals if "/" not in m))
+      self._refuse_unknown("metrics", [m for m in a.metrics if m not in finals | {"diverged"}],
+                           finals, "final metrics", f"the {a.experiment} experiment's: "
+                           f"{top_level}; plus train/loss, train/grad_norm and the per-action, "
+                           "per-layer and per-split ones")
     if a.curves:
       examples = ", ".join(sorted(m for m in logged if m.count("/") == 1
                                   and m.startswith(("train/", "eval/"))))
@@ -512,9 +512,8 @@ class Sweep:
       self._refuse_unknown("curves", unknown, logged, "logged metrics (metrics.jsonl keys)",
                            f"such as {examples}")
 
-  def _refuse_unknown(self, field: str, names: Sequence[str], known: set[str], kind: str,
+  def _refuse_unknown(self, field: str, missing: Sequence[str], known: set[str], kind: str,
                       examples: str) -> None:
-    missing = [m for m in names if m not in known]
     if missing:
       raise ValueError(f"{self.ablation.name}: {field} {did_you_mean(missing, known)} are not "
                        f"among its runs' {kind} at preset {self.preset!r} ({examples})")

@@ -360,9 +360,10 @@ def _train_scalars(stats: dict, i: int) -> dict[str, float]:
 
 
 FINAL_TRAIN_METRICS = ("train/loss", "train/grad_norm")
-# The timing scalars of a training chunk's row (`_train_group`): a rate, or the time of
+# The timing scalars of a training chunk's row (`_train_group`): its rates, or the time of
 # the compiling first chunk.
-PERF_METRICS = ("perf/steps_per_second", "perf/examples_per_second", "perf/first_call_seconds")
+PERF_RATES = ("perf/steps_per_second", "perf/examples_per_second")
+PERF_FIRST_CALL = "perf/first_call_seconds"
 
 
 class MetricNames(NamedTuple):
@@ -385,7 +386,7 @@ def metric_names(spec: ExperimentSpec, logged: bool = True) -> MetricNames:
     return MetricNames(final, None)
   stats = eqx.filter_eval_shape(trainer._chunk, trainer.world, state)[1]
   train = _train_scalars({name: np.zeros(x.shape, x.dtype) for name, x in stats.items()}, 0)
-  return MetricNames(final, set(evaluated) | set(train) | set(PERF_METRICS))
+  return MetricNames(final, set(evaluated) | set(train) | {*PERF_RATES, PERF_FIRST_CALL})
 
 
 def _final_key(key: str) -> str:
@@ -566,8 +567,9 @@ class _Group:
             for i, k in enumerate(self.seeds)}
     train_rows = {i: {key: v for key, v in r[-1].items() if key.startswith("train/")}
                   for i, r in rows.items() if r}
-    rates = [r["perf/examples_per_second"] for r in rows[0] if "perf/examples_per_second" in r]
-    if not any("perf/first_call_seconds" in r for r in rows[0]):
+    examples = PERF_RATES[1]
+    rates = [r[examples] for r in rows[0] if examples in r]
+    if not any(PERF_FIRST_CALL in r for r in rows[0]):
       rates = rates[1:] or rates   # logged when the compiling chunk's rate was logged too
     return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0)
 
@@ -672,8 +674,8 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
       eval_step = g.step
     # A compiling chunk logs its time, not a rate that would start every perf curve
     # with a dip.
-    perf = (dict(zip(PERF_METRICS[:2], (t.steps_per_call / dt, examples_per_chunk / dt)))
-            if chunks > 1 else {PERF_METRICS[2]: dt})
+    perf = (dict(zip(PERF_RATES, (t.steps_per_call / dt, examples_per_chunk / dt)))
+            if chunks > 1 else {PERF_FIRST_CALL: dt})
     g.log({i: {**row, **perf, **{key: float(v[i]) for key, v in new_eval.items()}}
            for i, row in train_rows.items()})
     saved = bool(t.checkpoint_every) and g.step % t.checkpoint_every == 0
