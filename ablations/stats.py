@@ -151,8 +151,14 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   """Paired t-test of variant - baseline over the pairs where both are present.
 
   Returns {"delta", "ci95", "p_value", "n", "test"}; with fewer than two pairs the CI and
-  p-value are None. Identical differences (zero spread) give a zero-width CI and
-  p = 1 when they are all zero, p = 0 otherwise.
+  p-value are None. Identical differences (zero spread), where the t statistic is
+  undefined:
+  - all zero: a zero-width CI and p = 1;
+  - a deterministic quantity (every seed gives the same value on each side, like a
+    parameter count): the exact difference as a zero-width CI and p = 0;
+  - otherwise (the seeds' values vary but every pair moved by the same amount, as a coarse
+    metric can by chance): no CI, and the exact sign-flip p (`sign_flip_p`: 2 of the 2**n
+    flips, 0.25 with three pairs), since nothing but the pairs' signs is left to test.
   """
   b, v = _pairs(baseline, variant)
   diff = v - b
@@ -165,8 +171,12 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   if n < 2:
     return out
   if std == 0.0:
-    out["ci95"] = [mean, mean]
-    out["p_value"] = 1.0 if mean == 0.0 else 0.0
+    if mean == 0.0 or (np.ptp(b) == 0.0 and np.ptp(v) == 0.0):
+      out["ci95"] = [mean, mean]
+      out["p_value"] = 1.0 if mean == 0.0 else 0.0
+    else:
+      out["p_value"] = 2.0 ** (1 - n)   # sign_flip_p of n equal differences
+      out["test"] = "sign-flip permutation (identical differences)"
     return out
   out["ci95"] = [_clean(ci[0]), _clean(ci[1])]
   out["p_value"] = two_sided_p(mean / (std / math.sqrt(n)), n - 1)

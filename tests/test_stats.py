@@ -100,9 +100,26 @@ def test_rate_difference_and_zero_spread():
   # (the t-test's zero spread would read p = 0).
   two = stats.rate_difference([0.0, 0.0], [0.5, 0.5])
   assert two["test"] == "sign-flip permutation" and two["p_value"] == pytest.approx(0.5)
-  # A deterministic quantity (every seed differs by the same amount) keeps its exact CI.
+  # A deterministic quantity (the same value in every seed on each side) keeps its exact
+  # CI and p = 0.
   fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])
   assert fixed["ci95"] == [-40.0, -40.0] and fixed["p_value"] == 0.0
+  assert fixed["test"] == "paired t"
+
+
+def test_paired_t_identical_differences_of_varying_values():
+  # A coarse metric whose seeds vary but move by the same step in every pair: the t-test
+  # would read p = 0 from two seeds; only the signs are left to test (exact sign flips).
+  for n, p in ((2, 0.5), (3, 0.25), (6, 2 / 64)):
+    base = [0.5 + 0.05 * i for i in range(n)]
+    r = stats.paired_t(base, [b + 0.125 for b in base])
+    assert r["delta"] == pytest.approx(0.125) and r["ci95"] is None, r
+    assert r["p_value"] == pytest.approx(p)
+    assert r["p_value"] == pytest.approx(stats.sign_flip_p([0.125] * n))
+    assert r["test"] == "sign-flip permutation (identical differences)"
+  # A difference of zero in every pair stays p = 1, however the values vary.
+  same = stats.paired_t([0.5, 0.6], [0.5, 0.6])
+  assert same["p_value"] == 1.0 and same["ci95"] == [0.0, 0.0]
 
 
 def test_holm():
