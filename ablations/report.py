@@ -146,6 +146,36 @@ def condition_matrix(results: Mapping, metric: str) -> list[str]:
                                              for cell in cells) + " |" for arm in arms]
 
 
+def interaction_matrix(results: Mapping, metric: str) -> list[str]:
+  """Markdown table of one metric's interactions (`sweep.interactions`): per arm, how much
+  its difference to the baseline changes from an axis's first level to each other level
+  (a star marks significance after the Holm correction); empty when there are none
+  (no conditions, one level per axis, or a results.json from before they were computed)."""
+  rows = [r for r in results.get("interactions") or () if r["metric"] == metric]
+  if not rows:
+    return []
+  columns = list(dict.fromkeys((r["axis"], r["level"], r["reference"]) for r in rows))
+  found = {(r["arm"], r["axis"], r["level"]): r for r in rows}
+  arms = list(dict.fromkeys(r["arm"] for r in rows))
+  head = [f"| ΔΔ `{metric}` | " + " | ".join(f"{level} − {ref}" for _, level, ref in columns)
+          + " |", "| --- |" + " --- |" * len(columns)]
+  return head + [f"| {arm} | " + " | ".join(
+      short_verdict(found[(arm, axis, level)], results) if (arm, axis, level) in found
+      else "n/a" for axis, level, _ in columns) + " |" for arm in arms]
+
+
+def interaction_lines(results: Mapping, metrics: Sequence[str]) -> list[str]:
+  """The interaction tables of `metrics` under their explanation; empty without any."""
+  tables = [line for metric in metrics
+            for line in (lambda m: m + [""] if m else [])(interaction_matrix(results, metric))]
+  if not tables:
+    return []
+  return ["Does the difference depend on the condition? Each cell: the arm's Δ at a level "
+          "minus its Δ at the axis's first level, per seed (averaged over the other axes' "
+          "levels), and its p-value from a paired t-test over seeds; * = significant after "
+          "the Holm correction:", ""] + tables
+
+
 def _variant_cell(variant: Mapping, metric: str) -> str:
   """A variant's value of `metric`: the count of diverged runs for `diverged` (a 0/1
   metric whose t-interval over a few seeds would read "0 ± 0"), else mean ± CI."""
@@ -269,9 +299,8 @@ def preset_note(preset: str, seeds: Optional[int] = None) -> list[str]:
   n = "few seeds" if seeds is None else f"{seeds} seed{'' if seeds == 1 else 's'}"
   return ["> **Smoke preset: a check that the sweep runs end to end, not evidence.** Its "
           f"runs train for a few steps (near chance) with {n}; its verdicts mean nothing, "
-          "the *significant* ones included (a metric as coarse as a smoke evaluation's "
-          "can differ by the same amount in every seed, which a paired test reads as "
-          "certain). Use `--preset=cpu` for results.", ""]
+          "the *significant* ones included (runs this short can differ by chance in the "
+          "same direction in every seed). Use `--preset=cpu` for results.", ""]
 
 
 def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
@@ -299,6 +328,7 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
     out += ["Per condition (difference to the baseline of the same condition, its p-value; "
             "* = significant after the Holm correction):", ""]
     out += [line for m in matrices if m for line in m + [""]]
+  out += interaction_lines(results, headline)
   for metric in headline:
     out += [f"## `{metric}`", ""] + metric_table(results, metric) + [""]
   others = [m for m in results.get("metrics", []) if m not in headline]
@@ -356,11 +386,14 @@ HOW_TO_READ = (
     "pairs as seeds (`diverged` becomes a per-seed rate, compared by an exact sign-flip "
     "test: with three seeds its p is at least 0.25). "
     "`Holm p` corrects for the number of comparisons of one metric in one table (the "
-    "per-condition rows, or the pooled rows), not across metrics; "
+    "per-condition rows, the pooled rows, or the interaction rows), not across metrics; "
     "a verdict says *significant* only when it is below 0.05, so a real but small "
     "effect can read *no significant difference* with few seeds. A CI of zero width "
-    "(± 0) means every seed gave the same difference, as a deterministic quantity "
-    "(a parameter count) does; its p is then 0 unless the difference is 0. A diverged "
+    "(± 0) means every seed gave the same value on each side, as a deterministic quantity "
+    "(a parameter count) does; its p is then 0 unless the difference is 0. Where the "
+    "seeds' values vary but every pair differs by the same amount (a coarse metric can), "
+    "the t-test is undefined: the row has no CI (`n/a`) and takes the exact sign-flip "
+    "p, 0.5 with two seeds and 0.25 with three. A diverged "
     "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
     "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
     "many remained). In TensorBoard (`tensorboard --logdir` on this folder) the primary "
@@ -551,6 +584,7 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
       matrix = condition_matrix(results, metric)
       if matrix:
         out += matrix + [""]
+    out += interaction_lines(results, results.get("headline", []))
     if os.path.exists(os.path.join(workdir, rel, "effects.png")):
       out += [f"![{results['ablation']}]({rel}/effects.png)", ""]
   return "\n".join(out)

@@ -46,6 +46,10 @@ results.json:
                       "p_value", "p_holm", "n", "test"}],
      "pooled_comparisons": [the same, with "variant" an arm and "conditions" the number
                             of condition levels averaged; empty without conditions],
+     "interactions": [{"arm", "baseline", "metric", "axis", "level", "reference",
+                       "delta", "ci95", "p_value", "p_holm", "n", "test", "cells"}]
+                     (does an arm's difference depend on the condition: `interactions`;
+                     empty without conditions),
      "environment": {"python", "jax", "jaxlib", "numpy", "code", "machine",
                      "run_codes": {code: number of runs it trained}}}
 
@@ -57,8 +61,11 @@ means by seed: every level trains with the same seeds, so the seed, not the seed
 pair, is the independent unit (t with seeds - 1 degrees of freedom; `diverged` becomes a
 per-seed rate, compared by an exact sign-flip test, `stats.rate_difference`). A seed
 missing a value at some level (a diverged run) leaves the pooled comparison of that
-metric. `p_holm` is Holm-adjusted over the comparisons of one metric: the per-condition
-rows form one family, the pooled rows another. Diverged runs are never dropped silently:
+metric. An interaction row asks whether an arm's difference to the baseline depends on
+the condition: per seed, the difference at one level of an axis minus the difference at
+the axis's first level (averaged over the other axes' levels), tested like a pooled
+comparison. `p_holm` is Holm-adjusted over the comparisons of one metric: the
+per-condition rows form one family, the pooled rows another, the interaction rows a third. Diverged runs are never dropped silently:
 each counts in `diverged` and in the `diverged` metric, and has null for every other
 metric, so means and paired differences use the finished runs and `n` says how many.
 Null also marks what cannot be computed (a CI from one value).
@@ -79,7 +86,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 from absl import flags, logging
 import jax
@@ -266,7 +273,7 @@ class Ablation:
     cells = itertools.product(*(levels.items() for levels in axes.values()))
     out = []
     for cell in cells:
-      cell_name = "_".join(level for level, _ in cell)
+      cell_name = cell_name_of(level for level, _ in cell)
       cell_overrides = {k: v for _, ov in cell for k, v in ov.items()}
       for arm, arm_overrides in self.arms.items():
         name = f"{arm}_{cell_name}" if cell_name else arm
@@ -759,6 +766,9 @@ class Sweep:
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
             "variants": variants, "comparisons": comparisons,
             "pooled_comparisons": pooled,
+            "interactions": interactions(
+                variants, {axis: list(levels) for axis, levels in axes.items()},
+                ab.baseline, ab.metrics),
             "environment": {**environment(), "run_codes": dict(sorted(run_codes.items()))}}
 
 
@@ -805,6 +815,67 @@ def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[s
   name = metric.rsplit("/", 1)[-1]
   found = table.get(metric, table.get(name))
   return found or ("higher" if HIGHER_AT_K.fullmatch(name) else None)
+
+
+def cell_name_of(levels: Iterable[str]) -> str:
+  """A cell's name: its level on each axis, in the axes' order, joined by "_"."""
+  return "_".join(levels)
+
+
+def interactions(variants: Mapping[str, Mapping], conditions: Mapping[str, Sequence[str]],
+                 baseline: str, metrics: Sequence[str]) -> list[dict]:
+  """Does an arm's difference to the baseline depend on the condition?
+
+  For each arm, axis, level after the axis's first (the reference level) and metric
+  (`diverged` aside): per seed, the arm's difference to the baseline at that level minus
+  its difference at the reference level, averaged over the other axes' levels (those
+  where all four variants ran); then a paired t-test of those per-seed values
+  (`stats.paired_t`, seeds as the unit, as in the pooled comparisons), Holm-adjusted over
+  the rows of one metric. `variants` and `conditions` are as in results.json. A seed
+  missing a value in any of the cells averaged leaves that row.
+
+  Returns [{"arm", "baseline", "metric", "axis", "level", "reference", "delta",
+  "ci95", "p_value", "p_holm", "n", "test", "cells"}] ("delta": the difference of
+  differences; "cells": how many combinations of the other axes were averaged).
+  """
+  axes = list(conditions)
+  by_cell = {(v["arm"], v["cell"]): v for v in variants.values()}
+  cell_levels = {cell_name_of(levels): dict(zip(axes, levels))
+                 for levels in itertools.product(*conditions.values())}
+  arms = [a for a in dict.fromkeys(v["arm"] for v in variants.values()) if a != baseline]
+
+  def deltas(arm: str, cell: str, metric: str) -> list[Optional[float]]:
+    arm_values = by_cell[(arm, cell)]["metrics"][metric]["per_seed"]
+    base_values = by_cell[(baseline, cell)]["metrics"][metric]["per_seed"]
+    return [None if a is None or b is None else a - b
+            for a, b in zip(arm_values, base_values)]
+
+  out = []
+  for metric in metrics:
+    if metric == "diverged":
+      continue
+    rows = []
+    for arm, axis in itertools.product(arms, axes):
+      reference, *others = conditions[axis]
+      for level in others:
+        pairs = []   # (cell at the reference level, cell at `level`), other axes equal
+        for cell, where in cell_levels.items():
+          if where[axis] != reference:
+            continue
+          moved = cell_name_of({**where, axis: level}[a] for a in axes)
+          if all(metric in by_cell.get((x, c), {}).get("metrics", {})
+                 for x in (arm, baseline) for c in (cell, moved)):
+            pairs.append((cell, moved))
+        if not pairs:
+          continue
+        row = stats.paired_t(
+            stats.seed_means([deltas(arm, cell, metric) for cell, _ in pairs]),
+            stats.seed_means([deltas(arm, moved, metric) for _, moved in pairs]))
+        rows.append({"arm": arm, "baseline": baseline, "metric": metric, "axis": axis,
+                     "level": level, "reference": reference, **row,
+                     "cells": len(pairs)})
+    out += _with_holm(rows)
+  return out
 
 
 def _with_holm(rows: list[dict]) -> list[dict]:

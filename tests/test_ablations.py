@@ -29,7 +29,8 @@ EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
 def fake_runner(diverge=(), code=None):
   """A stand-in for run_experiment: writes result.json and metrics.jsonl per seed.
 
-  AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed; `diverge` lists
+  AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed, and b's effect grows
+  at the `hi` condition level (an interaction, varying by seed); `diverge` lists
   (variant, seed); `code(variant)`, if given, is the code version each result records."""
   calls = []
 
@@ -40,6 +41,7 @@ def fake_runner(diverge=(), code=None):
     for seed, run_dir in run_dirs(config, workdir).items():
       os.makedirs(run_dir, exist_ok=True)
       auc = 0.7 + EFFECT[arm] + 0.002 * math.sin(3 * seed + ord(arm))
+      auc += 0.004 + 0.001 * seed if variant == "b_hi" else 0.0
       diverged = (variant, seed) in diverge
       result = {"final": {"auc_mean": None if diverged else auc, "logloss": 0.3 - auc / 10,
                           "calibration_error": 0.01, "residual_rms/layer_0": 1.0,
@@ -181,6 +183,47 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
   assert sw.base.optim.warmup_steps == 50
 
 
+def test_interactions_average_over_the_other_axes():
+  """Two axes: an interaction along one averages the difference of differences over the
+  other axis's levels where all four variants ran; a missing value drops its seed."""
+  conditions = {"depth": ["d2", "d6"], "lr": ["l1", "l3"]}
+  rng = np.random.default_rng(0)
+  values = {(arm, d, l): rng.normal(size=4).tolist()
+            for arm in ("base", "x") for d in conditions["depth"] for l in conditions["lr"]}
+  values[("x", "d6", "l3")][2] = None   # a diverged run
+
+  def variants(keep):
+    return {f"{arm}_{d}_{l}": {"arm": arm, "cell": f"{d}_{l}",
+                               "metrics": {"m": {"per_seed": v}, "diverged": {}}}
+            for (arm, d, l), v in values.items() if (arm, d, l) in keep}
+
+  def did(d, l, d0, l0, seed):   # (x - base) at (d, l) minus at (d0, l0)
+    return (values[("x", d, l)][seed] - values[("base", d, l)][seed]
+            - values[("x", d0, l0)][seed] + values[("base", d0, l0)][seed])
+
+  rows = {(r["axis"], r["level"]): r for r in sweep.interactions(
+      variants(set(values)), conditions, "base", ["m", "diverged"])}
+  assert set(rows) == {("depth", "d6"), ("lr", "l3")}
+  depth = rows[("depth", "d6")]
+  expected = [(did("d6", "l1", "d2", "l1", s) + did("d6", "l3", "d2", "l3", s)) / 2
+              for s in (0, 1, 3)]
+  assert depth["n"] == 3 and depth["cells"] == 2 and depth["reference"] == "d2"
+  assert depth["delta"] == pytest.approx(np.mean(expected))
+  assert depth["p_value"] == pytest.approx(stats.paired_t([0.0] * 3, expected)["p_value"])
+  assert [r["p_holm"] for r in rows.values()] == stats.holm(
+      [r["p_value"] for r in rows.values()])
+  # Without x at (d6, l3), e.g. a --variants subset: each axis keeps the one pair it has.
+  rows = {(r["axis"], r["level"]): r for r in sweep.interactions(
+      variants(set(values) - {("x", "d6", "l3")}), conditions, "base", ["m"])}
+  assert rows[("depth", "d6")]["cells"] == 1 and rows[("depth", "d6")]["n"] == 4
+  assert rows[("depth", "d6")]["delta"] == pytest.approx(
+      np.mean([did("d6", "l1", "d2", "l1", s) for s in range(4)]))
+  # One level per axis (or no conditions): nothing to compare.
+  assert sweep.interactions(variants(set(values)), {"depth": ["d2"]}, "base", ["m"]) == []
+  assert sweep.interactions({"base": {"arm": "base", "cell": "", "metrics": {}}}, {},
+                            "base", ["m"]) == []
+
+
 def test_sweep_results_stats_and_report(tmp_path):
   runner = fake_runner(diverge={("c_hi", 1)})
   ab = toy_ablation(conditions=lr_conditions)
@@ -238,6 +281,24 @@ def test_sweep_results_stats_and_report(tmp_path):
       family = [r for r in rows if r["metric"] == metric]
       assert [r["p_holm"] for r in family] == stats.holm([r["p_value"] for r in family])
     assert any(r["p_holm"] > r["p_value"] for r in rows)   # the adjustment does something
+  # Interactions: per seed, the arm's difference at `hi` minus its difference at `lo`;
+  # c loses seed 1 again, and `diverged` has none.
+  inter = {(r["arm"], r["metric"]): r for r in on_disk["interactions"]}
+  assert ("b", "diverged") not in inter and ("a", "auc_mean") not in inter
+  for arm, seeds in (("b", [0, 1, 2, 3]), ("c", [0, 2, 3])):
+    row = inter[(arm, "auc_mean")]
+    d = np.array([(values(f"{arm}_hi")[s] - values("a_hi")[s])
+                  - (values(f"{arm}_lo")[s] - values("a_lo")[s]) for s in seeds])
+    assert (row["axis"], row["level"], row["reference"], row["cells"]) == ("lr", "hi", "lo", 1)
+    assert row["n"] == len(seeds) and row["delta"] == pytest.approx(d.mean())
+  d = np.array([0.004 + 0.001 * s for s in range(4)])   # b's growth at `hi`, by seed
+  t = d.mean() / (d.std(ddof=1) / math.sqrt(d.size))
+  assert inter[("b", "auc_mean")]["delta"] == pytest.approx(d.mean())
+  assert inter[("b", "auc_mean")]["p_value"] == pytest.approx(2 * stats.t_cdf(-t, 3))
+  assert inter[("c", "auc_mean")]["p_value"] == 1.0   # c's difference is the same at both
+  for metric in {r["metric"] for r in on_disk["interactions"]}:
+    family = [r for r in on_disk["interactions"] if r["metric"] == metric]
+    assert [r["p_holm"] for r in family] == stats.holm([r["p_value"] for r in family])
   rate = pooled[("c", "diverged")]
   assert rate["delta"] == pytest.approx(0.5 / 4) and rate["n"] == 4
   assert pooled[("b", "diverged")]["ci95"] is None   # no divergence: no CI
@@ -280,10 +341,13 @@ def test_sweep_results_stats_and_report(tmp_path):
                        for n, v in older["variants"].items()}
   assert "| Bayes oracle (a reference) |" in report.metric_table(older, "auc_mean")[0]
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
+  # The interaction table: b's difference grows from `lo` to `hi`, c's does not move.
+  inter_table = text.split("| ΔΔ `auc_mean` | hi − lo |\n| --- | --- |\n")[1]
+  assert inter_table.startswith("| b | +0.0055 (p 0.003) * |\n| c | 0 (p 1.000) |\n")
   # Metrics outside the headline get their pooled differences too (logloss moves with AUC).
   differences = text.split("Their differences to the baseline (pooled over the conditions")[1]
   b_row = next(line for line in differences.splitlines() if line.startswith("| b |"))
-  assert b_row.startswith("| b | -0.003 [") and b_row.split(" | ")[1].endswith(" *")
+  assert b_row.startswith("| b | -0.00327 [") and b_row.split(" | ")[1].endswith(" *")
   assert "| vs baseline | Δ `logloss` | Δ `residual_rms/layer_1` |" in differences
   for png in ("curves.png", "effects.png"):
     assert (tmp_path / png).stat().st_size > 1000
