@@ -147,7 +147,7 @@ def condition_matrix(results: Mapping, metric: str) -> list[str]:
 
 
 def interaction_matrix(results: Mapping, metric: str) -> list[str]:
-  """Markdown table of one metric's interactions (`sweep.interactions`): per arm, how much
+  """Markdown table of one metric's interactions (`analysis.interactions`): per arm, how much
   its difference to the baseline changes from an axis's first level to each other level
   (a star marks significance after the Holm correction); empty when there are none
   (no conditions, one level per axis, or a results.json from before they were computed)."""

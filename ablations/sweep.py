@@ -48,27 +48,17 @@ results.json:
                             of condition levels averaged; empty without conditions],
      "interactions": [{"arm", "baseline", "metric", "axis", "level", "reference",
                        "delta", "ci95", "p_value", "p_holm", "n", "test", "cells"}]
-                     (does an arm's difference depend on the condition: `interactions`;
-                     empty without conditions),
+                     (does an arm's difference depend on the condition:
+                     `analysis.interactions`; empty without conditions),
      "environment": {"python", "jax", "jaxlib", "numpy", "code", "machine",
                      "run_codes": {code: number of runs it trained}}}
 
-Statistics (`ablations.stats`): mean, sample std and t-based 95% CI over seeds; each
-variant minus the baseline variant of the same condition, paired by seed (paired t-test;
-exact McNemar test for the 0/1 metric `diverged`). A pooled comparison averages, per
-seed, the arm's and the baseline's values over the condition levels, then pairs those
-means by seed: every level trains with the same seeds, so the seed, not the seed x level
-pair, is the independent unit (t with seeds - 1 degrees of freedom; `diverged` becomes a
-per-seed rate, compared by an exact sign-flip test, `stats.rate_difference`). A seed
-missing a value at some level (a diverged run) leaves the pooled comparison of that
-metric. An interaction row asks whether an arm's difference to the baseline depends on
-the condition: per seed, the difference at one level of an axis minus the difference at
-the axis's first level (averaged over the other axes' levels), tested like a pooled
-comparison. `p_holm` is Holm-adjusted over the comparisons of one metric: the
-per-condition rows form one family, the pooled rows another, the interaction rows a third. Diverged runs are never dropped silently:
-each counts in `diverged` and in the `diverged` metric, and has null for every other
-metric, so means and paired differences use the finished runs and `n` says how many.
-Null also marks what cannot be computed (a CI from one value).
+Statistics: per variant, the mean, sample std and t-based 95% CI over seeds
+(`ablations.stats`); against the baseline, the per-condition, pooled and interaction tests
+of `ablations.analysis`, computed from the variants' per-seed values alone. Diverged runs
+are never dropped silently: each counts in `diverged` and in the `diverged` metric, and
+has null for every other metric, so means and paired differences use the finished runs
+and `n` says how many. Null also marks what cannot be computed (a CI from one value).
 """
 
 from __future__ import annotations
@@ -86,7 +76,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from absl import flags, logging
 import jax
@@ -95,7 +85,7 @@ import jaxlib
 import ml_collections
 import numpy as np
 
-from ablations import report, stats
+from ablations import analysis, report, stats
 from experiments.cli import (RUN_ERRORS, exit_on_run_errors, parse_flags,
                              quiet_backend_search, run_app, usage_error)
 from experiments.configs import ranking, retrieval
@@ -273,7 +263,7 @@ class Ablation:
     cells = itertools.product(*(levels.items() for levels in axes.values()))
     out = []
     for cell in cells:
-      cell_name = cell_name_of(level for level, _ in cell)
+      cell_name = analysis.cell_name_of(level for level, _ in cell)
       cell_overrides = {k: v for _, ov in cell for k, v in ov.items()}
       for arm, arm_overrides in self.arms.items():
         name = f"{arm}_{cell_name}" if cell_name else arm
@@ -706,14 +696,13 @@ class Sweep:
   def results(self) -> dict:
     """The results.json dict (see the module docstring)."""
     ab = self.ablation
-    table, variants, available, finished, run_codes = {}, {}, set(), False, {}
+    variants, available, finished, run_codes = {}, set(), False, {}
     for v in self.variants:
       values, diverged_at, found, codes, bayes = self.per_seed(v)
       for code in codes:   # how many runs each code version trained
         run_codes[code or "not recorded"] = run_codes.get(code or "not recorded", 0) + 1
       available |= found
       finished |= any(x is None for x in diverged_at)
-      table[v.name] = values
       variants[v.name] = {
           "arm": v.arm, "cell": v.cell, "overrides": dict(v.overrides),
           "seeds": list(self.seeds),
@@ -730,27 +719,6 @@ class Sweep:
           + ("; finished runs keep the probes.json and joint_probes.json of the probe code "
              "that measured them: if a probe changed since, run again with --reprobe"
              if stale else ""))
-    baselines = {v.cell: v for v in self.variants if v.arm == ab.baseline}
-    comparisons, pooled = [], []
-    for metric in ab.metrics:
-      test = stats.mcnemar_exact if metric == "diverged" else stats.paired_t
-      rows = [{"variant": v.name, "baseline": baselines[v.cell].name, "metric": metric,
-               **test(table[baselines[v.cell].name][metric], table[v.name][metric])}
-              for v in self.variants if v.arm != ab.baseline and v.cell in baselines]
-      comparisons += _with_holm(rows)
-      if len(baselines) > 1:
-        prow = []
-        pooled_test = stats.rate_difference if metric == "diverged" else stats.paired_t
-        for arm in dict.fromkeys(v.arm for v in self.variants):
-          members = [v for v in self.variants if v.arm == arm and v.cell in baselines]
-          if arm == ab.baseline or not members:
-            continue
-          row = pooled_test(
-              stats.seed_means([table[baselines[v.cell].name][metric] for v in members]),
-              stats.seed_means([table[v.name][metric] for v in members]))
-          prow.append({"variant": arm, "baseline": ab.baseline, "metric": metric, **row,
-                       "test": f"{row['test']} of seed means", "conditions": len(members)})
-        pooled += _with_holm(prow)
     axes = ab.conditions(self.preset) if ab.conditions else {}
     return {"ablation": ab.name, "experiment": ab.experiment, "preset": self.preset,
             "baseline": ab.baseline,
@@ -764,11 +732,9 @@ class Sweep:
             "seeds": list(self.seeds),
             "arms": list(dict.fromkeys(v.arm for v in self.variants)),
             "conditions": {axis: list(levels) for axis, levels in axes.items()},
-            "variants": variants, "comparisons": comparisons,
-            "pooled_comparisons": pooled,
-            "interactions": interactions(
-                variants, {axis: list(levels) for axis, levels in axes.items()},
-                ab.baseline, ab.metrics),
+            "variants": variants,
+            **analysis.compare(variants, {axis: list(levels) for axis, levels in axes.items()},
+                               ab.baseline, ab.metrics),
             "environment": {**environment(), "run_codes": dict(sorted(run_codes.items()))}}
 
 
@@ -815,73 +781,6 @@ def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[s
   name = metric.rsplit("/", 1)[-1]
   found = table.get(metric, table.get(name))
   return found or ("higher" if HIGHER_AT_K.fullmatch(name) else None)
-
-
-def cell_name_of(levels: Iterable[str]) -> str:
-  """A cell's name: its level on each axis, in the axes' order, joined by "_"."""
-  return "_".join(levels)
-
-
-def interactions(variants: Mapping[str, Mapping], conditions: Mapping[str, Sequence[str]],
-                 baseline: str, metrics: Sequence[str]) -> list[dict]:
-  """Does an arm's difference to the baseline depend on the condition?
-
-  For each arm, axis, level after the axis's first (the reference level) and metric
-  (`diverged` aside): per seed, the arm's difference to the baseline at that level minus
-  its difference at the reference level, averaged over the other axes' levels (those
-  where all four variants ran); then a paired t-test of those per-seed values
-  (`stats.paired_t`, seeds as the unit, as in the pooled comparisons), Holm-adjusted over
-  the rows of one metric. `variants` and `conditions` are as in results.json. A seed
-  missing a value in any of the cells averaged leaves that row.
-
-  Returns [{"arm", "baseline", "metric", "axis", "level", "reference", "delta",
-  "ci95", "p_value", "p_holm", "n", "test", "cells"}] ("delta": the difference of
-  differences; "cells": how many combinations of the other axes were averaged).
-  """
-  axes = list(conditions)
-  by_cell = {(v["arm"], v["cell"]): v for v in variants.values()}
-  cell_levels = {cell_name_of(levels): dict(zip(axes, levels))
-                 for levels in itertools.product(*conditions.values())}
-  arms = [a for a in dict.fromkeys(v["arm"] for v in variants.values()) if a != baseline]
-
-  def deltas(arm: str, cell: str, metric: str) -> list[Optional[float]]:
-    arm_values = by_cell[(arm, cell)]["metrics"][metric]["per_seed"]
-    base_values = by_cell[(baseline, cell)]["metrics"][metric]["per_seed"]
-    return [None if a is None or b is None else a - b
-            for a, b in zip(arm_values, base_values)]
-
-  out = []
-  for metric in metrics:
-    if metric == "diverged":
-      continue
-    rows = []
-    for arm, axis in itertools.product(arms, axes):
-      reference, *others = conditions[axis]
-      for level in others:
-        pairs = []   # (cell at the reference level, cell at `level`), other axes equal
-        for cell, where in cell_levels.items():
-          if where[axis] != reference:
-            continue
-          moved = cell_name_of({**where, axis: level}[a] for a in axes)
-          if all(metric in by_cell.get((x, c), {}).get("metrics", {})
-                 for x in (arm, baseline) for c in (cell, moved)):
-            pairs.append((cell, moved))
-        if not pairs:
-          continue
-        row = stats.paired_t(
-            stats.seed_means([deltas(arm, cell, metric) for cell, _ in pairs]),
-            stats.seed_means([deltas(arm, moved, metric) for _, moved in pairs]))
-        rows.append({"arm": arm, "baseline": baseline, "metric": metric, "axis": axis,
-                     "level": level, "reference": reference, **row,
-                     "cells": len(pairs)})
-    out += _with_holm(rows)
-  return out
-
-
-def _with_holm(rows: list[dict]) -> list[dict]:
-  for row, p in zip(rows, stats.holm([r["p_value"] for r in rows])):
-    row["p_holm"] = p
-  return rows
 
 
 def select(variants: Sequence[Variant], names: Sequence[str], baseline: str

@@ -18,7 +18,8 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
-from ablations import report, run_all, stats, sweep
+from ablations import analysis, report, run_all, stats, sweep
+from conftest import REPO
 from phoenix_flax.training import provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
@@ -201,7 +202,7 @@ def test_interactions_average_over_the_other_axes():
     return (values[("x", d, l)][seed] - values[("base", d, l)][seed]
             - values[("x", d0, l0)][seed] + values[("base", d0, l0)][seed])
 
-  rows = {(r["axis"], r["level"]): r for r in sweep.interactions(
+  rows = {(r["axis"], r["level"]): r for r in analysis.interactions(
       variants(set(values)), conditions, "base", ["m", "diverged"])}
   assert set(rows) == {("depth", "d6"), ("lr", "l3")}
   depth = rows[("depth", "d6")]
@@ -213,15 +214,30 @@ def test_interactions_average_over_the_other_axes():
   assert [r["p_holm"] for r in rows.values()] == stats.holm(
       [r["p_value"] for r in rows.values()])
   # Without x at (d6, l3), e.g. a --variants subset: each axis keeps the one pair it has.
-  rows = {(r["axis"], r["level"]): r for r in sweep.interactions(
+  rows = {(r["axis"], r["level"]): r for r in analysis.interactions(
       variants(set(values) - {("x", "d6", "l3")}), conditions, "base", ["m"])}
   assert rows[("depth", "d6")]["cells"] == 1 and rows[("depth", "d6")]["n"] == 4
   assert rows[("depth", "d6")]["delta"] == pytest.approx(
       np.mean([did("d6", "l1", "d2", "l1", s) for s in range(4)]))
   # One level per axis (or no conditions): nothing to compare.
-  assert sweep.interactions(variants(set(values)), {"depth": ["d2"]}, "base", ["m"]) == []
-  assert sweep.interactions({"base": {"arm": "base", "cell": "", "metrics": {}}}, {},
+  assert analysis.interactions(variants(set(values)), {"depth": ["d2"]}, "base", ["m"]) == []
+  assert analysis.interactions({"base": {"arm": "base", "cell": "", "metrics": {}}}, {},
                             "base", ["m"]) == []
+
+
+COMMITTED = sorted(glob.glob(os.path.join(REPO, "docs", "results", "*", "results.json")))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))
+def test_the_committed_results_are_what_the_analysis_computes(path):
+  """docs/results/<ablation>/results.json: its tests against the baseline follow from its
+  per-seed values by `analysis.compare` (the README quotes them)."""
+  assert len(COMMITTED) == len(ablations.modules())
+  with open(path) as f:
+    results = json.load(f)
+  got = analysis.compare(results["variants"], results["conditions"], results["baseline"],
+                         results["metrics"])
+  assert json.loads(json.dumps(got)) == {k: results[k] for k in got}
 
 
 def test_sweep_results_stats_and_report(tmp_path):
