@@ -50,6 +50,22 @@ RANKING_CONFIGS = {
 }
 
 
+def test_every_switch_reaches_the_nnx_round_trip():
+  """The exact round trip below compares configs too, so a rebuild that drops a switch
+  fails it, but only for a switch that some case of RANKING_CONFIGS sets away from its
+  default: every switch the isolated-vs-dense grid must set (`GRID_SWITCHES` of
+  tests/test_ranking.py, right-anchored positions included) has to be set here too."""
+  from test_ranking import GRID_SWITCHES, _field_default
+  configs = [make() for make in RANKING_CONFIGS.values()]
+  for cls, fields in GRID_SWITCHES.items():
+    for field in fields | ({"right_anchored_rope"} if cls is pf.PhoenixModelConfig else set()):
+      default = _field_default(cls, field)
+      owners = [c.model if cls is pf.TransformerConfig else c for c in configs]
+      assert any(getattr(o, field) != default for o in owners), (
+          f"{cls.__name__}.{field} is set away from its default by no case of "
+          "RANKING_CONFIGS (tests/test_flax_nnx.py)")
+
+
 def assert_same_module(got, want, same_arrays: bool = False):
   """Same treedef (static fields and configs included), equal arrays (bit for bit, same
   dtype); with `same_arrays` the very same array objects."""

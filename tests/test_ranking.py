@@ -417,10 +417,23 @@ GRID = {
                                 history_valid=[16, 5]),
     "3layers_unrolled": dict(num_layers=3, scan_unroll=3),
 }
+# The grid cases whose gradients are compared too: together they set every switch
+# (`test_every_switch_is_set_in_a_grid_case` checks it).
+GRADIENT_GRID = ["base", "C40_post_mha_cap1", "C1_right_anchored_pre_4q1kv_capoff_empty_history"]
 # A case's keys go to the config that has a field of that name (a new switch needs no edit
 # here); `history`, `candidates` and `history_valid` shape the batch. Anything else is a
 # typo, and an error rather than a case that silently tests the default.
 BATCH_KEYS = ("history", "candidates", "history_valid")
+# The fields a grid case must set away from their defaults: every one that export refuses
+# away from its default (every new switch, until it joins `haiku_compat._FREE_FIELDS`).
+GRID_SWITCHES = {cls: {f.name for f in dataclasses.fields(cls)} - haiku_compat._FREE_FIELDS[cls]
+                 for cls in (pf.TransformerConfig, pf.PhoenixModelConfig)}
+
+
+def _is_switch(key: str) -> bool:
+  """A switch whose setting must change the logits: the non-free fields, and right-anchored
+  positions (free, since they have no parameters; the grid's histories are padded)."""
+  return key == "right_anchored_rope" or any(key in f for f in GRID_SWITCHES.values())
 
 
 def _split_case(name: str, case: dict) -> tuple[dict, dict]:
@@ -444,9 +457,10 @@ def _grid_batch(cfg, case):
                     candidate_mask=cand)
 
 
-def _grid_case(name):
-  """The isolated and dense configs of a grid case, and its padded batch."""
-  case = GRID[name]
+def _grid_case(name, case=None):
+  """The isolated and dense configs of a grid case (or of `case` under its name), and its
+  padded batch."""
+  case = GRID[name] if case is None else case
   transformer, model = _split_case(name, case)
   cfgs = {impl: ranking_config(history=case.get("history", 4),
                                candidates=case.get("candidates", 3),
@@ -474,16 +488,37 @@ def test_grid_cases_reach_the_configs():
 
 def test_every_switch_is_set_in_a_grid_case():
   """Step 6 of adding an idea: a ranking switch that export refuses away from its default
-  (every new switch, until it joins `haiku_compat._FREE_FIELDS`) is set by some grid case,
-  so that the isolated-vs-dense comparisons cover it. Candidate isolation is the one
-  exception: with it off, both implementations run the dense path."""
+  (every new switch, until it joins `haiku_compat._FREE_FIELDS`) is set away from its
+  default by some grid case, and by some case of `GRADIENT_GRID`, so that the
+  isolated-vs-dense comparisons of logits and of gradients cover it. Candidate isolation
+  is the one exception: with it off, both implementations run the dense path."""
   exempt = {"candidate_isolation"}
-  in_grid = {key for case in GRID.values() for key in case}
   for cls in (pf.TransformerConfig, pf.PhoenixModelConfig):
-    for field in dataclasses.fields(cls):
-      if field.name not in haiku_compat._FREE_FIELDS[cls] | exempt:
-        assert field.name in in_grid, (
-            f"{cls.__name__}.{field.name} is set by no case of GRID (tests/test_ranking.py)")
+    for field in GRID_SWITCHES[cls] - exempt:
+      default = _field_default(cls, field)
+      for where, names in (("GRID", list(GRID)), ("GRADIENT_GRID", GRADIENT_GRID)):
+        assert any(field in GRID[n] and GRID[n][field] != default for n in names), (
+            f"{cls.__name__}.{field} is set away from its default ({default!r}) by no case "
+            f"of {where} (tests/test_ranking.py)")
+
+
+def _field_default(cls, name: str):
+  field = next(f for f in dataclasses.fields(cls) if f.name == name)
+  return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+@pytest.mark.parametrize("name, switch", [(name, key) for name, case in GRID.items()
+                                          for key in case if _is_switch(key)])
+def test_every_grid_switch_changes_the_logits(name, switch):
+  """A switch that no path implements passes the isolated-vs-dense comparison (both
+  ignore it alike): each switch a grid case sets must change the dense reference's
+  logits against the same case with that switch at its default."""
+  cfgs, batch, emb = _grid_case(name)
+  without = {k: v for k, v in GRID[name].items() if k != switch}
+  default_cfgs, _, _ = _grid_case(name, without)
+  on = forward(model_for(cfgs["dense"]), batch, emb)[0].logits
+  off = forward(model_for(default_cfgs["dense"]), batch, emb)[0].logits
+  assert max_abs_diff(on, off) > 1e-4, f"{switch}={GRID[name][switch]!r} changes nothing"
 
 
 @pytest.mark.parametrize("name", list(GRID))
@@ -516,8 +551,22 @@ def test_isolated_equals_dense(name):
   np.testing.assert_allclose(iso_diag.residual_rms, dense_diag.residual_rms, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["base", "C40_post_mha_cap1",
-                                  "C1_right_anchored_pre_4q1kv_capoff_empty_history"])
+@pytest.mark.parametrize("name", list(GRID))
+def test_grid_through_the_serving_runner(name):
+  """`RankingRunner` serves each grid case as the dense reference scores it: `rank`, and
+  `rank_chunked` over one encoded context (chunks of 2), on the valid candidates."""
+  cfgs, batch, emb = _grid_case(name)
+  dense = forward(model_for(cfgs["dense"]), batch, emb)[0].logits
+  runner = pf.RankingRunner(model_for(cfgs["isolated"]))
+  ranked = runner.rank(batch, emb)
+  chunked = runner.rank_chunked(batch, emb, chunk_size=2)
+  valid = np.asarray(batch.candidate_post_hashes[..., 0]) != 0
+  want = np.asarray(jax.nn.sigmoid(dense))[valid]
+  np.testing.assert_allclose(np.asarray(ranked.scores)[valid], want, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(chunked.scores)[valid], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", GRADIENT_GRID)
 def test_isolated_gradients_equal_dense(name):
   """Training differentiates the isolated path: its parameter gradients equal the dense
   reference's (padded history and candidates, active soft-cap, GQA, cap off)."""

@@ -215,3 +215,29 @@ def test_candidate_tower_refuses_bad_sizes(emb_size, num_hashes):
   # (8, 0) used to build a [0, 16] projection.
   with pytest.raises(ValueError, match="must be an integer >= 1"):
     pf.CandidateTower(emb_size, num_hashes, key=jax.random.key(0))
+
+
+def _transformer_switch_cases():
+  """(switch, value): each `TransformerConfig` switch the ranking grid must set, at the
+  first value its grid sets (tests/test_ranking.py)."""
+  from test_ranking import GRID, GRID_SWITCHES, _field_default
+  out = []
+  for field in sorted(GRID_SWITCHES[pf.TransformerConfig]):
+    default = _field_default(pf.TransformerConfig, field)
+    value = next(c[field] for c in GRID.values() if field in c and c[field] != default)
+    out.append((field, value))
+  return out
+
+
+@pytest.mark.parametrize("switch, value", _transformer_switch_cases())
+def test_every_transformer_switch_reaches_the_user_tower(switch, value):
+  """A `TransformerConfig` switch reaches the retrieval model's user tower too (the same
+  transformer): the user representations move when it is set."""
+  from conftest import transformer_config
+  reps = []
+  for overrides in ({}, {switch: value}):
+    config = retrieval_config(transformer=transformer_config(**overrides))
+    model = pf.PhoenixRetrievalModel(config, key=jax.random.key(0))
+    batch, emb = make_batch(config, 2, 3)
+    reps.append(call(lambda m, b, e: m.build_user_representation(b, e)[0], model, batch, emb))
+  assert float(jnp.max(jnp.abs(reps[0] - reps[1]))) > 1e-5, f"{switch}={value!r}"

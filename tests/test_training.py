@@ -651,8 +651,9 @@ def test_every_model_key_reaches_its_model_config_field():
   model = parse_config(c).model
   assert (model.model.scan_unroll, model.attention_impl, model.right_anchored_rope) == (
       3, "dense", True)
-  c.model.qk_norm = True
-  with pytest.raises(ConfigError, match=r"config.model=\['qk_norm'\].*phoenix_flax/config.py"):
+  c.model.no_such_switch = True
+  with pytest.raises(ConfigError,
+                     match=r"config.model=\['no_such_switch'\].*phoenix_flax/config.py"):
     parse_config(c)
 
 
