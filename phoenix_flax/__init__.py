@@ -7,7 +7,8 @@ from phoenix_flax.example import example_batch, example_corpus
 from phoenix_flax.features import (compute_post_age_bucket, hash_ids, lookup_hash_embeddings,
                                    normalize_continuous_value)
 from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingOutput, RankingRunner,
-                                    RetrievalResult, RetrievalRunner, weighted_score)
+                                    RetrievalResult, RetrievalRunner, validate_batch,
+                                    weighted_score)
 from phoenix_flax.masks import make_recsys_attn_mask, right_anchored_rope_positions
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import CandidateTower, PhoenixRetrievalModel

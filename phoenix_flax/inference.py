@@ -90,10 +90,11 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
   """Checks presence, shape and dtype without copying the values to the host. `origins`
   say where the sizes of `dims` were read (such as "C=5 from batch.candidate_post_hashes"),
   so a wrong shape there is not blamed on a field alone."""
+  label = f"{prefix}.{name}" if prefix else name
   if x is None:
-    raise ValueError(f"{prefix}.{name} is required but is None")
+    raise ValueError(f"{label} is required but is None")
   if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-    raise ValueError(f"{prefix}.{name} is a {type(x).__name__}; pass a numpy or jax array")
+    raise ValueError(f"{label} is a {type(x).__name__}; pass a numpy or jax array")
   dtype, got = x.dtype, tuple(np.shape(x))
   if got != shape:
     # Name where a size came from only where that dimension is the one that differs.
@@ -101,12 +102,12 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
     wrong = set(labels) if len(got) != len(shape) else {
         label for label, g, s in zip(labels, got, shape) if g != s}
     named = [o for o in origins if o.split("=")[0] in wrong]
-    raise ValueError(f"{prefix}.{name} has shape {got}, expected {shape} [{dims}]"
+    raise ValueError(f"{label} has shape {got}, expected {shape} [{dims}]"
                      + (f" ({'; '.join(named)})" if named else ""))
   if kind == "int" and not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected integers")
+    raise ValueError(f"{label} has dtype {dtype}, expected integers")
   if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(f"{prefix}.{name} has dtype {dtype}, expected floats")
+    raise ValueError(f"{label} has dtype {dtype}, expected floats")
 
 
 INT32 = np.iinfo(np.int32)
@@ -120,7 +121,8 @@ def _beyond_int32(a: np.ndarray) -> np.ndarray:
 def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str,
                   prefix: str = "batch") -> None:
   if bad.any():
-    raise ValueError(f"{prefix}.{name} holds {a[bad][0].item()!r} at index "
+    label = f"{prefix}.{name}" if prefix else name
+    raise ValueError(f"{label} holds {a[bad][0].item()!r} at index "
                      f"{tuple(int(i) for i in np.argwhere(bad)[0])}; {rule}")
 
 
@@ -140,16 +142,21 @@ def _check_finite(prefix: str, name: str, x) -> None:
   _check_values(name, a, ~np.isfinite(a), "values must be finite", prefix)
 
 
-def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
-                    batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
-                    with_candidates: bool = True) -> tuple[int, int]:
-  """Host-side checks of shapes, dtypes and values; returns (B, C) (C = 0 without
-  candidates). Raises ValueError naming the field and the bad value."""
+def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
+                   batch: RecsysBatch, *, with_candidates: bool = True) -> tuple[int, int]:
+  """Host-side checks of a batch against a model config, the runners' own: every field's
+  shape and dtype, values that fit int32, hashes >= 0, surface ids below the vocabulary,
+  0/1 history actions, finite dwell times and, with right-anchored positions, a
+  left-aligned history. Returns (B, C) (C = 0 without candidates); raises ValueError
+  naming the field, the bad value and its index.
+
+  The models' own entry points check shapes and dtypes only (they run traced), so a
+  training loop over your own data calls this (or `training.check_batch`, which also
+  checks the hashes against the system's tables, the labels and the mask) on each host
+  batch before the jitted step."""
   if not isinstance(batch, RecsysBatch):
     raise TypeError(f"batch must be a RecsysBatch, got {type(batch).__name__}")
-  if not isinstance(embeddings, RecsysEmbeddings):
-    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
-  hc, S, D, A = config.hash_config, config.history_seq_len, config.emb_size, config.num_actions
+  hc, S, A = config.hash_config, config.history_seq_len, config.num_actions
   U, I, Au = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes
   V = config.product_surface_vocab_size
   if batch.user_hashes is None or np.ndim(batch.user_hashes) != 2:
@@ -209,7 +216,21 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   if "history_dwell_times" in arrays:
     dwell = arrays["history_dwell_times"].astype(np.float64)
     _check_values("history_dwell_times", dwell, ~np.isfinite(dwell), "dwell times must be finite")
+  return B, C
 
+
+def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
+                    batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
+                    with_candidates: bool = True) -> tuple[int, int]:
+  """`validate_batch`, then the embeddings' shapes, dtypes and finiteness; returns (B, C)
+  (C = 0 without candidates). Raises ValueError naming the field and the bad value."""
+  if isinstance(batch, RecsysBatch) and not isinstance(embeddings, RecsysEmbeddings):
+    raise TypeError(f"embeddings must be RecsysEmbeddings, got {type(embeddings).__name__}")
+  B, C = validate_batch(config, batch, with_candidates=with_candidates)
+  hc, S, D = config.hash_config, config.history_seq_len, config.emb_size
+  U, I, Au = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes
+  origins = (f"B={B} from batch.user_hashes",) + (
+      (f"C={C} from batch.candidate_post_hashes",) if C else ())
   emb_specs = [("user_embeddings", (B, U, D), "B, num_user_hashes, emb_size"),
                ("history_post_embeddings", (B, S, I, D),
                 "B, history_seq_len, num_item_hashes, emb_size"),

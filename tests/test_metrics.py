@@ -296,6 +296,28 @@ def test_ranking_metrics_bayes_and_keys():
           "bayes_auc/report_score", "num_valid_actions"} <= set(out)
 
 
+def test_ranking_metrics_without_true_probabilities():
+  """Own data has labels, not the generator's probabilities: `probs=None` leaves out what
+  needs them, and NDCG takes the favorite label as its gain."""
+  rng = np.random.default_rng(8)
+  B, C, A = 16, 8, 19
+  probs = rng.uniform(0.05, 0.95, (B, C, A)).astype(np.float32)
+  labels = (rng.random((B, C, A)) < probs).astype(np.float32)
+  logits = rng.normal(size=(B, C, A)).astype(np.float32)
+  mask = np.ones((B, C), bool)
+  mask[:, -3:] = False
+  full = ranking_metrics_jit(logits, labels, probs, mask, k=(2, 5))
+  own = ranking_metrics_jit(logits, labels, None, mask, k=(2, 5))
+  needs_probs = {key for key in full if key.startswith("bayes_") or key == "auc_gap"}
+  assert needs_probs and set(own) == set(full) - needs_probs
+  for key in set(own) - {"ndcg@2", "ndcg@5"}:
+    assert float(own[key]) == float(full[key]), key
+  for k in (2, 5):
+    want = metrics.ndcg_at_k(logits[..., 0], labels[..., 0], mask, k)
+    assert float(own[f"ndcg@{k}"]) == pytest.approx(float(want), abs=1e-6)
+    assert float(own[f"ndcg@{k}"]) != pytest.approx(float(full[f"ndcg@{k}"]), abs=1e-3)
+
+
 def test_ranking_metrics_average_valid_actions_and_rank_favorites():
   """`auc_mean` averages the actions with positives and negatives only; recall@k is
   the one of the favorite action (index 0); the Bayes log-loss stays finite where the

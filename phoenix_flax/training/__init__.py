@@ -1,7 +1,7 @@
 """Training on the synthetic world: systems, losses, the scanned loop, the runner."""
 
 from phoenix_flax.training.loop import (Trainer, TrainState, make_optimizer, make_schedule,
-                                        make_system)
+                                        make_system, optimizer_from, schedule_from)
 from phoenix_flax.training.loss import (binary_cross_entropy, first_positive,
                                         in_batch_softmax_loss, ranking_loss)
 from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, RunInUseError,
@@ -10,14 +10,16 @@ from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, R
 from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
                                           parse_config, split_config, world_config)
 from phoenix_flax.training.sharding import Placement, make_placement
-from phoenix_flax.training.system import HashEmbeddingTables, RankingSystem, RetrievalSystem
+from phoenix_flax.training.system import (HashEmbeddingTables, RankingSystem, RetrievalSystem,
+                                          check_batch)
 
 __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
     "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "RunInterrupted",
     "TrainState", "Trainer",
-    "base_config", "binary_cross_entropy", "check_run_dirs", "first_positive",
+    "base_config", "binary_cross_entropy", "check_batch", "check_run_dirs", "first_positive",
     "in_batch_softmax_loss", "load_checkpoint", "load_run", "make_optimizer",
-    "make_placement", "make_schedule", "make_system", "parse_config", "ranking_loss",
+    "make_placement", "make_schedule", "make_system", "optimizer_from", "parse_config",
+    "ranking_loss", "schedule_from",
     "run_dirs", "run_experiment", "split_config", "world_config",
 ]

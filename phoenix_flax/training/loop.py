@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 from jaxtyping import Array, PyTree
 
@@ -26,8 +27,8 @@ from phoenix_flax.ranking import Diagnostics
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
-from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss, ranking_loss
-from phoenix_flax.training.schema import ExperimentSpec
+from phoenix_flax.training.loss import first_positive, ranking_loss
+from phoenix_flax.training.schema import ExperimentSpec, check_optim
 from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
 from phoenix_flax.training.system import RankingSystem, RetrievalSystem
 from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, RecsysBatch, RecsysModelOutput
@@ -67,16 +68,32 @@ def _decay_mask(params: PyTree) -> PyTree:
 
 def make_schedule(spec: ExperimentSpec) -> optax.Schedule:
   """Linear warmup from 0 to the peak, cosine decay to `end_lr_fraction` of it."""
-  o, steps = spec.config.optim, spec.config.train.num_steps
+  return schedule_from(spec.config.optim, spec.config.train.num_steps)
+
+
+def schedule_from(optim: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
+  """`make_schedule` from an `optim` section and a step count."""
+  o = optim
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=steps, end_value=o.learning_rate * o.end_lr_fraction)
+      decay_steps=num_steps, end_value=o.learning_rate * o.end_lr_fraction)
 
 
 def make_optimizer(spec: ExperimentSpec) -> optax.GradientTransformation:
-  """Global-norm clipping (optional) then AdamW on the schedule."""
-  o = spec.config.optim
-  adamw = optax.adamw(make_schedule(spec), b1=o.b1, b2=o.b2, eps=o.eps,
+  """Global-norm clipping (optional) then AdamW on the schedule, with weight decay on
+  the transformer's matrices only (not on norm scales, biases or the hash tables)."""
+  return optimizer_from(spec.config.optim, spec.config.train.num_steps)
+
+
+def optimizer_from(optim: ml_collections.ConfigDict, num_steps: int
+                   ) -> optax.GradientTransformation:
+  """`make_optimizer` for a training loop of your own: from an `optim` section
+  (`base_config(task).optim`, edited; checked as `parse_config` checks it) and the
+  number of steps the schedule spans. Apply it to a system's floating-point leaves
+  (`eqx.filter(system, eqx.is_inexact_array)`)."""
+  check_optim(optim, num_steps)
+  o = optim
+  adamw = optax.adamw(schedule_from(o, num_steps), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay, mask=_decay_mask)
   if o.grad_clip_norm is None:
     return adamw
@@ -263,11 +280,10 @@ class Trainer:
                     "residual_rms": diag.residual_rms}
     # Only each user's first positive enters the loss, so the candidate tower runs on
     # those B items, not on all B*C candidates (equal up to float reassociation).
-    user_BD, diag = system.user_forward(sb.batch)
-    at, has_B = self._first_positive(sb.labels, sb.candidate_mask)
-    positive_BD = system.corpus_representation(sb.batch.candidate_post_hashes[at],
-                                               sb.batch.candidate_author_hashes[at])
-    loss = self._contrast(system, user_BD, positive_BD, has_B, sb.candidate_post_ids[at])
+    r = self.spec.config.retrieval
+    loss, has_B, diag = system.in_batch_loss(
+        sb.batch, sb.labels, sb.candidate_mask, sb.candidate_post_ids,
+        positive_action=r.positive_action, temperature=r.temperature)
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
@@ -294,20 +310,14 @@ class Trainer:
     w = self.spec.action_weights
     return ranking_loss(logits_BCA, labels_BCA, mask_BC, None if w is None else jnp.asarray(w))
 
-  def _contrast(self, system: RetrievalSystem, user_BD: Array, positive_BD: Array,
-                has_B: Array, positive_ids_B: Array) -> Array:
-    """The in-batch loss of each user against every user's positive, scored by the model
-    (`PhoenixRetrievalModel.scores`)."""
-    return in_batch_softmax_loss(system.model.scores(user_BD, positive_BD), has_B,
-                                 self.spec.config.retrieval.temperature, positive_ids_B)
-
   def _in_batch_loss(self, system: RetrievalSystem, labels_BCA: Array, mask_BC: Array,
                      post_ids_BC: Array, user_BD: Array, cand_BCD: Array
                      ) -> tuple[Array, Array]:
     """The in-batch loss of candidate vectors already computed, and which users have a
     positive."""
     at, has_B = self._first_positive(labels_BCA, mask_BC)
-    return self._contrast(system, user_BD, cand_BCD[at], has_B, post_ids_BC[at]), has_B
+    return system.contrastive_loss(user_BD, cand_BCD[at], has_B, post_ids_BC[at],
+                                   self.spec.config.retrieval.temperature), has_B
 
   def _eval_retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
                            ) -> tuple[Array, Array]:

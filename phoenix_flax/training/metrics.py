@@ -191,10 +191,14 @@ def _mean_valid(values_A: Array, valid_A: Array) -> Array:
   return jnp.where(jnp.any(valid_A), mean, jnp.nan)
 
 
-def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask_BC: Array,
-                    k: Union[int, Sequence[int]] = 5,
+def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Array],
+                    mask_BC: Array, k: Union[int, Sequence[int]] = 5,
                     action_names: Optional[Sequence[str]] = None) -> dict[str, Array]:
   """The model's metrics next to the Bayes-optimal ones (the generator's true `probs`).
+
+  Data without true probabilities (your own logs) passes `probs_BCA=None`: the keys that
+  need them (`bayes_*`, `auc_gap`) are left out, and `ndcg@k` takes the favorite label as
+  its gain instead of the true favorite probability.
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
   negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` /
@@ -224,30 +228,35 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Array, mask
     raise ValueError(f"k must be an integer >= 1 or a non-empty sequence of them, got {k!r}")
   ks = tuple(dict.fromkeys(int(x) for x in ks))
   logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
-  probs_BCA = jnp.asarray(probs_BCA, jnp.float32)
+  has_probs = probs_BCA is not None
   auc_A, valid_A = per_action_auc(logits_BCA, labels_BCA, mask_BC)
-  bayes_A, _ = per_action_auc(probs_BCA, labels_BCA, mask_BC)
-  auc_mean, bayes_mean = _mean_valid(auc_A, valid_A), _mean_valid(bayes_A, valid_A)
-  clipped_BCA = jnp.clip(probs_BCA, 1e-7, 1.0 - 1e-7)
-  bayes_logits_BCA = jnp.log(clipped_BCA) - jnp.log1p(-clipped_BCA)
+  auc_mean = _mean_valid(auc_A, valid_A)
   favorite_BC = labels_BCA[..., 0] > 0.5
   undefined = jnp.any(jnp.isnan(logits_BCA) & mask_BC[..., None])
   model = lambda x: jnp.where(undefined, jnp.nan, x)
-  out = {
-      "auc_mean": model(auc_mean),
-      "bayes_auc_mean": bayes_mean,
-      "auc_gap": model(bayes_mean - auc_mean),
-      "logloss": model(log_loss(logits_BCA, labels_BCA, mask_BC)),
-      "bayes_logloss": log_loss(bayes_logits_BCA, labels_BCA, mask_BC),
-      "calibration_error": model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
-                                                   mask_BC)),
-  }
+  out = {"auc_mean": model(auc_mean)}
+  if has_probs:
+    probs_BCA = jnp.asarray(probs_BCA, jnp.float32)
+    bayes_A, _ = per_action_auc(probs_BCA, labels_BCA, mask_BC)
+    bayes_mean = _mean_valid(bayes_A, valid_A)
+    clipped_BCA = jnp.clip(probs_BCA, 1e-7, 1.0 - 1e-7)
+    bayes_logits_BCA = jnp.log(clipped_BCA) - jnp.log1p(-clipped_BCA)
+    out["bayes_auc_mean"] = bayes_mean
+    out["auc_gap"] = model(bayes_mean - auc_mean)
+  out["logloss"] = model(log_loss(logits_BCA, labels_BCA, mask_BC))
+  if has_probs:
+    out["bayes_logloss"] = log_loss(bayes_logits_BCA, labels_BCA, mask_BC)
+  out["calibration_error"] = model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
+                                                     mask_BC))
+  gains_BC = probs_BCA[..., 0] if has_probs else favorite_BC
   for k in ks:
-    out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., 0], probs_BCA[..., 0], mask_BC, k))
+    out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., 0], gains_BC, mask_BC, k))
     out[f"recall@{k}"] = model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k))
-    out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k)
+    if has_probs:
+      out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k)
   out["num_valid_actions"] = jnp.sum(valid_A).astype(jnp.float32)
   for i, name in enumerate(names):
     out[f"auc/{name}"] = model(auc_A[i])
-    out[f"bayes_auc/{name}"] = bayes_A[i]
+    if has_probs:
+      out[f"bayes_auc/{name}"] = bayes_A[i]
   return out

@@ -358,6 +358,29 @@ def _check_optim(o: ml_collections.ConfigDict) -> None:
          "optim.grad_clip_norm", o.grad_clip_norm, "must be > 0, or None for no clipping")
 
 
+def _check_warmup(o: ml_collections.ConfigDict, num_steps: int) -> None:
+  _check(o.warmup_steps < num_steps, "optim.warmup_steps", o.warmup_steps,
+         f"must be below train.num_steps={num_steps}: the learning rate would never reach "
+         "its peak nor decay")
+
+
+def check_optim(o: ml_collections.ConfigDict, num_steps: int) -> None:
+  """An `optim` section (`base_config(task).optim`, edited) for a run of `num_steps`
+  steps, as `parse_config` checks it; raises ConfigError."""
+  if not isinstance(o, ml_collections.ConfigDict):
+    raise ConfigError(f"optim must be a ConfigDict (base_config(task).optim), got "
+                      f"{type(o).__name__}")
+  known = set(base_config("ranking").optim)
+  unknown, missing = sorted(set(o) - known), sorted(known - set(o))
+  if unknown or missing:
+    raise ConfigError(f"optim: unknown fields {unknown}, missing fields {missing}; start "
+                      "from base_config(task).optim")
+  _check_optim(o)
+  _check(_is_int(num_steps) and num_steps >= 1, "train.num_steps", num_steps,
+         "must be an integer >= 1")
+  _check_warmup(o, num_steps)
+
+
 def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[tuple]:
   """The `train` section; returns the ranking loss's action weights (a tuple), or None."""
   t, o = c.train, c.optim
@@ -365,9 +388,7 @@ def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[t
     _check(_is_int(t[f]) and t[f] >= 1, f"train.{f}", t[f], "must be an integer >= 1")
   _check(t.num_steps % t.steps_per_call == 0, "train.steps_per_call", t.steps_per_call,
          f"must divide train.num_steps={t.num_steps}")
-  _check(o.warmup_steps < t.num_steps, "optim.warmup_steps", o.warmup_steps,
-         f"must be below train.num_steps={t.num_steps}: the learning rate would never reach "
-         "its peak nor decay")
+  _check_warmup(o, t.num_steps)
   for f in ("eval_every", "checkpoint_every"):
     _check(_is_int(t[f]) and t[f] >= 0 and t[f] % t.steps_per_call == 0, f"train.{f}", t[f],
            f"must be 0 (off) or a multiple of train.steps_per_call={t.steps_per_call}")

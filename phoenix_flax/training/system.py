@@ -9,17 +9,20 @@ gradient.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
 from phoenix_flax.features import lookup_hash_embeddings
+from phoenix_flax.inference import _check_values, _field, validate_batch
 from phoenix_flax.ranking import Diagnostics, PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput
+from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
 
 
@@ -120,8 +123,79 @@ class RetrievalSystem(eqx.Module):
     post, author = self.tables.post_embeddings(post_hashes_NI, author_hashes_NA)
     return self.model.candidate_tower(jnp.concatenate([post, author], axis=-2)[None])[0]
 
+  def contrastive_loss(self, user_BD: Array, positive_BD: Array, has_B: Array,
+                       positive_ids_B: Optional[Array], temperature: float) -> Array:
+    """`in_batch_softmax_loss` of each user against every user's positive, scored by the
+    model (`PhoenixRetrievalModel.scores`)."""
+    return in_batch_softmax_loss(self.model.scores(user_BD, positive_BD), has_B,
+                                 temperature, positive_ids_B)
+
+  def in_batch_loss(self, batch: RecsysBatch, labels_BCA: Array, mask_BC: Array,
+                    post_ids_BC: Optional[Array], *, positive_action: int,
+                    temperature: float) -> tuple[Array, Array, Diagnostics]:
+    """The retrieval training loss of a batch: each user's first valid candidate with
+    `labels[..., positive_action] = 1` (`first_positive`) is its positive and every other
+    user's negative (`contrastive_loss`). `post_ids_BC` (optional; any integer per post,
+    equal for the same post) keeps two users' shared positive from counting as a
+    negative. Only the B positives go through the candidate tower. Returns the loss, which
+    users have a positive `[B]`, and the user tower's diagnostics."""
+    user_BD, diag = self.user_forward(batch)
+    idx_B, has_B = first_positive(labels_BCA, mask_BC, positive_action)
+    at = (jnp.arange(idx_B.shape[0]), idx_B)
+    positive_BD = self.corpus_representation(jnp.asarray(batch.candidate_post_hashes)[at],
+                                             jnp.asarray(batch.candidate_author_hashes)[at])
+    ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
+    return self.contrastive_loss(user_BD, positive_BD, has_B, ids_B, temperature), has_B, diag
+
   def __call__(self, batch: RecsysBatch, corpus_ND: Array, top_k: int,
                corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
     """Top-k corpus items per user by the model's `scores`."""
     return self.model.retrieve(self.user_representation(batch), corpus_ND, top_k,
                                corpus_mask_N)
+
+
+def check_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatch,
+                labels_BCA: Optional[ArrayLike] = None,
+                mask_BC: Optional[ArrayLike] = None) -> tuple[int, int]:
+  """Host-side checks of a training batch from your own data, before the jitted step;
+  returns (B, C).
+
+  Under `jit` nothing checks values: a raw id passed as a hash is clipped into the last
+  row of its table, a padded candidate counted by the mask is trained as a negative, and
+  labels in percent reach the loss. So this checks, raising ValueError with the field,
+  value and index:
+  - the batch against the model config (`phoenix_flax.validate_batch`: shapes, dtypes,
+    ranges, layout);
+  - every hash against its table: below the table's rows (`pf.hash_ids` with that many
+    buckets);
+  - `labels_BCA` (optional): floats `[B, C, num_actions]`, finite, in [0, 1];
+  - `mask_BC` (optional): booleans `[B, C]`, never True at a padded candidate (post hash
+    0).
+  """
+  B, C = validate_batch(system.model.config, batch)
+  rows = {"user": system.tables.user_table.shape[0], "post": system.tables.post_table.shape[0],
+          "author": system.tables.author_table.shape[0]}
+  for name, table in (("user_hashes", "user"), ("history_post_hashes", "post"),
+                      ("history_author_hashes", "author"), ("candidate_post_hashes", "post"),
+                      ("candidate_author_hashes", "author")):
+    a = np.asarray(getattr(batch, name))
+    _check_values(name, a, a >= rows[table],
+                  f"hashes must be < {rows[table]}, the rows of the {table} table (hash raw "
+                  f"ids with pf.hash_ids(ids, {rows[table]}, valid=...))")
+  A = system.model.config.num_actions
+  origins = (f"B={B} from batch.user_hashes", f"C={C} from batch.candidate_post_hashes")
+  if labels_BCA is not None:
+    _field("", "labels_BCA", labels_BCA, (B, C, A), f"B, C, num_actions={A}", "float",
+           origins)
+    labels = np.asarray(labels_BCA, np.float64)
+    _check_values("labels_BCA", labels, ~((labels >= 0) & (labels <= 1)),
+                  "labels must be finite and in [0, 1] (one per action: 1 = engaged)", "")
+  if mask_BC is not None:
+    _field("", "mask_BC", mask_BC, (B, C), "B, C", "any", origins)
+    mask = np.asarray(mask_BC)
+    if mask.dtype != bool:
+      raise ValueError(f"mask_BC has dtype {mask.dtype}, expected bool")
+    padded = np.asarray(batch.candidate_post_hashes)[..., 0] == 0
+    _check_values("mask_BC", mask, mask & padded,
+                  "the mask marks a padded candidate (post hash 0) as valid", "")
+  return B, C

@@ -1,0 +1,184 @@
+"""Training on your own data: the host-side batch checks, the optimizer from an `optim`
+section, the retrieval loss as a system method, and experiments/own_data.py end to end."""
+
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import phoenix_flax as pf
+from conftest import REPO, subprocess_env
+from experiments import own_data
+from phoenix_flax import training
+from phoenix_flax.training import checkpoint
+
+
+@pytest.fixture(scope="module")
+def logs():
+  return own_data.make_logs(num_users=120, num_posts=400, num_authors=40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def system():
+  return training.RankingSystem(own_data.ranking_config(), *own_data.BUCKETS.values(),
+                                key=jax.random.key(0), init_scale=0.05)
+
+
+def test_to_batch_lays_out_own_logs(logs, system):
+  rows = np.arange(8)
+  impressions = np.arange(8) % 4
+  batch, labels, mask = own_data.to_batch(logs, rows, impressions)
+  assert training.check_batch(system, batch, labels, mask) == (8, own_data.CANDIDATES)
+  # Left-aligned histories, hash 0 exactly after each user's length; lists likewise.
+  valid_S = np.asarray(batch.history_post_hashes[..., 0]) != 0
+  np.testing.assert_array_equal(valid_S.sum(axis=1), logs.history_len[rows])
+  np.testing.assert_array_equal(valid_S, np.arange(own_data.HISTORY) < logs.history_len[rows, None])
+  np.testing.assert_array_equal(np.asarray(batch.candidate_post_hashes[..., 0]) != 0, mask)
+  np.testing.assert_array_equal(mask.sum(axis=1), logs.list_len[rows, impressions])
+  assert not labels[~mask].any()
+  np.testing.assert_array_equal(labels[mask], logs.list_labels[rows, impressions][mask])
+  # The same raw id hashes alike wherever it appears.
+  post = logs.history_post[0, 0]
+  where = np.argwhere((logs.list_post[rows, impressions] == post) & mask)
+  for b, c in where:
+    np.testing.assert_array_equal(batch.candidate_post_hashes[b, c],
+                                  batch.history_post_hashes[0, 0])
+
+
+def test_check_batch_names_what_jit_would_hide(logs, system):
+  batch, labels, mask = own_data.held_out(logs, np.arange(4))
+  raw = batch._replace(user_hashes=np.asarray(logs.user_id[:4, None].repeat(2, 1),
+                                              np.int32))
+  with pytest.raises(ValueError, match=r"batch.user_hashes holds \d+ at index \(0, 0\); "
+                                       r"hashes must be < 4096, the rows of the user table"):
+    training.check_batch(system, raw)
+  with pytest.raises(ValueError, match=r"labels_BCA holds 100.0 .*must be finite and in "
+                                       r"\[0, 1\]"):
+    training.check_batch(system, batch, labels * 100, mask)
+  with pytest.raises(ValueError, match=r"labels_BCA holds nan"):
+    training.check_batch(system, batch, np.where(labels > 0, np.nan, labels), mask)
+  with pytest.raises(ValueError, match=r"labels_BCA has shape \(4, 16, 18\), expected "
+                                       r"\(4, 16, 19\)"):
+    training.check_batch(system, batch, labels[..., 1:], mask)
+  with pytest.raises(ValueError, match="labels_BCA has dtype int32, expected floats"):
+    training.check_batch(system, batch, labels.astype(np.int32), mask)
+  padded = np.argwhere(~mask)[0]
+  everything = np.ones_like(mask)
+  with pytest.raises(ValueError, match=rf"mask_BC holds True at index \({padded[0]}, "
+                                       rf"{padded[1]}\); the mask marks a padded candidate"):
+    training.check_batch(system, batch, labels, everything)
+  with pytest.raises(ValueError, match="mask_BC has dtype float32, expected bool"):
+    training.check_batch(system, batch, labels, mask.astype(np.float32))
+  # The model config's own checks come first (validate_batch): a right-aligned history.
+  right = batch._replace(history_post_hashes=np.asarray(batch.history_post_hashes)[:, ::-1])
+  with pytest.raises(ValueError, match="must be left-aligned"):
+    training.check_batch(system, right)
+  with pytest.raises(ValueError, match="must be left-aligned"):
+    pf.validate_batch(system.model.config, right)
+  assert pf.validate_batch(system.model.config, batch) == (4, own_data.CANDIDATES)
+
+
+def test_optimizer_from_an_optim_section_is_the_runs_optimizer():
+  spec = training.parse_config(training.base_config("ranking"))
+  params = {"w": jnp.ones((3, 3)), "scale": jnp.ones(3)}
+  grads = {"w": jnp.full((3, 3), 0.5), "scale": jnp.full(3, -0.25)}
+  ours = training.optimizer_from(spec.config.optim, spec.config.train.num_steps)
+  runs = training.make_optimizer(spec)
+  state_ours, state_runs = ours.init(params), runs.init(params)
+  for _ in range(3):
+    update_ours, state_ours = ours.update(grads, state_ours, params)
+    update_runs, state_runs = runs.update(grads, state_runs, params)
+    jax.tree.map(np.testing.assert_array_equal, update_ours, update_runs)
+  assert float(jnp.abs(update_ours["w"]).max()) > 0   # past the warmup's first step
+  optim = training.base_config("ranking").optim
+  optim.warmup_steps = 50
+  with pytest.raises(training.ConfigError, match="optim.warmup_steps=50 is invalid: must be "
+                                                  "below train.num_steps=50"):
+    training.optimizer_from(optim, 50)
+  with pytest.raises(training.ConfigError, match="train.num_steps=0 is invalid"):
+    training.optimizer_from(optim, 0)
+  optim.momentum = 0.9
+  with pytest.raises(training.ConfigError, match=r"optim: unknown fields \['momentum'\]"):
+    training.optimizer_from(optim, 100)
+  with pytest.raises(training.ConfigError, match="optim must be a ConfigDict"):
+    training.optimizer_from({"learning_rate": 1e-3}, 100)
+
+
+@pytest.mark.slow
+def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, capsys):
+  """experiments/own_data.py's steps at a tiny size: what the doc walks through runs, and
+  each step's output is what it says."""
+  eval_rows = np.arange(40)
+  ranker = own_data.train_ranker(logs, num_steps=20, batch_size=16, seed=0)
+  found = own_data.evaluate_ranker(ranker, logs, eval_rows)
+  assert not any(k.startswith("bayes_") or k == "auc_gap" for k in found)
+  assert 0.0 <= found["auc_mean"] <= 1.0 and np.isfinite(found["logloss"])
+  checkpoint.save(str(tmp_path), 20, ranker)
+  restored = checkpoint.load(str(tmp_path), 20, ranker)
+  jax.tree.map(np.testing.assert_array_equal, eqx.filter(restored, eqx.is_array),
+               eqx.filter(ranker, eqx.is_array))
+  ranked = own_data.serve_one_user(restored, logs, int(eval_rows[0]))
+  # The runner scores what the training forward scores.
+  batch, _, mask = own_data.held_out(logs, eval_rows[:1])
+  logits = eqx.filter_jit(lambda s, b: s(b))(ranker, batch)
+  np.testing.assert_allclose(np.asarray(ranked.scores)[mask],
+                             np.asarray(jax.nn.sigmoid(logits))[mask], atol=1e-5)
+  retriever = own_data.train_retriever(logs, num_steps=20, batch_size=16, seed=0)
+  recall = own_data.retrieval_recall(retriever, logs, eval_rows, top_k=50)
+  assert 0.0 <= recall <= 1.0
+  # The baseline: the 50 posts favorited most in the training impressions.
+  popular = own_data.popularity_recall(logs, eval_rows, top_k=50)
+  liked = (logs.list_labels[..., 0] > 0) & (np.arange(own_data.CANDIDATES)
+                                            < logs.list_len[..., None])
+  counts = {}
+  for post in logs.list_post[:, :-1][liked[:, :-1]]:
+    counts[post] = counts.get(post, 0) + 1
+  top = set(sorted(counts, key=lambda p: (-counts[p], p))[:50])
+  hits = [logs.list_post[u, -1, np.argmax(liked[u, -1])] in top
+          for u in eval_rows if liked[u, -1].any()]
+  assert popular == pytest.approx(np.mean(hits))
+  out = capsys.readouterr().out
+  assert "ranker: training loss" in out and "retriever: training loss" in out
+  gap = float(out.split("max |p difference| ")[1].split(")")[0])
+  assert gap < 1e-5
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--num_steps=5", "--num_steps=5: use at least 10"),
+    ("--batch_size=0", "--batch_size=0: use 1 to 2000"),
+    ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written")])
+def test_own_data_refuses_bad_flags_before_training(flag, message):
+  proc = subprocess.run([sys.executable, "-m", "experiments.own_data", flag],
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+  assert "ranker:" not in proc.stdout
+
+
+def test_retrieval_loss_methods_agree():
+  """`in_batch_loss` is `contrastive_loss` of the user vectors and each user's first
+  favorited candidate, as the candidate tower scores it."""
+  logs = own_data.make_logs(num_users=12, num_posts=120, num_authors=10, seed=5)
+  config = pf.PhoenixRetrievalModelConfig(model=own_data.TRANSFORMER, emb_size=64,
+                                          history_seq_len=own_data.HISTORY,
+                                          product_surface_vocab_size=own_data.SURFACES)
+  system = training.RetrievalSystem(config, *own_data.BUCKETS.values(), key=jax.random.key(1),
+                                    init_scale=0.05)
+  batch, labels, mask = own_data.held_out(logs, np.arange(12))
+  labels[::3, :, 0] = 0.0   # users without a favorite: no positive, no negative column
+  training.check_batch(system, batch, labels, mask)
+  ids = np.asarray(batch.candidate_post_hashes[..., 0])
+  loss, has_B, _ = eqx.filter_jit(lambda s: s.in_batch_loss(
+      batch, labels, mask, ids, positive_action=0, temperature=0.05))(system)
+  first = np.argmax((labels[..., 0] > 0) & mask, axis=1)
+  np.testing.assert_array_equal(has_B, ((labels[..., 0] > 0) & mask).any(axis=1))
+  rows = np.arange(12)
+  cand_BCD, _ = eqx.filter_jit(lambda s: s.candidate_representation(batch))(system)
+  user_BD = eqx.filter_jit(lambda s: s.user_representation(batch))(system)
+  want = system.contrastive_loss(user_BD, cand_BCD[rows, first], has_B, ids[rows, first], 0.05)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  assert has_B.any() and not has_B.all()
