@@ -39,11 +39,16 @@ from phoenix_flax import training
 from phoenix_flax.training import checkpoint, metrics
 from phoenix_flax.training.runner import check_workdir
 
-flags.DEFINE_integer("num_steps", 600, "Training steps of each model.")
-flags.DEFINE_integer("batch_size", 64, "Users per training batch.")
-flags.DEFINE_string("workdir", "/tmp/phoenix_own_data", "Where the ranker's checkpoint goes.")
-flags.DEFINE_integer("seed", 0, "Seed of the made-up logs and of the models.")
 FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """The command line's flags, defined when it runs (importing this module for its
+  functions, as the tests do, leaves absl's flag registry to others)."""
+  flags.DEFINE_integer("num_steps", 600, "Training steps of each model.")
+  flags.DEFINE_integer("batch_size", 64, "Users per training batch.")
+  flags.DEFINE_string("workdir", "/tmp/phoenix_own_data", "Where the ranker's checkpoint goes.")
+  flags.DEFINE_integer("seed", 0, "Seed of the made-up logs and of the models.")
 
 A = len(pf.ACTIONS)
 FAVORITE = pf.ACTIONS.index("favorite_score")
@@ -335,5 +340,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  define_flags()
   quiet_backend_search()
   app.run(main)
