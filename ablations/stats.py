@@ -151,8 +151,8 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   """Paired t-test of variant - baseline over the pairs where both are present.
 
   Returns {"delta", "ci95", "p_value", "n", "test"}; with fewer than two pairs the CI and
-  p-value are None. Identical differences (zero spread), where the t statistic is
-  undefined:
+  p-value are None. Identical differences (no spread beyond float rounding), where the
+  t statistic is undefined:
   - all zero: a zero-width CI and p = 1;
   - a deterministic quantity (every seed gives the same value on each side, like a
     parameter count): the exact difference as a zero-width CI and p = 0;
@@ -170,10 +170,16 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   out["delta"] = _clean(mean)
   if n < 2:
     return out
-  if std == 0.0:
-    if mean == 0.0 or (np.ptp(b) == 0.0 and np.ptp(v) == 0.0):
-      out["ci95"] = [mean, mean]
-      out["p_value"] = 1.0 if mean == 0.0 else 0.0
+  # Equal up to float rounding (a spread below 1e-9 of the values' size) is equal:
+  # 12/48 - 10/48 and 15/48 - 13/48 are one number computed twice.
+  tol = 1e-9 * max(float(np.max(np.abs(b))), float(np.max(np.abs(v))))
+  same = lambda x: float(np.ptp(x)) <= tol
+  if same(diff):
+    zero = same(np.append(diff, 0.0))
+    if zero or (same(b) and same(v)):
+      out["ci95"] = [0.0, 0.0] if zero else [mean, mean]
+      out["delta"] = 0.0 if zero else out["delta"]
+      out["p_value"] = 1.0 if zero else 0.0
     else:
       out["p_value"] = 2.0 ** (1 - n)   # sign_flip_p of n equal differences
       out["test"] = "sign-flip permutation (identical differences)"

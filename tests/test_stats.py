@@ -117,6 +117,14 @@ def test_paired_t_identical_differences_of_varying_values():
     assert r["p_value"] == pytest.approx(p)
     assert r["p_value"] == pytest.approx(stats.sign_flip_p([0.125] * n))
     assert r["test"] == "sign-flip permutation (identical differences)"
+  # Equal up to float rounding counts as equal: a metric in steps of 1/48.
+  coarse = stats.paired_t([10 / 48, 13 / 48, 11 / 48], [12 / 48, 15 / 48, 13 / 48])
+  assert coarse["p_value"] == pytest.approx(0.25) and coarse["ci95"] is None
+  # A spread well above rounding is the t-test's.
+  assert stats.paired_t([0.5, 0.6], [0.625, 0.7251])["test"] == "paired t"
+  # Zero up to rounding is zero.
+  zero = stats.paired_t([0.3, 0.6], [0.1 + 0.2, 0.6])
+  assert zero["p_value"] == 1.0 and zero["delta"] == 0.0 and zero["ci95"] == [0.0, 0.0]
   # A difference of zero in every pair stays p = 1, however the values vary.
   same = stats.paired_t([0.5, 0.6], [0.5, 0.6])
   assert same["p_value"] == 1.0 and same["ci95"] == [0.0, 0.0]
