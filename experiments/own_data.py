@@ -13,7 +13,7 @@ user's last impression is held out for evaluation:
    mask `[B, C]`.
 2. The ranker: `training.RankingSystem` (hash tables + `PhoenixModel`), AdamW from
    `training.optimizer_from`, `training.ranking_loss` in a jitted step, every host batch
-   checked first by `training.check_batch` (under jit nothing checks values).
+   checked first by `training.validate_training_batch` (under jit nothing checks values).
 3. Evaluation without true probabilities: `training.metrics.ranking_metrics(..., None,
    ...)`.
 4. A checkpoint (`training.checkpoint.save` / `load`), then serving one user with
@@ -49,6 +49,8 @@ def define_flags() -> None:
   flags.DEFINE_integer("batch_size", 64, "Users per training batch.")
   flags.DEFINE_string("workdir", "/tmp/phoenix_own_data", "Where the ranker's checkpoint goes.")
   flags.DEFINE_integer("seed", 0, "Seed of the made-up logs and of the models.")
+  flags.DEFINE_float("init_scale", 0.05, "Initial std of the hash-embedding tables "
+                     "(the presets' 0.05; the systems' default is 1.0).")
 
 A = len(pf.ACTIONS)
 FAVORITE = pf.ACTIONS.index("favorite_score")
@@ -157,7 +159,7 @@ def ranking_config() -> pf.PhoenixModelConfig:
 def fit(system, loss_fn, batches, num_steps: int, learning_rate: float):
   """AdamW (the library's schedule, clipping and decay mask) on `loss_fn(system, *batch)`
   over the host batches `batches(step)`, each checked before its step; returns the system
-  and the losses at every tenth of the run."""
+  and the losses of the first step and at every tenth of the run."""
   optim = training.base_config("ranking").optim
   optim.learning_rate = learning_rate
   optim.warmup_steps = max(num_steps // 20, 1)
@@ -173,10 +175,10 @@ def fit(system, loss_fn, batches, num_steps: int, learning_rate: float):
   losses = []
   for i in range(num_steps):
     batch = batches(i)
-    training.check_batch(system, *batch)
+    training.validate_training_batch(system, *batch)
     system, opt_state, loss = step(batch, system, opt_state)
-    if (i + 1) % max(num_steps // 10, 1) == 0:
-      losses.append(float(loss))   # a host sync, a tenth of the run apart
+    if i == 0 or (i + 1) % max(num_steps // 10, 1) == 0:
+      losses.append(float(loss))   # a host sync: the first step, then every tenth of the run
   return system, losses
 
 
@@ -197,11 +199,11 @@ def held_out(logs: Logs, rows: np.ndarray):
   return to_batch(logs, rows, np.full(len(rows), logs.list_len.shape[1] - 1))
 
 
-def train_ranker(logs: Logs, num_steps: int, batch_size: int, seed: int
-                 ) -> training.RankingSystem:
+def train_ranker(logs: Logs, num_steps: int, batch_size: int, seed: int,
+                 init_scale: float = 0.05) -> training.RankingSystem:
   system = training.RankingSystem(ranking_config(), BUCKETS["user"], BUCKETS["post"],
                                   BUCKETS["author"], key=jax.random.key(seed),
-                                  init_scale=0.05)   # as the presets (schema default: 1.0)
+                                  init_scale=init_scale)
 
   def loss_fn(system, batch, labels, mask):
     return training.ranking_loss(system(batch), labels, mask)
@@ -216,7 +218,7 @@ def evaluate_ranker(system: training.RankingSystem, logs: Logs, rows: np.ndarray
   """The ranking metrics on the users' held-out last impressions (no true probabilities:
   `probs=None`)."""
   batch, labels, mask = held_out(logs, rows)
-  training.check_batch(system, batch, labels, mask)
+  training.validate_training_batch(system, batch, labels, mask)
   logits = eqx.filter_jit(lambda s, b: s(b))(system, batch)
   found = metrics.ranking_metrics(logits, labels, None, mask, k=5)
   return {k: float(v) for k, v in found.items()}
@@ -246,14 +248,14 @@ def serve_one_user(system: training.RankingSystem, logs: Logs, row: int) -> pf.R
   return ranked
 
 
-def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int
-                    ) -> training.RetrievalSystem:
+def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
+                    init_scale: float = 0.05) -> training.RetrievalSystem:
   config = pf.PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=64,
                                           history_seq_len=HISTORY,
                                           product_surface_vocab_size=SURFACES)
   system = training.RetrievalSystem(config, BUCKETS["user"], BUCKETS["post"],
                                     BUCKETS["author"], key=jax.random.key(seed + 2),
-                                    init_scale=0.05)
+                                    init_scale=init_scale)
 
   def loss_fn(system, batch, labels, mask):
     # The same post favorited by two users of a batch is not a negative for either:
@@ -312,6 +314,8 @@ def main(argv) -> None:
   start = time.perf_counter()
   logs = make_logs(seed=FLAGS.seed)
   users = np.arange(len(logs.user_id))
+  if not FLAGS.init_scale > 0:
+    raise app.UsageError(f"--init_scale={FLAGS.init_scale}: must be > 0")
   if not 1 <= FLAGS.batch_size <= len(users):
     raise app.UsageError(f"--batch_size={FLAGS.batch_size}: use 1 to {len(users)}")
   try:   # before minutes of training, not after
@@ -319,7 +323,7 @@ def main(argv) -> None:
   except OSError as e:
     raise app.UsageError(str(e)) from e
 
-  ranker = train_ranker(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed)
+  ranker = train_ranker(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed, FLAGS.init_scale)
   found = evaluate_ranker(ranker, logs, users)
   print(f"ranker on the {len(users)} users' held-out impressions: auc_mean "
         f"{found['auc_mean']:.4f}, logloss {found['logloss']:.4f}, ndcg@5 "
@@ -330,7 +334,8 @@ def main(argv) -> None:
   print(f"checkpoint {path} written and read back")
   serve_one_user(restored, logs, 0)
 
-  retriever = train_retriever(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed)
+  retriever = train_retriever(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed,
+                              FLAGS.init_scale)
   recall = retrieval_recall(retriever, logs, users)
   print(f"retriever: recall@100 of the held-out favorited post over "
         f"{len(logs.catalogue_post)} catalogue posts {recall:.4f} (chance "

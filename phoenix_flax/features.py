@@ -85,8 +85,12 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
   Hash function k mixes the id with its own seed, so two ids that collide under one
   function rarely collide under the other (the point of several hashes per entity). 0 is
   never produced for a valid id: it marks padding, where `valid` (bool, the ids' shape)
-  is False. Deterministic; ids are taken modulo 2**32 (int64 ids fold their high half in
-  first when x64 is enabled).
+  is False. Deterministic, and a function of each id's integer value alone: an id outside
+  the int32 range (a 64-bit id, as numpy int64 or with x64 enabled) folds its high half
+  into the low one first, on the host for numpy ids, so that it hashes alike with and
+  without `jax_enable_x64`; then ids are taken modulo 2**32. Ids equal modulo 2**32 whose
+  high halves differ rarely collide; strings have no hash here: map them to integers with
+  a stable hash first (hashlib, not Python's `hash()`, which changes every process).
   """
   is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
   if not is_int(num_hashes) or not 1 <= num_hashes <= len(_HASH_SEEDS):
@@ -95,14 +99,19 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
   if not is_int(num_buckets) or not 2 <= num_buckets <= np.iinfo(np.int32).max:
     raise ValueError(f"num_buckets must be an int in [2, 2**31 - 1] (bucket 0 is padding), "
                      f"got {num_buckets!r}")
-  ids = jnp.asarray(ids)
+  if not isinstance(ids, jax.Array):
+    ids = np.asarray(ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"ids must hold integers, got dtype {ids.dtype}")
   if valid is not None and tuple(np.shape(valid)) != ids.shape:
     raise ValueError(f"valid has shape {tuple(np.shape(valid))}, the ids {ids.shape}")
   if ids.dtype.itemsize == 8:
-    ids = ids ^ (ids >> 32)
-  x = ids.astype(jnp.uint32)[..., None]
+    # An id outside int32 folds its high half into the low one, on the host for numpy ids
+    # (jax without x64 would drop it); an id inside hashes as the same int32 would.
+    xp = jnp if isinstance(ids, jax.Array) else np
+    inside = (ids >= np.iinfo(np.int32).min) & (ids <= np.iinfo(np.int32).max)
+    ids = xp.where(inside, ids, ids ^ (ids >> 32)).astype(xp.uint32)
+  x = jnp.asarray(ids).astype(jnp.uint32)[..., None]
   seeds = jnp.asarray(_HASH_SEEDS[:int(num_hashes)], jnp.uint32)
   mixed = _mix32(_mix32(x ^ seeds) + seeds)
   hashes = (1 + mixed % jnp.uint32(int(num_buckets) - 1)).astype(jnp.int32)

@@ -142,6 +142,17 @@ def _check_finite(prefix: str, name: str, x) -> None:
   _check_values(name, a, ~np.isfinite(a), "values must be finite", prefix)
 
 
+def check_left_aligned(history_post_hashes: np.ndarray, why: str = "") -> None:
+  """A ValueError naming the first history item that follows padding (hash 0): the
+  history must be left-aligned, valid items first, oldest first."""
+  first_hash = np.asarray(history_post_hashes)[..., 0]
+  after_pad = np.logical_or.accumulate(first_hash == 0, axis=1)
+  _check_values("history_post_hashes", first_hash,
+                (first_hash != 0) & np.pad(after_pad[:, :-1], ((0, 0), (1, 0))),
+                f"{why}the history must be left-aligned (valid items first, oldest first, "
+                "hash-0 padding after); this item follows padding")
+
+
 def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
                    batch: RecsysBatch, *, with_candidates: bool = True) -> tuple[int, int]:
   """Host-side checks of a batch against a model config, the runners' own: every field's
@@ -151,9 +162,9 @@ def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig
   naming the field, the bad value and its index.
 
   The models' own entry points check shapes and dtypes only (they run traced), so a
-  training loop over your own data calls this (or `training.check_batch`, which also
-  checks the hashes against the system's tables, the labels and the mask) on each host
-  batch before the jitted step."""
+  training loop over your own data calls this, or `training.validate_training_batch`
+  (which also checks the layout, the hashes against the system's tables, the labels and
+  the mask), on each host batch before the jitted step."""
   if not isinstance(batch, RecsysBatch):
     raise TypeError(f"batch must be a RecsysBatch, got {type(batch).__name__}")
   hc, S, A = config.hash_config, config.history_seq_len, config.num_actions
@@ -206,13 +217,7 @@ def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig
   _check_values("history_actions", actions, (actions != 0) & (actions != 1),
                 "actions must be 0 or 1")
   if getattr(config, "right_anchored_rope", False):
-    first_hash = arrays["history_post_hashes"][..., 0]
-    after_pad = np.logical_or.accumulate(first_hash == 0, axis=1)
-    _check_values("history_post_hashes", first_hash,
-                  (first_hash != 0) & np.pad(after_pad[:, :-1], ((0, 0), (1, 0))),
-                  "with right_anchored_rope=True the history must be left-aligned (valid "
-                  "items first, oldest first, hash-0 padding after); this item follows "
-                  "padding")
+    check_left_aligned(arrays["history_post_hashes"], "with right_anchored_rope=True ")
   if "history_dwell_times" in arrays:
     dwell = arrays["history_dwell_times"].astype(np.float64)
     _check_values("history_dwell_times", dwell, ~np.isfinite(dwell), "dwell times must be finite")

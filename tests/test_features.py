@@ -182,15 +182,30 @@ def test_hash_ids_spread_and_independent_functions():
   assert same_first.mean() < 3 / 256
 
 
+def enable_x64():
+  return (jax.enable_x64(True) if hasattr(jax, "enable_x64")   # newer jax
+          else __import__("jax.experimental", fromlist=["x"]).enable_x64())
+
+
 def test_hash_ids_int64_and_bad_arguments():
-  x64 = (jax.enable_x64(True) if hasattr(jax, "enable_x64")   # newer jax
-         else __import__("jax.experimental", fromlist=["x"]).enable_x64())
+  x64 = enable_x64()
   with x64:   # int64 ids fold their high half in
     h = np.asarray(pf.hash_ids(jnp.array([2**40 + 3, 3], jnp.int64), 1 << 20, 2))
   assert (h[0] != h[1]).all()
   # the fold: low half XOR high half, then as an id of 32 bits
   np.testing.assert_array_equal(h[0], [_reference_hash((2**40 + 3) ^ 2**8, 1 << 20, k)
                                        for k in range(2)])
+  # A numpy int64 id hashes by its value whatever jax_enable_x64 says (folded on the
+  # host), and an id inside int32 hashes as that int32 does.
+  ids = np.array([2**40 + 3, 5, 5 + 2**32, -7, 3], np.int64)
+  with enable_x64():
+    wide = np.asarray(pf.hash_ids(ids, 1 << 20, 2))
+  narrow = np.asarray(pf.hash_ids(ids, 1 << 20, 2))
+  np.testing.assert_array_equal(wide, narrow)
+  np.testing.assert_array_equal(narrow[0], h[0])
+  assert (narrow[1] != narrow[2]).all()   # not equal modulo 2**32 alone
+  np.testing.assert_array_equal(narrow[3:], np.asarray(pf.hash_ids(
+      jnp.array([-7, 3], jnp.int32), 1 << 20, 2)))
   with pytest.raises(ValueError, match="num_buckets"):
     pf.hash_ids(jnp.arange(3), 1)
   with pytest.raises(ValueError, match="num_hashes"):

@@ -1,6 +1,7 @@
 """Training on your own data: the host-side batch checks, the optimizer from an `optim`
 section, the retrieval loss as a system method, and experiments/own_data.py end to end."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -32,7 +33,8 @@ def test_to_batch_lays_out_own_logs(logs, system):
   rows = np.arange(8)
   impressions = np.arange(8) % 4
   batch, labels, mask = own_data.to_batch(logs, rows, impressions)
-  assert training.check_batch(system, batch, labels, mask) == (8, own_data.CANDIDATES)
+  assert training.validate_training_batch(system, batch, labels, mask) == (
+      8, own_data.CANDIDATES)
   # Left-aligned histories, hash 0 exactly after each user's length; lists likewise.
   valid_S = np.asarray(batch.history_post_hashes[..., 0]) != 0
   np.testing.assert_array_equal(valid_S.sum(axis=1), logs.history_len[rows])
@@ -49,37 +51,51 @@ def test_to_batch_lays_out_own_logs(logs, system):
                                   batch.history_post_hashes[0, 0])
 
 
-def test_check_batch_names_what_jit_would_hide(logs, system):
+def test_validate_training_batch_names_what_jit_would_hide(logs, system):
   batch, labels, mask = own_data.held_out(logs, np.arange(4))
   raw = batch._replace(user_hashes=np.asarray(logs.user_id[:4, None].repeat(2, 1),
                                               np.int32))
   with pytest.raises(ValueError, match=r"batch.user_hashes holds \d+ at index \(0, 0\); "
                                        r"hashes must be < 4096, the rows of the user table"):
-    training.check_batch(system, raw)
+    training.validate_training_batch(system, raw)
   with pytest.raises(ValueError, match=r"labels_BCA holds 100.0 .*must be finite and in "
                                        r"\[0, 1\]"):
-    training.check_batch(system, batch, labels * 100, mask)
+    training.validate_training_batch(system, batch, labels * 100, mask)
   with pytest.raises(ValueError, match=r"labels_BCA holds nan"):
-    training.check_batch(system, batch, np.where(labels > 0, np.nan, labels), mask)
+    training.validate_training_batch(system, batch, np.where(labels > 0, np.nan, labels),
+                                     mask)
   with pytest.raises(ValueError, match=r"labels_BCA has shape \(4, 16, 18\), expected "
                                        r"\(4, 16, 19\)"):
-    training.check_batch(system, batch, labels[..., 1:], mask)
+    training.validate_training_batch(system, batch, labels[..., 1:], mask)
   with pytest.raises(ValueError, match="labels_BCA has dtype int32, expected floats"):
-    training.check_batch(system, batch, labels.astype(np.int32), mask)
+    training.validate_training_batch(system, batch, labels.astype(np.int32), mask)
   padded = np.argwhere(~mask)[0]
   everything = np.ones_like(mask)
   with pytest.raises(ValueError, match=rf"mask_BC holds True at index \({padded[0]}, "
                                        rf"{padded[1]}\); the mask marks a padded candidate"):
-    training.check_batch(system, batch, labels, everything)
+    training.validate_training_batch(system, batch, labels, everything)
   with pytest.raises(ValueError, match="mask_BC has dtype float32, expected bool"):
-    training.check_batch(system, batch, labels, mask.astype(np.float32))
-  # The model config's own checks come first (validate_batch): a right-aligned history.
+    training.validate_training_batch(system, batch, labels, mask.astype(np.float32))
+  real = np.argwhere(mask)[0]
+  fewer = mask.copy()
+  fewer[tuple(real)] = False
+  with pytest.raises(ValueError, match=rf"mask_BC holds False at index \({real[0]}, "
+                                       rf"{real[1]}\); the mask leaves out a candidate"):
+    training.validate_training_batch(system, batch, labels, fewer)
+  # A right-aligned history: an error for the model config with right-anchored positions
+  # (pf.validate_batch, the runners' check) and for training whatever the positions.
   right = batch._replace(history_post_hashes=np.asarray(batch.history_post_hashes)[:, ::-1])
   with pytest.raises(ValueError, match="must be left-aligned"):
-    training.check_batch(system, right)
+    training.validate_training_batch(system, right)
   with pytest.raises(ValueError, match="must be left-aligned"):
     pf.validate_batch(system.model.config, right)
   assert pf.validate_batch(system.model.config, batch) == (4, own_data.CANDIDATES)
+  sequential = training.RankingSystem(
+      dataclasses.replace(own_data.ranking_config(), right_anchored_rope=False),
+      *own_data.BUCKETS.values(), key=jax.random.key(0))
+  assert pf.validate_batch(sequential.model.config, right) == (4, own_data.CANDIDATES)
+  with pytest.raises(ValueError, match="history must be left-aligned"):
+    training.validate_training_batch(sequential, right)
 
 
 def test_optimizer_from_an_optim_section_is_the_runs_optimizer():
@@ -170,7 +186,7 @@ def test_retrieval_loss_methods_agree():
                                     init_scale=0.05)
   batch, labels, mask = own_data.held_out(logs, np.arange(12))
   labels[::3, :, 0] = 0.0   # users without a favorite: no positive, no negative column
-  training.check_batch(system, batch, labels, mask)
+  training.validate_training_batch(system, batch, labels, mask)
   ids = np.asarray(batch.candidate_post_hashes[..., 0])
   loss, has_B, _ = eqx.filter_jit(lambda s: s.in_batch_loss(
       batch, labels, mask, ids, positive_action=0, temperature=0.05))(system)

@@ -11,15 +11,15 @@ from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_conf
                                           parse_config, split_config, world_config)
 from phoenix_flax.training.sharding import Placement, make_placement
 from phoenix_flax.training.system import (HashEmbeddingTables, RankingSystem, RetrievalSystem,
-                                          check_batch)
+                                          validate_training_batch)
 
 __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
     "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "RunInterrupted",
     "TrainState", "Trainer",
-    "base_config", "binary_cross_entropy", "check_batch", "check_run_dirs", "first_positive",
+    "base_config", "binary_cross_entropy", "check_run_dirs", "first_positive",
     "in_batch_softmax_loss", "load_checkpoint", "load_run", "make_optimizer",
     "make_placement", "make_schedule", "make_system", "optimizer_from", "parse_config",
     "ranking_loss", "schedule_from",
-    "run_dirs", "run_experiment", "split_config", "world_config",
+    "run_dirs", "run_experiment", "split_config", "validate_training_batch", "world_config",
 ]

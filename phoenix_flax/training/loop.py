@@ -27,7 +27,7 @@ from phoenix_flax.ranking import Diagnostics
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
-from phoenix_flax.training.loss import first_positive, ranking_loss
+from phoenix_flax.training.loss import first_positive_rows, ranking_loss
 from phoenix_flax.training.schema import ExperimentSpec, check_optim
 from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
 from phoenix_flax.training.system import RankingSystem, RetrievalSystem
@@ -298,10 +298,9 @@ class Trainer:
   def _first_positive(self, labels_BCA: Array, mask_BC: Array
                       ) -> tuple[tuple[Array, Array], Array]:
     """The index `(rows_B, cols_B)` of each user's first positive candidate (it picks
-    that candidate out of any `[B, C, ...]` array), and which users have one."""
-    idx_B, has_B = first_positive(labels_BCA, mask_BC,
-                                  self.spec.config.retrieval.positive_action)
-    return (jnp.arange(idx_B.shape[0]), idx_B), has_B
+    that candidate out of any `[B, C, ...]` array), and which users have one: the
+    training loss's own choice (`RetrievalSystem.in_batch_loss`)."""
+    return first_positive_rows(labels_BCA, mask_BC, self.spec.config.retrieval.positive_action)
 
   def _ranking_loss(self, logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
     """The ranking loss with the config's options: the one definition that training

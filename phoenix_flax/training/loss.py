@@ -61,6 +61,14 @@ def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Arra
   return jnp.argmax(engaged_BC, axis=1), jnp.any(engaged_BC, axis=1)
 
 
+def first_positive_rows(labels_BCA: Array, mask_BC: Array, action: int
+                        ) -> tuple[tuple[Array, Array], Array]:
+  """`first_positive` as an index `(rows_B, cols_B)` that picks each user's first positive
+  candidate out of any `[B, C, ...]` array, and whether each user has one `[B]`."""
+  idx_B, has_B = first_positive(labels_BCA, mask_BC, action)
+  return (jnp.arange(idx_B.shape[0]), idx_B), has_B
+
+
 def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
                           positive_ids_B: Optional[Array] = None) -> Array:
   """Sampled softmax where every user's positive is every other user's negative.

@@ -19,10 +19,11 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
 from phoenix_flax.features import lookup_hash_embeddings
-from phoenix_flax.inference import _check_values, _field, validate_batch
+from phoenix_flax.inference import (_check_values, _field, check_left_aligned,
+                                    validate_batch)
 from phoenix_flax.ranking import Diagnostics, PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput
-from phoenix_flax.training.loss import first_positive, in_batch_softmax_loss
+from phoenix_flax.training.loss import first_positive_rows, in_batch_softmax_loss
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
 
 
@@ -140,8 +141,7 @@ class RetrievalSystem(eqx.Module):
     negative. Only the B positives go through the candidate tower. Returns the loss, which
     users have a positive `[B]`, and the user tower's diagnostics."""
     user_BD, diag = self.user_forward(batch)
-    idx_B, has_B = first_positive(labels_BCA, mask_BC, positive_action)
-    at = (jnp.arange(idx_B.shape[0]), idx_B)
+    at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
     positive_BD = self.corpus_representation(jnp.asarray(batch.candidate_post_hashes)[at],
                                              jnp.asarray(batch.candidate_author_hashes)[at])
     ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
@@ -154,9 +154,9 @@ class RetrievalSystem(eqx.Module):
                                corpus_mask_N)
 
 
-def check_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatch,
-                labels_BCA: Optional[ArrayLike] = None,
-                mask_BC: Optional[ArrayLike] = None) -> tuple[int, int]:
+def validate_training_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatch,
+                            labels_BCA: Optional[ArrayLike] = None,
+                            mask_BC: Optional[ArrayLike] = None) -> tuple[int, int]:
   """Host-side checks of a training batch from your own data, before the jitted step;
   returns (B, C).
 
@@ -165,14 +165,16 @@ def check_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatc
   labels in percent reach the loss. So this checks, raising ValueError with the field,
   value and index:
   - the batch against the model config (`phoenix_flax.validate_batch`: shapes, dtypes,
-    ranges, layout);
+    ranges);
+  - a left-aligned history (valid items first, oldest first), whatever the positions;
   - every hash against its table: below the table's rows (`pf.hash_ids` with that many
     buckets);
   - `labels_BCA` (optional): floats `[B, C, num_actions]`, finite, in [0, 1];
-  - `mask_BC` (optional): booleans `[B, C]`, never True at a padded candidate (post hash
-    0).
+  - `mask_BC` (optional): booleans `[B, C]`, True exactly where the candidate's post hash
+    is not 0 (padding hashed as a real item, or a real item left out, is an error).
   """
   B, C = validate_batch(system.model.config, batch)
+  check_left_aligned(batch.history_post_hashes)
   rows = {"user": system.tables.user_table.shape[0], "post": system.tables.post_table.shape[0],
           "author": system.tables.author_table.shape[0]}
   for name, table in (("user_hashes", "user"), ("history_post_hashes", "post"),
@@ -195,7 +197,10 @@ def check_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatc
     mask = np.asarray(mask_BC)
     if mask.dtype != bool:
       raise ValueError(f"mask_BC has dtype {mask.dtype}, expected bool")
-    padded = np.asarray(batch.candidate_post_hashes)[..., 0] == 0
-    _check_values("mask_BC", mask, mask & padded,
+    real = np.asarray(batch.candidate_post_hashes)[..., 0] != 0
+    _check_values("mask_BC", mask, mask & ~real,
                   "the mask marks a padded candidate (post hash 0) as valid", "")
+    _check_values("mask_BC", mask, ~mask & real,
+                  "the mask leaves out a candidate whose post hash is not 0 (hash padded "
+                  "slots with pf.hash_ids(..., valid=mask), so that they hash to 0)", "")
   return B, C
