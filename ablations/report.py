@@ -315,6 +315,7 @@ def markdown(results: Mapping, plots: Sequence[str] = ()) -> str:
     out += ["Command:", "", f"    {results['command']}", ""]
   if results.get("environment"):
     out += [environment_line(results["environment"]), ""]
+  out += rendered_lines([results])
   conditions = "; ".join(f"{axis} = " + ", ".join(map(str, levels))
                          for axis, levels in (results.get("conditions") or {}).items())
   out += [f"Baseline (the released setting): **{results['baseline']}**. "
@@ -389,11 +390,12 @@ HOW_TO_READ = (
     "per-condition rows, the pooled rows, or the interaction rows), not across metrics; "
     "a verdict says *significant* only when it is below 0.05, so a real but small "
     "effect can read *no significant difference* with few seeds. A CI of zero width "
-    "(± 0) means every seed gave the same value on each side, as a deterministic quantity "
-    "(a parameter count) does; its p is then 0 unless the difference is 0. Where the "
-    "seeds' values vary but every pair differs by the same amount (a coarse metric can), "
-    "the t-test is undefined: the row has no CI (`n/a`) and takes the exact sign-flip "
-    "p, 0.5 with two seeds and 0.25 with three. A diverged "
+    "(± 0) means every pair differed by the same amount (up to float rounding) and that "
+    "amount is 0 (p 1), or every seed gave the same value on each side, as a "
+    "deterministic quantity (a parameter count) does (p 0). Where the seeds' values vary "
+    "but every pair differs by the same nonzero amount (a coarse metric can), the t-test "
+    "is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, 0.5 with "
+    "two seeds and 0.25 with three. A diverged "
     "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
     "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
     "many remained). In TensorBoard (`tensorboard --logdir` on this folder) the primary "
@@ -430,6 +432,17 @@ def environment_line(env: Mapping) -> str:
   machine = f"; machine: {env['machine']}" if env.get("machine") else ""
   return (f"Code: {code}; Python {env.get('python')}, jax {env.get('jax')}, "
           f"jaxlib {env.get('jaxlib')}, numpy {env.get('numpy')}{machine}.")
+
+
+def rendered_lines(sweeps: Sequence[Mapping]) -> list[str]:
+  """Where statistics and report were computed again from results.json after the sweep
+  (`ablations.rerender`): the code and command, once per distinct pair."""
+  seen = list(dict.fromkeys((r["rendered"].get("code") or "not a git checkout",
+                             r["rendered"].get("command") or "")
+                            for r in sweeps if r.get("rendered")))
+  return [f"Statistics and report computed again from results.json by code {code}"
+          + (f" (`{command}`)" if command else "") + ", after the runs." for code, command
+          in seen] + ([""] if seen else [])
 
 
 def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
@@ -562,6 +575,7 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   envs = sorted(environment_line(env) for env in merged_environments(
       [r["environment"] for _, r in entries if r.get("environment")]))
   out += envs + ([""] if envs else [])
+  out += rendered_lines([r for _, r in entries])
   out += ["Each row: a variant against the released setting, paired over seeds (where the "
           "sweep has several conditions, pooled: each seed's values averaged over them "
           "first); significant means Holm-adjusted p < 0.05, Holm over the comparisons of "

@@ -49,7 +49,8 @@ results.json:
      "interactions": [{"arm", "baseline", "metric", "axis", "level", "reference",
                        "delta", "ci95", "p_value", "p_holm", "n", "test", "cells"}]
                      (does an arm's difference depend on the condition:
-                     `analysis.interactions`; empty without conditions),
+                     `analysis.interactions`; empty unless an axis has two levels or
+                     more),
      "environment": {"python", "jax", "jaxlib", "numpy", "code", "machine",
                      "run_codes": {code: number of runs it trained}}}
 

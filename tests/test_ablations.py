@@ -228,16 +228,52 @@ def test_interactions_average_over_the_other_axes():
 COMMITTED = sorted(glob.glob(os.path.join(REPO, "docs", "results", "*", "results.json")))
 
 
+def test_every_ablation_has_committed_results():
+  """The test below runs once per file found: none found must fail, not skip."""
+  assert len(COMMITTED) == len(ablations.modules()), COMMITTED
+
+
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))
 def test_the_committed_results_are_what_the_analysis_computes(path):
   """docs/results/<ablation>/results.json: its tests against the baseline follow from its
   per-seed values by `analysis.compare` (the README quotes them)."""
-  assert len(COMMITTED) == len(ablations.modules())
   with open(path) as f:
     results = json.load(f)
   got = analysis.compare(results["variants"], results["conditions"], results["baseline"],
                          results["metrics"])
   assert json.loads(json.dumps(got)) == {k: results[k] for k in got}
+
+
+def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path):
+  """`python -m ablations.rerender` on a copy of docs/results (results.json, REPORT.md and
+  plots only): each sweep's statistics are computed again from its per-seed values, its
+  report is rewritten with the plots it listed, and so is the combined report."""
+  import shutil
+  from ablations import rerender
+  folder = tmp_path / "results"
+  shutil.copytree(os.path.join(REPO, "docs", "results"), folder)
+  one = folder / "candidate_isolation" / "results.json"
+  stale = json.loads(one.read_text())
+  del stale["interactions"]                      # as written before they existed
+  stale["comparisons"][0]["p_value"] = 0.5       # as an older statistic gave it
+  one.write_text(json.dumps(stale))
+  rerender.rerender(str(folder), "python -m ablations.rerender x")
+  fresh = json.loads(one.read_text())
+  want = analysis.compare(stale["variants"], stale["conditions"], stale["baseline"],
+                          stale["metrics"])
+  assert {k: fresh[k] for k in want} == json.loads(json.dumps(want))
+  assert fresh["rendered"]["command"] == "python -m ablations.rerender x"
+  assert fresh["environment"] == stale["environment"]   # still the sweep's process
+  text = (folder / "candidate_isolation" / "REPORT.md").read_text()
+  assert "| ΔΔ `score_consistency` | corr0.5 − corr0 |" in text
+  assert "computed again from results.json by code " in text
+  assert "![curves](curves.png)" in text and "![effects](effects.png)" in text
+  combined = json.loads((folder / "results.json").read_text())
+  assert combined["candidate_isolation"] == fresh
+  assert "computed again from results.json" in (folder / "REPORT.md").read_text()
+  cli = subprocess.run([sys.executable, "-m", "ablations.rerender", str(tmp_path / "none")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert cli.returncode != 0 and "holds no results.json: not a finished sweep" in cli.stderr
 
 
 def test_sweep_results_stats_and_report(tmp_path):

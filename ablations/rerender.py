@@ -1,0 +1,103 @@
+"""Recompute a finished sweep's statistics and rewrite its report from results.json alone.
+
+    python -m ablations.rerender runs/candidate_isolation [more sweep folders]
+
+For a sweep whose run directories are gone (such as docs/results, which keeps results.json,
+REPORT.md and the plots only), or after a change to the statistics (`ablations.stats`,
+`ablations.analysis`) or to the report: the per-seed values in results.json are kept,
+its comparisons, pooled comparisons and interactions are computed again
+(`analysis.compare`), effects.png is drawn again, and REPORT.md is written with the plots
+it listed before (curves need the runs: with them, run the sweep's own command instead,
+which redraws everything and reuses every run). results.json records the code and
+command that did this as `rendered`; its `environment` still describes the sweep's
+process. A folder of `python -m ablations.run_all` (its results.json maps each ablation
+to its results) is rendered ablation by ablation, then its combined report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from absl import app
+
+from ablations import analysis, report, sweep
+from phoenix_flax.training import provenance
+
+
+def _listed_plots(report_path: str, folder: str) -> list[str]:
+  """The plot files an existing REPORT.md shows, those still in `folder`."""
+  if not os.path.exists(report_path):
+    return []
+  with open(report_path, encoding="utf-8") as f:
+    listed = re.findall(r"^!\[[^\]]*\]\(([^)/]+\.png)\)$", f.read(), re.M)
+  return [name for name in listed if os.path.exists(os.path.join(folder, name))]
+
+
+def _load(folder: str) -> dict:
+  path = os.path.join(folder, "results.json")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{folder} holds no results.json: not a finished sweep")
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def rerender_sweep(folder: str, command: str = "") -> dict:
+  """One sweep's folder: statistics recomputed, results.json and REPORT.md rewritten;
+  returns the new results."""
+  results = _load(folder)
+  if "variants" not in results:
+    raise ValueError(f"{folder}/results.json is no sweep's results (no 'variants')")
+  results.update(analysis.compare(results["variants"], results.get("conditions") or {},
+                                  results["baseline"], results["metrics"]))
+  results["rendered"] = {"code": provenance.code_version(), "command": command}
+  plots = _listed_plots(os.path.join(folder, "REPORT.md"), folder)
+  headline = results.get("headline", [results["primary_metric"]])
+  drawn = report.plot_effects(results, headline, os.path.join(folder, "effects.png"))
+  if drawn and "effects.png" not in plots:
+    plots.append("effects.png")
+  elif not drawn and "effects.png" in plots:
+    plots.remove("effects.png")
+  sweep.write_json(os.path.join(folder, "results.json"), results)
+  report.write_atomic(os.path.join(folder, "REPORT.md"), report.markdown(results, plots))
+  return results
+
+
+def rerender(folder: str, command: str = "") -> str:
+  """A sweep's folder, or a `run_all` folder (every ablation it lists, then the combined
+  report); returns the path of the REPORT.md written last."""
+  results = _load(folder)
+  if "ablation" in results:
+    rerender_sweep(folder, command)
+    return os.path.join(folder, "REPORT.md")
+  entries = []
+  for name in results:
+    entries.append((name, rerender_sweep(os.path.join(folder, name), command)))
+  path = os.path.join(folder, "REPORT.md")
+  with open(path, encoding="utf-8") as f:
+    old = f.read()
+  ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
+  presets = {r["preset"] for _, r in entries}
+  if len(presets) != 1:
+    raise ValueError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")
+  sweep.write_json(os.path.join(folder, "results.json"), dict(entries))
+  report.write_atomic(path, report.combined_markdown(entries, folder, presets.pop(),
+                                                     ran.group(1) if ran else ""))
+  return path
+
+
+def main(argv) -> None:
+  folders = argv[1:]
+  if not folders:
+    raise app.UsageError("name one or more sweep folders (each holding a results.json)")
+  for folder in folders:
+    if not os.path.isfile(os.path.join(folder, "results.json")):
+      raise app.UsageError(f"{folder} holds no results.json: not a finished sweep")
+  command = sweep.command_line()
+  for folder in folders:
+    print(f"wrote {rerender(folder, command)}")
+
+
+if __name__ == "__main__":
+  app.run(main)
