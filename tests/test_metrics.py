@@ -296,6 +296,30 @@ def test_ranking_metrics_bayes_and_keys():
           "bayes_auc/report_score", "num_valid_actions"} <= set(out)
 
 
+def test_list_auc_is_the_mean_of_each_lists_own_auc():
+  """A list's AUC orders its own candidates only: a user whose scores are all shifted up
+  changes the global AUC, not the list AUC; lists without both classes are left out."""
+  rng = np.random.default_rng(9)
+  B, C = 6, 7
+  scores = rng.normal(size=(B, C)).astype(np.float32)
+  labels = (rng.random((B, C)) < 0.4).astype(np.float32)
+  labels[0] = 0.0                       # no positive: left out
+  labels[1] = 1.0                       # no negative: left out
+  mask = np.ones((B, C), bool)
+  mask[2, 5:] = False
+  want = []
+  for b in range(2, B):
+    keep = mask[b]
+    auc, _ = pairwise_auc(scores[b][keep], labels[b][keep], np.ones(keep.sum()))
+    want.append(auc)
+  got = jax.jit(metrics.list_auc)(scores, labels, mask)
+  assert float(got) == pytest.approx(np.mean(want), abs=1e-6)
+  shifted = scores + 10.0 * np.arange(B)[:, None]
+  assert float(jax.jit(metrics.list_auc)(shifted, labels, mask)) == pytest.approx(
+      float(got), abs=1e-6)
+  assert np.isnan(float(jax.jit(metrics.list_auc)(scores, np.zeros_like(labels), mask)))
+
+
 def test_ranking_metrics_without_true_probabilities():
   """Own data has labels, not the generator's probabilities: `probs=None` leaves out what
   needs them, and NDCG takes the favorite label as its gain."""

@@ -44,6 +44,15 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   return jnp.where(defined, auc, jnp.nan), valid
 
 
+def list_auc(scores_BC: Array, labels_BC: Array, mask_BC: Array) -> Array:
+  """The mean of each list's own ROC-AUC (`roc_auc` within one user's candidates) over the
+  lists that have a positive and a negative: how well a user's candidates are ordered
+  among themselves, which the global AUC mixes with differences between users. NaN when
+  no list has both, or when a valid score is NaN."""
+  auc_B, valid_B = jax.vmap(roc_auc)(scores_BC, labels_BC, mask_BC)
+  return _mean_valid(auc_B, valid_B)
+
+
 def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
                    ) -> tuple[Array, Array]:
   """ROC-AUC of each action over all valid candidates of the batch: `(auc [A], valid [A])`."""
@@ -202,7 +211,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
   negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` /
-  `bayes_logloss`, `calibration_error`, `ndcg@k` of the favorite ranking with the true favorite
+  `bayes_logloss`, `calibration_error`, `list_auc` / `bayes_list_auc` (the favorite's AUC
+  within each list, averaged over the lists with a favorited and a not-favorited
+  candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
   candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
   size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
@@ -211,9 +222,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   labels only, so the Bayes figures never depend on the model. A NaN logit of a valid
   candidate (a diverged model), of any action, makes every model metric NaN (null in
   JSON), the other actions' `auc/<action>` too, never a number computed over the rest.
-  The AUCs pool every valid candidate of every list given (the runner passes all its
-  evaluation batches at once): a global AUC, which compares candidates across users, not
-  a mean of per-list AUCs.
+  The AUCs but `list_auc` pool every valid candidate of every list given (the runner
+  passes all its evaluation batches at once): a global AUC, which compares candidates
+  across users; `list_auc` is the mean of per-list AUCs.
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else
@@ -249,6 +260,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   out["calibration_error"] = model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
                                                      mask_BC))
   gains_BC = probs_BCA[..., 0] if has_probs else favorite_BC
+  out["list_auc"] = model(list_auc(logits_BCA[..., 0], labels_BCA[..., 0], mask_BC))
+  if has_probs:
+    out["bayes_list_auc"] = list_auc(probs_BCA[..., 0], labels_BCA[..., 0], mask_BC)
   for k in ks:
     out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., 0], gains_BC, mask_BC, k))
     out[f"recall@{k}"] = model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k))
