@@ -5,13 +5,14 @@
 For a sweep whose run directories are gone (such as docs/results, which keeps results.json,
 REPORT.md and the plots only), or after a change to the statistics (`ablations.stats`,
 `ablations.analysis`) or to the report: the per-seed values in results.json are kept,
-its comparisons, pooled comparisons and interactions are computed again
-(`analysis.compare`), effects.png is drawn again, and REPORT.md is written with the plots
+each variant's summaries (`stats.summarize`) and the comparisons, pooled comparisons and
+interactions (`analysis.compare`) are computed again, effects.png is drawn again, and REPORT.md is written with the plots
 it listed before (curves need the runs: with them, run the sweep's own command instead,
 which redraws everything and reuses every run). results.json records the code and
 command that did this as `rendered`; its `environment` still describes the sweep's
 process. A folder of `python -m ablations.run_all` (its results.json maps each ablation
-to its results) is rendered ablation by ablation, then its combined report.
+to its results) is rendered ablation by ablation, then its combined report; name that
+folder, not one of its ablations, or the combined report keeps the old figures.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 
 from absl import app
 
-from ablations import analysis, report, sweep
+from ablations import analysis, report, stats, sweep
 from phoenix_flax.training import provenance
 
 
@@ -49,6 +50,9 @@ def rerender_sweep(folder: str, command: str = "") -> dict:
   results = _load(folder)
   if "variants" not in results:
     raise ValueError(f"{folder}/results.json is no sweep's results (no 'variants')")
+  for variant in results["variants"].values():   # mean, std and CI over seeds
+    variant["metrics"] = {m: stats.summarize(summary["per_seed"])
+                          for m, summary in variant["metrics"].items()}
   results.update(analysis.compare(results["variants"], results.get("conditions") or {},
                                   results["baseline"], results["metrics"]))
   results["rendered"] = {"code": provenance.code_version(), "command": command}
@@ -71,16 +75,13 @@ def rerender(folder: str, command: str = "") -> str:
   if "ablation" in results:
     rerender_sweep(folder, command)
     return os.path.join(folder, "REPORT.md")
-  entries = []
-  for name in results:
-    entries.append((name, rerender_sweep(os.path.join(folder, name), command)))
   path = os.path.join(folder, "REPORT.md")
-  with open(path, encoding="utf-8") as f:
-    old = f.read()
-  ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
-  presets = {r["preset"] for _, r in entries}
-  if len(presets) != 1:
+  presets = {_load(os.path.join(folder, name))["preset"] for name in results}
+  if len(presets) != 1:   # checked before anything is rewritten
     raise ValueError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")
+  old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
+  entries = [(name, rerender_sweep(os.path.join(folder, name), command)) for name in results]
   sweep.write_json(os.path.join(folder, "results.json"), dict(entries))
   report.write_atomic(path, report.combined_markdown(entries, folder, presets.pop(),
                                                      ran.group(1) if ran else ""))

@@ -85,12 +85,12 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
   Hash function k mixes the id with its own seed, so two ids that collide under one
   function rarely collide under the other (the point of several hashes per entity). 0 is
   never produced for a valid id: it marks padding, where `valid` (bool, the ids' shape)
-  is False. Deterministic, and a function of each id's integer value alone: an id outside
-  the int32 range (a 64-bit id, as numpy int64 or with x64 enabled) folds its high half
-  into the low one first, on the host for numpy ids, so that it hashes alike with and
-  without `jax_enable_x64`; then ids are taken modulo 2**32. Ids equal modulo 2**32 whose
-  high halves differ rarely collide; strings have no hash here: map them to integers with
-  a stable hash first (hashlib, not Python's `hash()`, which changes every process).
+  is False. Deterministic, and a function of each id's integer value alone, whatever
+  its dtype and whether `jax_enable_x64` is on: an id outside the int32 range (a 64-bit
+  id) mixes its high half, seeded per hash function, into its low half first (split on
+  the host for numpy ids), so two 64-bit ids share all their hashes about as rarely as
+  two int32 ids do. Strings have no hash here: map them to integers with a stable hash
+  first (hashlib, not Python's `hash()`, which changes every process).
   """
   is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
   if not is_int(num_hashes) or not 1 <= num_hashes <= len(_HASH_SEEDS):
@@ -105,14 +105,24 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
     raise ValueError(f"ids must hold integers, got dtype {ids.dtype}")
   if valid is not None and tuple(np.shape(valid)) != ids.shape:
     raise ValueError(f"valid has shape {tuple(np.shape(valid))}, the ids {ids.shape}")
-  if ids.dtype.itemsize == 8:
-    # An id outside int32 folds its high half into the low one, on the host for numpy ids
-    # (jax without x64 would drop it); an id inside hashes as the same int32 would.
-    xp = jnp if isinstance(ids, jax.Array) else np
-    inside = (ids >= np.iinfo(np.int32).min) & (ids <= np.iinfo(np.int32).max)
-    ids = xp.where(inside, ids, ids ^ (ids >> 32)).astype(xp.uint32)
-  x = jnp.asarray(ids).astype(jnp.uint32)[..., None]
   seeds = jnp.asarray(_HASH_SEEDS[:int(num_hashes)], jnp.uint32)
+  unsigned = jnp.issubdtype(ids.dtype, jnp.unsignedinteger)
+  if ids.dtype.itemsize == 8 or (unsigned and ids.dtype.itemsize == 4):
+    # An id outside int32 mixes its high half, seeded per hash function, into its low
+    # half, so that two such ids share every hash as rarely as two int32 ids do; an id
+    # inside hashes as the same int32 would. The halves are split on the host for numpy
+    # ids (jax without x64 would drop the high one).
+    xp = jnp if isinstance(ids, jax.Array) else np
+    outside = ids > np.iinfo(np.int32).max
+    if not unsigned:
+      outside = outside | (ids < np.iinfo(np.int32).min)
+    low = ids.astype(xp.uint32)
+    high = (ids >> 32).astype(xp.uint32) if ids.dtype.itemsize == 8 else xp.zeros_like(low)
+    x = jnp.asarray(low)[..., None]
+    x = jnp.where(jnp.asarray(outside)[..., None],
+                  x ^ _mix32(jnp.asarray(high)[..., None] ^ _mix32(seeds)), x)
+  else:
+    x = jnp.asarray(ids).astype(jnp.uint32)[..., None]
   mixed = _mix32(_mix32(x ^ seeds) + seeds)
   hashes = (1 + mixed % jnp.uint32(int(num_buckets) - 1)).astype(jnp.int32)
   if valid is not None:

@@ -256,12 +256,16 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
   stale = json.loads(one.read_text())
   del stale["interactions"]                      # as written before they existed
   stale["comparisons"][0]["p_value"] = 0.5       # as an older statistic gave it
+  first = next(iter(stale["variants"]))
+  summary = stale["variants"][first]["metrics"]["auc_mean"]
+  right_mean, summary["mean"] = summary["mean"], 0.0
   one.write_text(json.dumps(stale))
   rerender.rerender(str(folder), "python -m ablations.rerender x")
   fresh = json.loads(one.read_text())
   want = analysis.compare(stale["variants"], stale["conditions"], stale["baseline"],
                           stale["metrics"])
   assert {k: fresh[k] for k in want} == json.loads(json.dumps(want))
+  assert fresh["variants"][first]["metrics"]["auc_mean"]["mean"] == right_mean
   assert fresh["rendered"]["command"] == "python -m ablations.rerender x"
   assert fresh["environment"] == stale["environment"]   # still the sweep's process
   text = (folder / "candidate_isolation" / "REPORT.md").read_text()

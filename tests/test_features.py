@@ -187,25 +187,43 @@ def enable_x64():
           else __import__("jax.experimental", fromlist=["x"]).enable_x64())
 
 
+def _reference_wide_hash(i: int, num_buckets: int, k: int) -> int:
+  """hash_ids's documented function for an id outside int32: its high half, mixed with
+  the murmur3 finaliser of hash function k's seed, XORed into its low half first."""
+  def fmix32(x):
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+  seed = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)[k]
+  low, high = i & 0xFFFFFFFF, (i >> 32) & 0xFFFFFFFF
+  return _reference_hash(low ^ fmix32(high ^ fmix32(seed)), num_buckets, k)
+
+
 def test_hash_ids_int64_and_bad_arguments():
-  x64 = enable_x64()
-  with x64:   # int64 ids fold their high half in
-    h = np.asarray(pf.hash_ids(jnp.array([2**40 + 3, 3], jnp.int64), 1 << 20, 2))
-  assert (h[0] != h[1]).all()
-  # the fold: low half XOR high half, then as an id of 32 bits
-  np.testing.assert_array_equal(h[0], [_reference_hash((2**40 + 3) ^ 2**8, 1 << 20, k)
-                                       for k in range(2)])
-  # A numpy int64 id hashes by its value whatever jax_enable_x64 says (folded on the
-  # host), and an id inside int32 hashes as that int32 does.
-  ids = np.array([2**40 + 3, 5, 5 + 2**32, -7, 3], np.int64)
-  with enable_x64():
-    wide = np.asarray(pf.hash_ids(ids, 1 << 20, 2))
-  narrow = np.asarray(pf.hash_ids(ids, 1 << 20, 2))
-  np.testing.assert_array_equal(wide, narrow)
-  np.testing.assert_array_equal(narrow[0], h[0])
-  assert (narrow[1] != narrow[2]).all()   # not equal modulo 2**32 alone
-  np.testing.assert_array_equal(narrow[3:], np.asarray(pf.hash_ids(
-      jnp.array([-7, 3], jnp.int32), 1 << 20, 2)))
+  ids = [2**40 + 3, 5, 2**32 + 5, 4, 2**32 + 4, -7, 3, 2**31, 2**63 - 1, -2**40]
+  with enable_x64():   # jax int64 ids, as x64 allows
+    wide = np.asarray(pf.hash_ids(jnp.array(ids, jnp.int64), 1 << 20, 2))
+    wide_jit = np.asarray(jax.jit(lambda i: pf.hash_ids(i, 1 << 20, 2))(
+        jnp.array(ids, jnp.int64)))
+  # numpy int64 ids without x64 (split on the host), and a Python list: the same hashes.
+  narrow = np.asarray(pf.hash_ids(np.array(ids, np.int64), 1 << 20, 2))
+  listed = np.asarray(pf.hash_ids(ids, 1 << 20, 2))
+  for got in (wide_jit, narrow, listed):
+    np.testing.assert_array_equal(got, wide)
+  for i, row in zip(ids, wide):
+    inside = -2**31 <= i < 2**31
+    want = [(_reference_hash(i, 1 << 20, k) if inside else _reference_wide_hash(i, 1 << 20, k))
+            for k in range(2)]
+    np.testing.assert_array_equal(row, want, err_msg=str(i))
+  # A 64-bit id shares no hash with an int32 id of the same low half, or of a low half
+  # one bit away (a fold would: 2**32 + 5 XOR its high half 1 is 4).
+  assert (wide[1] != wide[2]).all() and (wide[3] != wide[2]).all() and (wide[3] != wide[4]).all()
+  # uint32 ids above int32 hash as the same values in int64.
+  big = [3_000_000_000, 2**31, 7]
+  np.testing.assert_array_equal(np.asarray(pf.hash_ids(np.array(big, np.uint32), 1 << 20)),
+                                np.asarray(pf.hash_ids(np.array(big, np.int64), 1 << 20)))
   with pytest.raises(ValueError, match="num_buckets"):
     pf.hash_ids(jnp.arange(3), 1)
   with pytest.raises(ValueError, match="num_hashes"):

@@ -166,6 +166,7 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
 @pytest.mark.parametrize("flag, message", [
     ("--num_steps=5", "--num_steps=5: use at least 10"),
     ("--batch_size=0", "--batch_size=0: use 1 to 2000"),
+    ("--init_scale=0", "--init_scale=0.0: must be > 0"),
     ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written")])
 def test_own_data_refuses_bad_flags_before_training(flag, message):
   proc = subprocess.run([sys.executable, "-m", "experiments.own_data", flag],

@@ -120,6 +120,10 @@ def test_paired_t_identical_differences_of_varying_values():
   # Equal up to float rounding counts as equal: a metric in steps of 1/48.
   coarse = stats.paired_t([10 / 48, 13 / 48, 11 / 48], [12 / 48, 15 / 48, 13 / 48])
   assert coarse["p_value"] == pytest.approx(0.25) and coarse["ci95"] is None
+  # ... computed in float32, as the metrics are, and stored as float64.
+  f32 = lambda xs: [float(np.float32(x)) for x in xs]
+  coarse32 = stats.paired_t(f32([10 / 48, 13 / 48, 11 / 48]), f32([12 / 48, 15 / 48, 13 / 48]))
+  assert coarse32["p_value"] == pytest.approx(0.25) and coarse32["ci95"] is None
   # A spread well above rounding is the t-test's.
   assert stats.paired_t([0.5, 0.6], [0.625, 0.7251])["test"] == "paired t"
   # Zero up to rounding is zero.

@@ -48,7 +48,7 @@ def list_auc(scores_BC: Array, labels_BC: Array, mask_BC: Array) -> Array:
   """The mean of each list's own ROC-AUC (`roc_auc` within one user's candidates) over the
   lists that have a positive and a negative: how well a user's candidates are ordered
   among themselves, which the global AUC mixes with differences between users. NaN when
-  no list has both, or when a valid score is NaN."""
+  no list has both, or when a score of such a list is NaN."""
   auc_B, valid_B = jax.vmap(roc_auc)(scores_BC, labels_BC, mask_BC)
   return _mean_valid(auc_B, valid_B)
 
