@@ -138,16 +138,22 @@ def test_hash_ids_range_padding_and_determinism():
                                 np.asarray(pf.hash_ids(ids, 1000, 3))[:, 0])
 
 
+SEEDS = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)   # xxHash32's primes
+
+
+def fmix32(x: int) -> int:
+  """The murmur3 32-bit finaliser, in Python integers."""
+  x ^= x >> 16
+  x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+  x ^= x >> 13
+  x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+  return x ^ (x >> 16)
+
+
 def _reference_hash(i: int, num_buckets: int, k: int) -> int:
   """hash_ids's documented function in Python integers: id modulo 2**32, then the murmur3
   finaliser twice around hash function k's seed (the k-th prime of xxHash32)."""
-  def fmix32(x):
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-  seed = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)[k]
+  seed = SEEDS[k]
   return 1 + fmix32((fmix32((i & 0xFFFFFFFF) ^ seed) + seed) & 0xFFFFFFFF) % (num_buckets - 1)
 
 
@@ -190,15 +196,8 @@ def enable_x64():
 def _reference_wide_hash(i: int, num_buckets: int, k: int) -> int:
   """hash_ids's documented function for an id outside int32: its high half, mixed with
   the murmur3 finaliser of hash function k's seed, XORed into its low half first."""
-  def fmix32(x):
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-    return x ^ (x >> 16)
-  seed = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)[k]
   low, high = i & 0xFFFFFFFF, (i >> 32) & 0xFFFFFFFF
-  return _reference_hash(low ^ fmix32(high ^ fmix32(seed)), num_buckets, k)
+  return _reference_hash(low ^ fmix32(high ^ fmix32(SEEDS[k])), num_buckets, k)
 
 
 def test_hash_ids_int64_and_bad_arguments():
