@@ -5,6 +5,8 @@ those hashes up in embedding tables.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,8 +107,8 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
     raise ValueError(f"ids must hold integers, got dtype {ids.dtype}")
   if valid is not None and tuple(np.shape(valid)) != ids.shape:
     raise ValueError(f"valid has shape {tuple(np.shape(valid))}, the ids {ids.shape}")
-  seeds = jnp.asarray(_HASH_SEEDS[:int(num_hashes)], jnp.uint32)
   unsigned = jnp.issubdtype(ids.dtype, jnp.unsignedinteger)
+  high = outside = None
   if ids.dtype.itemsize == 8 or (unsigned and ids.dtype.itemsize == 4):
     # An id outside int32 mixes its high half, seeded per hash function, into its low
     # half, so that two such ids share every hash as rarely as two int32 ids do; an id
@@ -116,17 +118,27 @@ def hash_ids(ids: Array, num_buckets: int, num_hashes: int = 2,
     outside = ids > np.iinfo(np.int32).max
     if not unsigned:
       outside = outside | (ids < np.iinfo(np.int32).min)
-    low = ids.astype(xp.uint32)
-    high = (ids >> 32).astype(xp.uint32) if ids.dtype.itemsize == 8 else xp.zeros_like(low)
-    x = jnp.asarray(low)[..., None]
-    x = jnp.where(jnp.asarray(outside)[..., None],
-                  x ^ _mix32(jnp.asarray(high)[..., None] ^ _mix32(seeds)), x)
-  else:
-    x = jnp.asarray(ids).astype(jnp.uint32)[..., None]
+    high = (ids >> 32).astype(xp.uint32) if ids.dtype.itemsize == 8 else xp.zeros(
+        ids.shape, xp.uint32)
+  return _hash_halves(ids.astype(jnp.uint32) if isinstance(ids, jax.Array)
+                      else ids.astype(np.uint32), high, outside,
+                      None if valid is None else jnp.asarray(valid, bool),
+                      int(num_buckets), int(num_hashes))
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _hash_halves(low: Array, high: Array | None, outside: Array | None,
+                 valid: Array | None, num_buckets: int, num_hashes: int) -> Array:
+  """`hash_ids` of ids split into uint32 halves, as one program per shape (eagerly, its
+  dozen elementwise operations dispatched one by one cost more than the hashing)."""
+  seeds = jnp.asarray(_HASH_SEEDS[:num_hashes], jnp.uint32)
+  x = low[..., None]
+  if high is not None:
+    x = jnp.where(outside[..., None], x ^ _mix32(high[..., None] ^ _mix32(seeds)), x)
   mixed = _mix32(_mix32(x ^ seeds) + seeds)
-  hashes = (1 + mixed % jnp.uint32(int(num_buckets) - 1)).astype(jnp.int32)
+  hashes = (1 + mixed % jnp.uint32(num_buckets - 1)).astype(jnp.int32)
   if valid is not None:
-    hashes = jnp.where(jnp.asarray(valid, bool)[..., None], hashes, 0)
+    hashes = jnp.where(valid[..., None], hashes, 0)
   return hashes
 
 
