@@ -285,26 +285,35 @@ def retrieval_recall(system: training.RetrievalSystem, logs: Logs, rows: np.ndar
       jnp.asarray(pf.hash_ids(logs.catalogue_post, BUCKETS["post"], valid=valid)),
       jnp.asarray(pf.hash_ids(logs.catalogue_author, BUCKETS["author"], valid=valid))))
   runner.set_corpus(vectors, np.arange(len(logs.catalogue_post), dtype=np.int32))
-  batch, labels, mask = held_out(logs, rows)
-  liked = (labels[..., FAVORITE] > 0) & mask
-  has = liked.any(axis=1)
-  first = logs.list_post[rows, -1, np.argmax(liked, axis=1)]
+  batch, _, _ = held_out(logs, rows)
+  first, has = held_out_favorite(logs, rows)
   found = runner.retrieve(batch, system.tables(batch), top_k=top_k)
   retrieved = logs.catalogue_post[np.asarray(found.top_k_post_ids)]      # back to raw ids
   hits = (retrieved == first[:, None]).any(axis=1)
   return float(hits[has].mean())
 
 
+def _favorited(logs: Logs) -> np.ndarray:
+  """bool [U, L, C]: the candidates of each impression that were favorited."""
+  return (logs.list_labels[..., FAVORITE] > 0) & (
+      np.arange(CANDIDATES) < logs.list_len[..., None])
+
+
+def held_out_favorite(logs: Logs, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """The raw id of each user's first favorited candidate in its held-out impression, and
+  whether it has one (the others leave the recall)."""
+  held = _favorited(logs)[rows, -1]
+  return logs.list_post[rows, -1, np.argmax(held, axis=1)], held.any(axis=1)
+
+
 def popularity_recall(logs: Logs, rows: np.ndarray, top_k: int = 100) -> float:
   """`retrieval_recall` of a baseline without a model: the `top_k` posts favorited most
   often in the training impressions, the same list for every user."""
-  liked = (logs.list_labels[..., FAVORITE] > 0) & (
-      np.arange(CANDIDATES) < logs.list_len[..., None])
+  liked = _favorited(logs)
   posts, counts = np.unique(logs.list_post[:, :-1][liked[:, :-1]], return_counts=True)
   top = posts[np.argsort(-counts, kind="stable")[:top_k]]
-  held = liked[rows, -1]
-  first = logs.list_post[rows, -1, np.argmax(held, axis=1)]
-  return float(np.isin(first, top)[held.any(axis=1)].mean())
+  first, has = held_out_favorite(logs, rows)
+  return float(np.isin(first, top)[has].mean())
 
 
 def main(argv) -> None:
