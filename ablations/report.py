@@ -166,8 +166,8 @@ def interaction_matrix(results: Mapping, metric: str) -> list[str]:
 
 def interaction_lines(results: Mapping, metrics: Sequence[str]) -> list[str]:
   """The interaction tables of `metrics` under their explanation; empty without any."""
-  tables = [line for metric in metrics
-            for line in (lambda m: m + [""] if m else [])(interaction_matrix(results, metric))]
+  matrices = [interaction_matrix(results, metric) for metric in metrics]
+  tables = [line for m in matrices if m for line in m + [""]]
   if not tables:
     return []
   return ["Does the difference depend on the condition? Each cell: the arm's Δ at a level "
