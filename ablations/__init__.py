@@ -5,7 +5,7 @@ import importlib
 # The ablation scripts, by module name: `run_all` runs them and the tests check their
 # design and configs. A new ablation script joins them with one more name here.
 SCRIPTS = ("candidate_isolation", "rope_anchoring", "soft_capping", "sandwich_norm",
-           "gqa_ratio")
+           "gqa_ratio", "logq_correction")
 
 
 def modules(names=SCRIPTS) -> list:

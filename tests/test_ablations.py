@@ -647,7 +647,9 @@ ARMS = {   # per ablation, what each arm's name says it sets
     "candidate_isolation": {"isolated": {"model.candidate_isolation": True},
                             "causal": {"model.candidate_isolation": False}},
     "rope_anchoring": {"sequential": {"model.right_anchored_rope": False},
-                       "right_anchored": {"model.right_anchored_rope": True}}}
+                       "right_anchored": {"model.right_anchored_rope": True}},
+    "logq_correction": {"off": {"retrieval.logq_correction": False},
+                        "logq": {"retrieval.logq_correction": True}}}
 
 
 def _get(cfg, path):
@@ -658,7 +660,9 @@ def _get(cfg, path):
 
 def _cell_settings(part):
   """What one part of a condition cell's name says it sets."""
-  kind, value = re.fullmatch(r"(L|lr|corr|)(.+)", part).groups()
+  kind, value = re.fullmatch(r"(L|lr|corr|quality|)(.+)", part).groups()
+  if kind == "quality":
+    return {"world.quality_scale": float(value)}
   if kind == "L":
     return {"model.num_layers": int(value)}
   if kind == "lr":

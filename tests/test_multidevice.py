@@ -75,6 +75,8 @@ out["table_devices"] = len(table.sharding.device_set)
 rcfg = retrieval.get_config("smoke")
 rcfg.num_seeds = 2
 rcfg.retrieval.recall_k = (5, 200)   # half the corpus: a 20-step model finds some
+# With the logQ correction, whose counts add up positives from every device's rows.
+rcfg.retrieval.logq_correction = True
 for name, placement in (("retrieval", make_placement(1, False)),
                         ("mesh_retrieval", make_placement(8, True))):
   trainer, state, out[name + "_loss"] = train(placement, rcfg, chunks=2)

@@ -545,6 +545,12 @@ OUT_OF_RANGE = [
     ("ranking", {"train.steps_per_call": 0}, "train.steps_per_call=0 is invalid"),
     ("ranking", {"train.eval_batches": 0}, "train.eval_batches=0 is invalid"),
     ("retrieval", {"retrieval.temperature": 0.0}, "retrieval.temperature=0.0 is invalid"),
+    ("retrieval", {"retrieval.logq_correction": True, "retrieval.logq_decay": 1.0},
+     r"retrieval.logq_decay=1.0 is invalid: must be in \(0, 1\)"),
+    ("retrieval", {"retrieval.logq_decay": 0.99},
+     "retrieval.logq_decay=0.99 is invalid: only runs with retrieval.logq_correction=True"),
+    ("ranking", {"retrieval.logq_correction": True},
+     "retrieval.logq_correction=True is invalid: only retrieval runs read it"),
     ("ranking", {"output.keep_checkpoints": 0}, "output.keep_checkpoints=0 is invalid"),
     ("ranking", {"mesh.num_processes": 0}, "mesh.num_processes=0 is invalid"),
     ("ranking", {"mesh.process_id": -1}, "mesh.process_id=-1 is invalid"),
@@ -894,8 +900,8 @@ def test_a_nan_gradient_with_a_finite_loss_diverges_the_seed():
   sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
   original = trainer._loss
 
-  def loss_with_nan_gradient(params, sb):
-    loss, aux = original(params, sb)
+  def loss_with_nan_gradient(params, sb, sampling_counts=None):
+    loss, aux = original(params, sb, sampling_counts)
     x = jax.tree.leaves(params)[0]
     trap = jnp.where(True, 0.0, jnp.sqrt(-1.0 - jnp.sum(jnp.abs(x))))  # 0, gradient NaN
     return loss + trap, aux

@@ -27,7 +27,8 @@ from phoenix_flax.ranking import Diagnostics
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
-from phoenix_flax.training.loss import first_positive_rows, ranking_loss
+from phoenix_flax.training.loss import (first_positive_rows, ranking_loss,
+                                        update_sampling_counts)
 from phoenix_flax.training.schema import ExperimentSpec, check_optim
 from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
 from phoenix_flax.training.system import RankingSystem, RetrievalSystem
@@ -46,6 +47,9 @@ class TrainState(eqx.Module):
   diverged: Array        # bool
   diverged_step: Array   # int32, 1-based step of the first non-finite loss or gradient
                          # norm, -1 if none
+  # float32[post_buckets]: retrieval's decayed count of positives per post-hash bucket
+  # (`loss.update_sampling_counts`) with retrieval.logq_correction, None otherwise.
+  sampling_counts: Optional[Array] = None
 
 
 def make_system(spec: ExperimentSpec, key) -> System:
@@ -260,9 +264,12 @@ class Trainer:
   def _init_one(self, seed_key: Array) -> TrainState:
     init_key, data_key = jax.random.split(seed_key)
     params = eqx.filter(make_system(self.spec, init_key), eqx.is_array)
+    counts = (jnp.zeros((self.spec.world.post_buckets,), jnp.float32)
+              if self._logq_correction else None)
     return TrainState(params=params, opt_state=self.optimizer.init(params),
                       step=jnp.zeros((), jnp.int32), data_key=data_key,
-                      diverged=jnp.zeros((), bool), diverged_step=jnp.full((), -1, jnp.int32))
+                      diverged=jnp.zeros((), bool), diverged_step=jnp.full((), -1, jnp.int32),
+                      sampling_counts=counts)
 
   def init(self, seeds: Sequence[int]) -> TrainState:
     """Fresh states of `seeds`, stacked on a leading axis and placed on the mesh."""
@@ -271,7 +278,22 @@ class Trainer:
 
   # -- training ------------------------------------------------------------------------
 
-  def _loss(self, params: PyTree, sb) -> tuple[Array, dict]:
+  @property
+  def _logq_correction(self) -> bool:
+    return self.spec.task == "retrieval" and self.spec.config.retrieval.logq_correction
+
+  def _sampling_counts(self, state: TrainState, sb) -> Optional[Array]:
+    """The state's positive counts with this batch's positives added (logQ correction),
+    or None."""
+    if state.sampling_counts is None:
+      return None
+    r = self.spec.config.retrieval
+    hashes_B, has_B = RetrievalSystem.positive_hashes(
+        sb.batch, sb.labels, sb.candidate_mask, positive_action=r.positive_action)
+    return update_sampling_counts(state.sampling_counts, hashes_B, has_B, r.logq_decay)
+
+  def _loss(self, params: PyTree, sb, sampling_counts: Optional[Array] = None
+            ) -> tuple[Array, dict]:
     system = self.system(params)
     if self.spec.task == "ranking":
       out, diag = system.forward(sb.batch)
@@ -283,7 +305,8 @@ class Trainer:
     r = self.spec.config.retrieval
     loss, has_B, diag = system.in_batch_loss(
         sb.batch, sb.labels, sb.candidate_mask, sb.candidate_post_ids,
-        positive_action=r.positive_action, temperature=r.temperature)
+        positive_action=r.positive_action, temperature=r.temperature,
+        sampling_counts_H=sampling_counts)
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
@@ -324,7 +347,8 @@ class Trainer:
     are split into groups of `train.batch_size` (where that divides the evaluation batch)
     and each group is its own batch of negatives, since the loss grows with the number of
     users it contrasts (about log B for a model that knows nothing). Mean over the users
-    with a positive, and their number (to pool batches by)."""
+    with a positive, and their number (to pool batches by). Never logQ-corrected, so that
+    runs with and without `retrieval.logq_correction` compare on it."""
     B, G = user_BD.shape[0], self.spec.config.train.batch_size
     if G >= B or B % G:
       loss, has_B = self._retrieval_loss(system, sb, user_BD, cand_BCD)
@@ -345,7 +369,9 @@ class Trainer:
 
   def update(self, state: TrainState, sb) -> tuple[TrainState, dict]:
     """One optimizer step of one seed on a given batch (skipped once diverged)."""
-    (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, sb)
+    counts = self._sampling_counts(state, sb)
+    (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, sb,
+                                                                       counts)
     grad_norm = optax.tree_utils.tree_norm(grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -358,7 +384,9 @@ class Trainer:
         step=state.step + 1,
         data_key=state.data_key,
         diverged=state.diverged | ~finite,
-        diverged_step=jnp.where(newly, state.step + 1, state.diverged_step))
+        diverged_step=jnp.where(newly, state.step + 1, state.diverged_step),
+        sampling_counts=None if counts is None else jnp.where(ok, counts,
+                                                              state.sampling_counts))
     stats = {"loss": loss, "grad_norm": grad_norm,
              "learning_rate": self.schedule(state.step), **aux}
     return new_state, stats

@@ -70,7 +70,8 @@ def first_positive_rows(labels_BCA: Array, mask_BC: Array, action: int
 
 
 def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
-                          positive_ids_B: Optional[Array] = None) -> Array:
+                          positive_ids_B: Optional[Array] = None,
+                          log_q_B: Optional[Array] = None) -> Array:
   """Sampled softmax where every user's positive is every other user's negative.
 
   `scores_BB[b, j]` scores user b against user j's positive (the model's `scores(user_BD,
@@ -78,9 +79,15 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   without a positive (`valid_B` false) contribute no row and no negative column; when
   `positive_ids_B` is given, another user's positive that is the same post is not counted
   as a negative (other collisions stay: a post the user engaged with elsewhere in its
-  list is a negative when it is another user's positive, and there is no correction for
-  how often a post is sampled). Mean over valid rows. Every row keeps its own positive,
-  so the excluded columns can be -inf.
+  list is a negative when it is another user's positive). Mean over valid rows. Every row
+  keeps its own positive, so the excluded columns can be -inf.
+
+  The negatives are drawn as often as posts are positives, so without a correction a
+  popular post is pushed down more than a rare one. `log_q_B` (optional) is the log of
+  how often each user's positive is drawn (up to a constant, which cancels): it is
+  subtracted from column j's logits, `s_bj / temperature - log_q_j` (the logQ correction
+  of Yi et al. 2019, "Sampling-bias-corrected neural modeling for large corpus item
+  recommendations"); its values in columns of invalid users are ignored.
   """
   chex.assert_rank(scores_BB, 2, custom_message="in_batch_softmax_loss: scores must be [B, B]")
   B = scores_BB.shape[0]
@@ -89,6 +96,12 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   if positive_ids_B is not None:
     chex.assert_shape(positive_ids_B, (B,), custom_message="in_batch_softmax_loss: positive_ids")
   logits_BB = jnp.asarray(scores_BB, jnp.float32) / temperature
+  if log_q_B is not None:
+    chex.assert_shape(log_q_B, (B,), custom_message="in_batch_softmax_loss: log_q")
+    # An invalid user's value (the log of a zero count: -inf) must not reach the
+    # diagonal of its own row, whose loss is then NaN * 0 = NaN.
+    log_q_B = jnp.where(valid_B, jnp.asarray(log_q_B, jnp.float32), 0.0)
+    logits_BB = logits_BB - log_q_B[None, :]
   eye_BB = jnp.eye(B, dtype=bool)
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:
@@ -97,3 +110,23 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   per_B = jax.nn.logsumexp(logits_BB, axis=1) - jnp.diagonal(logits_BB)
   v_B = valid_B.astype(jnp.float32)
   return jnp.sum(per_B * v_B) / jnp.maximum(jnp.sum(v_B), 1.0)
+
+
+def update_sampling_counts(counts_H: Array, hashes_B: Array, present_B: Array,
+                           decay: float) -> Array:
+  """Streaming estimate of how often each post is drawn as an in-batch positive.
+
+  `counts_H` holds, per hash bucket, an exponentially decayed count of the positives seen
+  so far: each step multiplies it by `decay` and adds this batch's positives (`hashes_B`,
+  counted where `present_B`; a post in several rows counts several times). Updated before
+  the loss of the same batch, every present positive's count is at least 1, so its log is
+  finite. `log(counts_H[h])` is then `log_q` for `in_batch_softmax_loss` up to a constant
+  (the decayed total, the same for every column). Posts that share a bucket share a
+  count, as they share an embedding row. `1 / (1 - decay)` steps is the memory.
+  """
+  chex.assert_rank(counts_H, 1, custom_message="update_sampling_counts: counts must be [H]")
+  chex.assert_rank(hashes_B, 1, custom_message="update_sampling_counts: hashes must be [B]")
+  chex.assert_equal_shape([hashes_B, present_B],
+                          custom_message="update_sampling_counts: hashes and present")
+  added = jnp.asarray(present_B, jnp.asarray(counts_H).dtype)
+  return (decay * jnp.asarray(counts_H)).at[jnp.asarray(hashes_B)].add(added, mode="drop")

@@ -53,7 +53,11 @@ command line as `--config.<section>.<field>=value`):
                       list's size ranks the whole list, where recall is 1.0).
   retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
                       positive is its first candidate with this label), `recall_k` (K of
-                      recall@K against the corpus of every post; at most world.num_posts).
+                      recall@K against the corpus of every post; at most world.num_posts),
+                      `logq_correction` (subtract from each in-batch negative's logit the
+                      log of how often its post is a positive, estimated as a count per
+                      post-hash bucket that decays by `logq_decay` per step; the training
+                      loss only, evaluation's loss stays uncorrected).
   mesh.*              `num_devices` (1 = no mesh, -1 = all; batch sharded over a "data"
                       axis, parameters replicated), `shard_hash_tables` (rows of the hash
                       tables sharded over "data"; needs num_devices other than 1),
@@ -153,7 +157,8 @@ def base_config(task: str = "ranking") -> ml_collections.ConfigDict:
       action_weights=nullable(None), score_consistency=True))
   c.ranking = ml_collections.ConfigDict(dict(top_k=(5,)))
   c.retrieval = ml_collections.ConfigDict(dict(
-      temperature=0.05, positive_action=0, recall_k=(10, 100)))
+      temperature=0.05, positive_action=0, recall_k=(10, 100), logq_correction=False,
+      logq_decay=0.999))
   c.mesh = ml_collections.ConfigDict(dict(
       num_devices=1, shard_hash_tables=False, distributed=False,
       coordinator_address=nullable(None), num_processes=nullable(None),
@@ -429,6 +434,14 @@ def _check_metric_settings(c: ml_collections.ConfigDict, world: WorldConfig) -> 
          "retrieval.recall_k", r.recall_k, "give one or more distinct integers >= 1")
   _check(c.task != "retrieval" or max(ks) <= world.num_posts, "retrieval.recall_k",
          r.recall_k, f"K must be at most world.num_posts={world.num_posts} (the corpus size)")
+  _check(isinstance(r.logq_correction, bool), "retrieval.logq_correction", r.logq_correction,
+         "must be True or False")
+  _check(_is_num(r.logq_decay) and 0 < r.logq_decay < 1, "retrieval.logq_decay",
+         r.logq_decay, "must be in (0, 1): the factor the counts decay by per step")
+  default_decay = base_config("retrieval").retrieval.logq_decay
+  _check(r.logq_correction or r.logq_decay == default_decay, "retrieval.logq_decay",
+         r.logq_decay, "only runs with retrieval.logq_correction=True read it, so it would "
+         f"change nothing; leave it at {default_decay!r}")
 
 
 def _check_mesh(m: ml_collections.ConfigDict) -> None:

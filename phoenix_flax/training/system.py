@@ -125,27 +125,47 @@ class RetrievalSystem(eqx.Module):
     return self.model.candidate_tower(jnp.concatenate([post, author], axis=-2)[None])[0]
 
   def contrastive_loss(self, user_BD: Array, positive_BD: Array, has_B: Array,
-                       positive_ids_B: Optional[Array], temperature: float) -> Array:
+                       positive_ids_B: Optional[Array], temperature: float,
+                       log_q_B: Optional[Array] = None) -> Array:
     """`in_batch_softmax_loss` of each user against every user's positive, scored by the
     model (`PhoenixRetrievalModel.scores`)."""
     return in_batch_softmax_loss(self.model.scores(user_BD, positive_BD), has_B,
-                                 temperature, positive_ids_B)
+                                 temperature, positive_ids_B, log_q_B)
 
   def in_batch_loss(self, batch: RecsysBatch, labels_BCA: Array, mask_BC: Array,
                     post_ids_BC: Optional[Array], *, positive_action: int,
-                    temperature: float) -> tuple[Array, Array, Diagnostics]:
+                    temperature: float, sampling_counts_H: Optional[Array] = None
+                    ) -> tuple[Array, Array, Diagnostics]:
     """The retrieval training loss of a batch: each user's first valid candidate with
     `labels[..., positive_action] = 1` (`first_positive`) is its positive and every other
     user's negative (`contrastive_loss`). `post_ids_BC` (optional; any integer per post,
     equal for the same post) keeps two users' shared positive from counting as a
-    negative. Only the B positives go through the candidate tower. Returns the loss, which
-    users have a positive `[B]`, and the user tower's diagnostics."""
+    negative. `sampling_counts_H` (optional; `update_sampling_counts` of this batch's
+    `positive_hashes`) turns on the logQ correction: each positive's log count, looked up
+    by its first post hash, is its `log_q`. Only the B positives go through the candidate
+    tower. Returns the loss, which users have a positive `[B]`, and the user tower's
+    diagnostics."""
     user_BD, diag = self.user_forward(batch)
     at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
     positive_BD = self.corpus_representation(jnp.asarray(batch.candidate_post_hashes)[at],
                                              jnp.asarray(batch.candidate_author_hashes)[at])
     ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
-    return self.contrastive_loss(user_BD, positive_BD, has_B, ids_B, temperature), has_B, diag
+    log_q_B = None
+    if sampling_counts_H is not None:
+      # A positive whose count is 0 (counts not updated with this batch) gives a NaN loss.
+      hashes_B, _ = self.positive_hashes(batch, labels_BCA, mask_BC,
+                                         positive_action=positive_action)
+      log_q_B = jnp.log(sampling_counts_H[hashes_B])
+    loss = self.contrastive_loss(user_BD, positive_BD, has_B, ids_B, temperature, log_q_B)
+    return loss, has_B, diag
+
+  @staticmethod
+  def positive_hashes(batch: RecsysBatch, labels_BCA: Array, mask_BC: Array, *,
+                      positive_action: int) -> tuple[Array, Array]:
+    """The first post hash `[B]` of each user's positive (`in_batch_loss`'s choice), and
+    which users have one `[B]`: what `update_sampling_counts` counts."""
+    at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
+    return jnp.asarray(batch.candidate_post_hashes)[at][:, 0], has_B
 
   def __call__(self, batch: RecsysBatch, corpus_ND: Array, top_k: int,
                corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:

@@ -1,0 +1,127 @@
+"""The retriever's logQ correction (`retrieval.logq_correction`): the loss's column shift,
+the streaming counts, their place in the training state and in checkpoints. (Its config
+checks are cases of `OUT_OF_RANGE` in tests/test_training.py; 8 devices against one, in
+tests/test_multidevice.py.)"""
+
+from __future__ import annotations
+
+import os
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.configs import retrieval as retrieval_configs
+from phoenix_flax.training import Trainer, checkpoint, run_experiment
+from phoenix_flax.training.loop import unstack
+from phoenix_flax.training.loss import in_batch_softmax_loss, update_sampling_counts
+from phoenix_flax.training.runner import load_checkpoint
+from phoenix_flax.training.schema import parse_config
+from phoenix_flax.training.system import RetrievalSystem
+
+
+def logq_config(**train):
+  c = retrieval_configs.get_config("smoke")
+  c.retrieval.logq_correction = True
+  c.train.update(train)
+  return c
+
+
+def test_the_correction_subtracts_each_columns_log_frequency():
+  rng = np.random.default_rng(0)
+  scores = rng.normal(size=(5, 5)).astype(np.float32)
+  valid = np.array([True, True, False, True, True])
+  ids = np.array([3, 4, 5, 3, 6])
+  # The invalid user's log q is -inf (a zero count): it must reach neither its own row
+  # nor any column.
+  log_q = np.array([0.5, -1.0, -np.inf, 2.0, 0.0], np.float32)
+  t = 0.1
+  logits = scores / t - np.where(valid, log_q, 0.0)[None, :]
+  expected = []
+  for b in np.flatnonzero(valid):
+    cols = [j for j in range(5) if j == b or (valid[j] and ids[j] != ids[b])]
+    expected.append(np.log(np.exp(logits[b, cols]).sum()) - logits[b, b])
+  got = in_batch_softmax_loss(scores, valid, t, ids, log_q)
+  assert np.isfinite(float(got))
+  np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
+  # Only the differences between columns matter: a constant log q changes nothing.
+  plain = in_batch_softmax_loss(scores, valid, t, ids)
+  np.testing.assert_allclose(in_batch_softmax_loss(scores, valid, t, ids, np.full(5, -3.0)),
+                             plain, rtol=1e-6)
+  with pytest.raises(AssertionError, match="log_q"):
+    in_batch_softmax_loss(scores, valid, t, ids, log_q[:4])
+
+
+def test_sampling_counts_decay_and_count_every_present_positive():
+  counts = np.zeros(6, np.float32)
+  hashes, present = np.array([1, 3, 1, 5]), np.array([True, True, True, False])
+  once = update_sampling_counts(counts, hashes, present, 0.5)
+  np.testing.assert_array_equal(once, [0, 2, 0, 1, 0, 0])    # a post twice: 2
+  twice = update_sampling_counts(once, hashes, present, 0.5)
+  np.testing.assert_array_equal(twice, [0, 3, 0, 1.5, 0, 0])
+  with pytest.raises(AssertionError, match="hashes and present"):
+    update_sampling_counts(counts, hashes, present[:3], 0.5)
+
+
+def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
+  """After a chunk, the state's counts are the decayed sum of every step's positives, by
+  first post hash; each step's loss is the in-batch loss with those counts' log as log q."""
+  spec = parse_config(logq_config())
+  trainer = Trainer(spec)
+  r, n = spec.config.retrieval, spec.config.train.steps_per_call
+  start = unstack(trainer.init([0]), 0)
+  assert start.sampling_counts.shape == (spec.world.post_buckets,)
+  assert Trainer(parse_config(retrieval_configs.get_config("smoke"))).init(
+      [0]).sampling_counts is None                      # off: no state, as before
+
+  # Counts as after earlier steps, uneven, so that the first step's log q differs
+  # between posts (from zero counts, a step's positives are mostly counted once each).
+  seeded = np.random.default_rng(0).uniform(1, 50, spec.world.post_buckets)
+  start = eqx.tree_at(lambda s: s.sampling_counts, start, jnp.asarray(seeded, jnp.float32))
+  sample = eqx.filter_jit(trainer.sample_train_batch)
+  expected = seeded.copy()
+  first_loss = None
+  for i in range(n):
+    sb = sample(trainer.world, eqx.tree_at(lambda s: s.step, start, jnp.int32(i)))
+    hashes, has = RetrievalSystem.positive_hashes(sb.batch, sb.labels, sb.candidate_mask,
+                                                  positive_action=r.positive_action)
+    assert np.asarray(has).any()
+    expected *= r.logq_decay
+    np.add.at(expected, np.asarray(hashes)[np.asarray(has)], 1.0)
+    if i == 0:
+      system = trainer.system(start.params)
+      user, _ = system.user_forward(sb.batch)
+      at = (np.arange(len(hashes)), np.argmax(
+          (np.asarray(sb.labels)[..., r.positive_action] > 0) & np.asarray(sb.candidate_mask),
+          axis=1))
+      positive = system.corpus_representation(np.asarray(sb.batch.candidate_post_hashes)[at],
+                                              np.asarray(sb.batch.candidate_author_hashes)[at])
+      log_q = np.log(np.where(has, expected[np.asarray(hashes)], 1.0))
+      first_loss = in_batch_softmax_loss(system.model.scores(user, positive), has,
+                                         r.temperature, np.asarray(sb.candidate_post_ids)[at],
+                                         log_q)
+  stacked = trainer.init([0])
+  stacked = eqx.tree_at(lambda s: s.sampling_counts, stacked,
+                        jnp.asarray(seeded[None], jnp.float32))
+  state, stats = trainer.train_chunk(stacked)
+  np.testing.assert_allclose(np.asarray(state.sampling_counts[0]), expected, rtol=1e-5)
+  np.testing.assert_allclose(float(stats["loss"][0, 0]), float(first_loss), rtol=1e-5)
+  plain = Trainer(parse_config(retrieval_configs.get_config("smoke")))
+  _, plain_stats = plain.train_chunk(plain.init([0]))
+  assert abs(float(plain_stats["loss"][0, 0]) - float(first_loss)) > 0.01
+
+
+def test_a_resumed_run_restores_the_counts_and_ends_as_an_uninterrupted_one(tmp_path):
+  config = logq_config(num_steps=20, checkpoint_every=10, eval_every=10)
+  want = run_experiment(config, str(tmp_path / "whole"))
+  run_dir = str(tmp_path / "resumed")
+  run_experiment(config, run_dir)
+  os.remove(os.path.join(run_dir, "result.json"))     # as if killed after step 10's
+  os.remove(os.path.join(run_dir, "checkpoint", f"step_{20:09d}.eqx"))
+  assert checkpoint.available_steps(run_dir) == [10]
+  trainer = Trainer(parse_config(config))
+  state, _ = load_checkpoint(trainer, run_dir, 10)
+  assert np.asarray(state.sampling_counts).sum() > 0
+  got = run_experiment(config, run_dir)
+  assert got[0]["steps"] == 20 and got[0]["final"] == want[0]["final"]
