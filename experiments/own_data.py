@@ -249,21 +249,40 @@ def serve_one_user(system: training.RankingSystem, logs: Logs, row: int) -> pf.R
   return ranked
 
 
+def positive_counts(logs: Logs) -> np.ndarray:
+  """float32 `[2, post buckets]`: a count sketch (`training.update_sampling_counts`'s
+  layout: a row per post hash function) of the training examples' positives. An example
+  is an impression before the user's last, which `training_batches` draws uniformly; its
+  positive is its first favorited candidate. For the logQ correction: the rate at which a
+  post turns up as another user's negative is proportional to its count."""
+  liked = _favorited(logs)[:, :-1]                                     # [U, L-1, C]
+  first = np.take_along_axis(logs.list_post[:, :-1], np.argmax(liked, axis=-1)[..., None],
+                             axis=-1)[..., 0]
+  hashes = np.asarray(pf.hash_ids(first[liked.any(axis=-1)], BUCKETS["post"]))   # [N, 2]
+  return np.stack([np.bincount(h, minlength=BUCKETS["post"]) for h in hashes.T]
+                  ).astype(np.float32)
+
+
 def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
-                    init_scale: float = 0.05) -> training.RetrievalSystem:
+                    init_scale: float = 0.05, logq: bool = True
+                    ) -> training.RetrievalSystem:
   config = pf.PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=64,
                                           history_seq_len=HISTORY,
                                           product_surface_vocab_size=SURFACES)
   system = training.RetrievalSystem(config, BUCKETS["user"], BUCKETS["post"],
                                     BUCKETS["author"], key=jax.random.key(seed + 2),
                                     init_scale=init_scale)
+  # Counted once over the logs (which do not change), rather than streamed as the
+  # runner's `retrieval.logq_correction` does.
+  counts = jnp.asarray(positive_counts(logs)) if logq else None
 
   def loss_fn(system, batch, labels, mask):
     # The same post favorited by two users of a batch is not a negative for either:
     # any integer per post serves as its id here, so the first hash does.
     post_ids = batch.candidate_post_hashes[..., 0]
     loss, _, _ = system.in_batch_loss(batch, labels, mask, post_ids,
-                                      positive_action=FAVORITE, temperature=0.05)
+                                      positive_action=FAVORITE, temperature=0.05,
+                                      sampling_counts_KH=counts)
     return loss
 
   system, losses = fit(system, loss_fn, training_batches(logs, batch_size, seed + 3),

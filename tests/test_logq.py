@@ -15,7 +15,8 @@ import pytest
 from experiments.configs import retrieval as retrieval_configs
 from phoenix_flax.training import Trainer, checkpoint, run_experiment
 from phoenix_flax.training.loop import unstack
-from phoenix_flax.training.loss import in_batch_softmax_loss, update_sampling_counts
+from phoenix_flax.training.loss import (in_batch_softmax_loss, sampling_log_q,
+                                        update_sampling_counts)
 from phoenix_flax.training.runner import load_checkpoint
 from phoenix_flax.training.schema import parse_config
 from phoenix_flax.training.system import RetrievalSystem
@@ -54,14 +55,21 @@ def test_the_correction_subtracts_each_columns_log_frequency():
 
 
 def test_sampling_counts_decay_and_count_every_present_positive():
-  counts = np.zeros(6, np.float32)
-  hashes, present = np.array([1, 3, 1, 5]), np.array([True, True, True, False])
+  counts = np.zeros((2, 6), np.float32)
+  hashes = np.array([[1, 2], [3, 2], [1, 4], [5, 5]])     # [B, K]: posts 0 and 2 are one post
+  present = np.array([True, True, True, False])
   once = update_sampling_counts(counts, hashes, present, 0.5)
-  np.testing.assert_array_equal(once, [0, 2, 0, 1, 0, 0])    # a post twice: 2
+  np.testing.assert_array_equal(once, [[0, 2, 0, 1, 0, 0], [0, 0, 2, 0, 1, 0]])
   twice = update_sampling_counts(once, hashes, present, 0.5)
-  np.testing.assert_array_equal(twice, [0, 3, 0, 1.5, 0, 0])
-  with pytest.raises(AssertionError, match="hashes and present"):
+  np.testing.assert_array_equal(twice, [[0, 3, 0, 1.5, 0, 0], [0, 0, 3, 0, 1.5, 0]])
+  # The estimate is each post's smallest count over its hash functions: post 1 shares
+  # bucket 2 of the second function with post 0, but not its bucket 3 of the first.
+  np.testing.assert_allclose(sampling_log_q(twice, hashes[:2]), np.log([3.0, 1.5]))
+  assert sampling_log_q(twice, np.array([[5, 5]]))[0] == -np.inf   # never counted
+  with pytest.raises(AssertionError, match="present must be"):
     update_sampling_counts(counts, hashes, present[:3], 0.5)
+  with pytest.raises(AssertionError, match="hashes must be"):
+    update_sampling_counts(counts, hashes[:, :1], present, 0.5)
 
 
 def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
@@ -71,13 +79,14 @@ def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
   trainer = Trainer(spec)
   r, n = spec.config.retrieval, spec.config.train.steps_per_call
   start = unstack(trainer.init([0]), 0)
-  assert start.sampling_counts.shape == (spec.world.post_buckets,)
+  K, H = spec.world.num_item_hashes, spec.world.post_buckets
+  assert start.sampling_counts.shape == (K, H)
   assert Trainer(parse_config(retrieval_configs.get_config("smoke"))).init(
       [0]).sampling_counts is None                      # off: no state, as before
 
   # Counts as after earlier steps, uneven, so that the first step's log q differs
   # between posts (from zero counts, a step's positives are mostly counted once each).
-  seeded = np.random.default_rng(0).uniform(1, 50, spec.world.post_buckets)
+  seeded = np.random.default_rng(0).uniform(1, 50, (K, H))
   start = eqx.tree_at(lambda s: s.sampling_counts, start, jnp.asarray(seeded, jnp.float32))
   sample = eqx.filter_jit(trainer.sample_train_batch)
   expected = seeded.copy()
@@ -88,7 +97,8 @@ def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
                                                   positive_action=r.positive_action)
     assert np.asarray(has).any()
     expected *= r.logq_decay
-    np.add.at(expected, np.asarray(hashes)[np.asarray(has)], 1.0)
+    for k in range(K):
+      np.add.at(expected[k], np.asarray(hashes)[np.asarray(has), k], 1.0)
     if i == 0:
       system = trainer.system(start.params)
       user, _ = system.user_forward(sb.batch)
@@ -97,7 +107,8 @@ def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
           axis=1))
       positive = system.corpus_representation(np.asarray(sb.batch.candidate_post_hashes)[at],
                                               np.asarray(sb.batch.candidate_author_hashes)[at])
-      log_q = np.log(np.where(has, expected[np.asarray(hashes)], 1.0))
+      h = np.asarray(hashes)
+      log_q = np.log(np.where(has, np.minimum(expected[0, h[:, 0]], expected[1, h[:, 1]]), 1.0))
       first_loss = in_batch_softmax_loss(system.model.scores(user, positive), has,
                                          r.temperature, np.asarray(sb.candidate_post_ids)[at],
                                          log_q)

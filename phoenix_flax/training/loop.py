@@ -47,7 +47,7 @@ class TrainState(eqx.Module):
   diverged: Array        # bool
   diverged_step: Array   # int32, 1-based step of the first non-finite loss or gradient
                          # norm, -1 if none
-  # float32[post_buckets]: retrieval's decayed count of positives per post-hash bucket
+  # float32[num_item_hashes, post_buckets]: retrieval's decayed count sketch of positives
   # (`loss.update_sampling_counts`) with retrieval.logq_correction, None otherwise.
   sampling_counts: Optional[Array] = None
 
@@ -264,7 +264,8 @@ class Trainer:
   def _init_one(self, seed_key: Array) -> TrainState:
     init_key, data_key = jax.random.split(seed_key)
     params = eqx.filter(make_system(self.spec, init_key), eqx.is_array)
-    counts = (jnp.zeros((self.spec.world.post_buckets,), jnp.float32)
+    K = self.spec.world.num_item_hashes
+    counts = (jnp.zeros((K, self.spec.world.post_buckets), jnp.float32)
               if self._logq_correction else None)
     return TrainState(params=params, opt_state=self.optimizer.init(params),
                       step=jnp.zeros((), jnp.int32), data_key=data_key,
@@ -288,9 +289,9 @@ class Trainer:
     if state.sampling_counts is None:
       return None
     r = self.spec.config.retrieval
-    hashes_B, has_B = RetrievalSystem.positive_hashes(
+    hashes_BK, has_B = RetrievalSystem.positive_hashes(
         sb.batch, sb.labels, sb.candidate_mask, positive_action=r.positive_action)
-    return update_sampling_counts(state.sampling_counts, hashes_B, has_B, r.logq_decay)
+    return update_sampling_counts(state.sampling_counts, hashes_BK, has_B, r.logq_decay)
 
   def _loss(self, params: PyTree, sb, sampling_counts: Optional[Array] = None
             ) -> tuple[Array, dict]:
@@ -306,7 +307,7 @@ class Trainer:
     loss, has_B, diag = system.in_batch_loss(
         sb.batch, sb.labels, sb.candidate_mask, sb.candidate_post_ids,
         positive_action=r.positive_action, temperature=r.temperature,
-        sampling_counts_H=sampling_counts)
+        sampling_counts_KH=sampling_counts)
     return loss, {"positive_fraction": jnp.mean(has_B.astype(jnp.float32)),
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}

@@ -112,21 +112,41 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   return jnp.sum(per_B * v_B) / jnp.maximum(jnp.sum(v_B), 1.0)
 
 
-def update_sampling_counts(counts_H: Array, hashes_B: Array, present_B: Array,
+def update_sampling_counts(counts_KH: Array, hashes_BK: Array, present_B: Array,
                            decay: float) -> Array:
   """Streaming estimate of how often each post is drawn as an in-batch positive.
 
-  `counts_H` holds, per hash bucket, an exponentially decayed count of the positives seen
-  so far: each step multiplies it by `decay` and adds this batch's positives (`hashes_B`,
-  counted where `present_B`; a post in several rows counts several times). Updated before
-  the loss of the same batch, every present positive's count is at least 1, so its log is
-  finite. `log(counts_H[h])` is then `log_q` for `in_batch_softmax_loss` up to a constant
-  (the decayed total, the same for every column). Posts that share a bucket share a
-  count, as they share an embedding row. `1 / (1 - decay)` steps is the memory.
+  `counts_KH` is a count-min sketch of the positives seen so far: per hash function k and
+  bucket, an exponentially decayed count. Each step multiplies it by `decay` and adds this
+  batch's positives (`hashes_BK`, each positive's K post hashes, counted where
+  `present_B`; a post in several rows counts several times) in every row k.
+  `sampling_log_q` reads it back. `1 / (1 - decay)` steps is its memory.
   """
-  chex.assert_rank(counts_H, 1, custom_message="update_sampling_counts: counts must be [H]")
-  chex.assert_rank(hashes_B, 1, custom_message="update_sampling_counts: hashes must be [B]")
-  chex.assert_equal_shape([hashes_B, present_B],
-                          custom_message="update_sampling_counts: hashes and present")
-  added = jnp.asarray(present_B, jnp.asarray(counts_H).dtype)
-  return (decay * jnp.asarray(counts_H)).at[jnp.asarray(hashes_B)].add(added, mode="drop")
+  chex.assert_rank(counts_KH, 2, custom_message="update_sampling_counts: counts must be [K, H]")
+  K = jnp.shape(counts_KH)[0]
+  chex.assert_shape(hashes_BK, (None, K),
+                    custom_message="update_sampling_counts: hashes must be [B, K]")
+  chex.assert_shape(present_B, (jnp.shape(hashes_BK)[0],),
+                    custom_message="update_sampling_counts: present must be [B]")
+  counts_KH = jnp.asarray(counts_KH)
+  hashes_BK = jnp.asarray(hashes_BK)
+  rows_BK = jnp.broadcast_to(jnp.arange(K), hashes_BK.shape)
+  added_BK = jnp.broadcast_to(jnp.asarray(present_B, counts_KH.dtype)[:, None], hashes_BK.shape)
+  return (decay * counts_KH).at[rows_BK, hashes_BK].add(added_BK, mode="drop")
+
+
+def sampling_log_q(counts_KH: Array, hashes_BK: Array) -> Array:
+  """`log_q` `[B]` for `in_batch_softmax_loss`, up to a constant: the log of each post's
+  count in the sketch, the smallest over its K hash functions (a count-min estimate: a
+  post that shares a bucket with a popular one under one function rarely does under all
+  of them; one hash alone let a fifth of the cpu preset's posts inherit another post's
+  count). Counts updated with this batch (`update_sampling_counts`) give every present
+  positive a count of at least 1; a count of 0 gives -inf, which `in_batch_softmax_loss`
+  ignores for users without a positive and turns into a NaN loss for the others.
+  """
+  chex.assert_rank(counts_KH, 2, custom_message="sampling_log_q: counts must be [K, H]")
+  hashes_BK = jnp.asarray(hashes_BK)
+  chex.assert_shape(hashes_BK, (None, jnp.shape(counts_KH)[0]),
+                    custom_message="sampling_log_q: hashes must be [B, K]")
+  rows_BK = jnp.broadcast_to(jnp.arange(hashes_BK.shape[1]), hashes_BK.shape)
+  return jnp.log(jnp.min(jnp.asarray(counts_KH)[rows_BK, hashes_BK], axis=1))

@@ -23,7 +23,8 @@ from phoenix_flax.inference import (_check_values, _field, check_left_aligned,
                                     validate_batch)
 from phoenix_flax.ranking import Diagnostics, PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel, RetrievalOutput
-from phoenix_flax.training.loss import first_positive_rows, in_batch_softmax_loss
+from phoenix_flax.training.loss import (first_positive_rows, in_batch_softmax_loss,
+                                        sampling_log_q)
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
 
 
@@ -134,16 +135,16 @@ class RetrievalSystem(eqx.Module):
 
   def in_batch_loss(self, batch: RecsysBatch, labels_BCA: Array, mask_BC: Array,
                     post_ids_BC: Optional[Array], *, positive_action: int,
-                    temperature: float, sampling_counts_H: Optional[Array] = None
+                    temperature: float, sampling_counts_KH: Optional[Array] = None
                     ) -> tuple[Array, Array, Diagnostics]:
     """The retrieval training loss of a batch: each user's first valid candidate with
     `labels[..., positive_action] = 1` (`first_positive`) is its positive and every other
     user's negative (`contrastive_loss`). `post_ids_BC` (optional; any integer per post,
     equal for the same post) keeps two users' shared positive from counting as a
-    negative. `sampling_counts_H` (optional; `update_sampling_counts` of this batch's
-    `positive_hashes`) turns on the logQ correction: each positive's log count, looked up
-    by its first post hash, is its `log_q`. Only the B positives go through the candidate
-    tower. Returns the loss, which users have a positive `[B]`, and the user tower's
+    negative. `sampling_counts_KH` (optional; a count sketch that includes this batch's
+    `positive_hashes`, from `update_sampling_counts`) turns on the logQ correction: each
+    positive's `sampling_log_q` is its `log_q`. Only the B positives go through the
+    candidate tower. Returns the loss, which users have a positive `[B]`, and the user tower's
     diagnostics."""
     user_BD, diag = self.user_forward(batch)
     at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
@@ -151,21 +152,20 @@ class RetrievalSystem(eqx.Module):
                                              jnp.asarray(batch.candidate_author_hashes)[at])
     ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
     log_q_B = None
-    if sampling_counts_H is not None:
-      # A positive whose count is 0 (counts not updated with this batch) gives a NaN loss.
-      hashes_B, _ = self.positive_hashes(batch, labels_BCA, mask_BC,
-                                         positive_action=positive_action)
-      log_q_B = jnp.log(sampling_counts_H[hashes_B])
+    if sampling_counts_KH is not None:
+      hashes_BK, _ = self.positive_hashes(batch, labels_BCA, mask_BC,
+                                          positive_action=positive_action)
+      log_q_B = sampling_log_q(sampling_counts_KH, hashes_BK)
     loss = self.contrastive_loss(user_BD, positive_BD, has_B, ids_B, temperature, log_q_B)
     return loss, has_B, diag
 
   @staticmethod
   def positive_hashes(batch: RecsysBatch, labels_BCA: Array, mask_BC: Array, *,
                       positive_action: int) -> tuple[Array, Array]:
-    """The first post hash `[B]` of each user's positive (`in_batch_loss`'s choice), and
+    """The post hashes `[B, K]` of each user's positive (`in_batch_loss`'s choice), and
     which users have one `[B]`: what `update_sampling_counts` counts."""
     at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
-    return jnp.asarray(batch.candidate_post_hashes)[at][:, 0], has_B
+    return jnp.asarray(batch.candidate_post_hashes)[at], has_B
 
   def __call__(self, batch: RecsysBatch, corpus_ND: Array, top_k: int,
                corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
