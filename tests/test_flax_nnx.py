@@ -66,6 +66,29 @@ def test_every_switch_reaches_the_nnx_round_trip():
           "RANKING_CONFIGS (tests/test_flax_nnx.py)")
 
 
+# Non-default retrieval switches: the mean-pool candidate tower (no tower parameters),
+# under a pre-norm transformer.
+RETRIEVAL_CONFIGS = {
+    "mean_pool_pre": lambda: retrieval_config(
+        enable_linear_proj=False, transformer=transformer_config(norm_layout="pre")),
+}
+
+
+def test_every_retrieval_switch_reaches_the_nnx_round_trip():
+  """The exact retrieval round trip below compares configs too, but only for a switch
+  that some case of RETRIEVAL_CONFIGS sets away from its default: every retrieval switch
+  (`RETRIEVAL_SWITCHES` of tests/test_retrieval.py; the transformer's are
+  RANKING_CONFIGS') has to be set here."""
+  from test_ranking import _field_default
+  from test_retrieval import RETRIEVAL_SWITCHES
+  configs = [make() for make in RETRIEVAL_CONFIGS.values()]
+  for field in sorted(RETRIEVAL_SWITCHES):
+    default = _field_default(pf.PhoenixRetrievalModelConfig, field)
+    assert any(getattr(c, field) != default for c in configs), (
+        f"PhoenixRetrievalModelConfig.{field} is set away from its default by no case of "
+        "RETRIEVAL_CONFIGS (tests/test_flax_nnx.py)")
+
+
 def assert_same_module(got, want, same_arrays: bool = False):
   """Same treedef (static fields and configs included), equal arrays (bit for bit, same
   dtype); with `same_arrays` the very same array objects."""
@@ -138,20 +161,29 @@ def test_ranking_model_round_trip_and_outputs_are_exact(name):
 
 
 @needs_flax
-def test_retrieval_model_and_systems_round_trip_exactly(ranking_system):
-  config = retrieval_config(enable_linear_proj=False,
-                            transformer=transformer_config(norm_layout="pre"))
+@pytest.mark.parametrize("name", RETRIEVAL_CONFIGS)
+def test_retrieval_model_round_trip_and_outputs_are_exact(name):
+  config = RETRIEVAL_CONFIGS[name]()
   model = pf.PhoenixRetrievalModel(config, key=jax.random.key(0))
   wrapped = flax_nnx.to_nnx(model)
   assert isinstance(wrapped, flax_nnx.NNXPhoenixRetrievalModel)
-  assert not any(p.startswith("params/candidate_tower") for p in state_paths(wrapped))
-  assert_same_module(flax_nnx.to_equinox(wrapped), model, same_arrays=True)
+  paths = state_paths(wrapped)
+  assert set(paths.values()) == {nnx.Param}
+  assert len(paths) == len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+  assert any(p.startswith("params/candidate_tower") for p in paths) == (
+      config.enable_linear_proj)
+  back = flax_nnx.to_equinox(wrapped)
+  assert_same_module(back, model, same_arrays=True)
+  assert back.config is config and wrapped.config is config
   batch, embeddings = pf.example_batch(config, batch_size=2, key=jax.random.key(1))
   corpus, _ = pf.example_corpus(8, config.emb_size, jax.random.key(2))
   retrieve = lambda m, b, e, c: m(b, e, c, 3)
   assert_trees_equal(nnx.jit(retrieve)(wrapped, batch, embeddings, corpus),
                      eqx.filter_jit(retrieve)(model, batch, embeddings, corpus))
 
+
+@needs_flax
+def test_retrieval_systems_round_trip_exactly(ranking_system):
   retrieval_system = RetrievalSystem(retrieval_config(), 64, 128, 32, key=jax.random.key(4))
   for system, cls in ((ranking_system, flax_nnx.NNXRankingSystem),
                       (retrieval_system, flax_nnx.NNXRetrievalSystem)):

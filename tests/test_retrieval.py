@@ -1,5 +1,7 @@
 """Two-tower retrieval: candidate tower modes, user tower, top-k and corpus masking."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import pytest
 
 import phoenix_flax as pf
 from conftest import EMB, call, make_batch, retrieval_config
+from phoenix_flax import haiku_compat
 from phoenix_flax.retrieval import MASKED_SCORE, l2_normalize
 
 B, C, HASHES, CORPUS, TOP_K = 4, 8, 4, 100, 10
@@ -241,3 +244,100 @@ def test_every_transformer_switch_reaches_the_user_tower(switch, value):
     batch, emb = make_batch(config, 2, 3)
     reps.append(call(lambda m, b, e: m.build_user_representation(b, e)[0], model, batch, emb))
   assert float(jnp.max(jnp.abs(reps[0] - reps[1]))) > 1e-5, f"{switch}={value!r}"
+
+
+# The `PhoenixRetrievalModelConfig` fields that retrieval tests must set away from their
+# defaults: every one that export refuses away from its default (every new switch, until it
+# joins `haiku_compat._FREE_FIELDS`; the release's fields are all free, so none yet), and
+# `enable_linear_proj` (free, since the later release names the tower's parameters, but it
+# changes what the model computes), as `right_anchored_rope` is for the ranking grid. The
+# transformer's switches are the ranking grid's (`GRID_SWITCHES` of tests/test_ranking.py),
+# and `test_every_transformer_switch_reaches_the_user_tower` above covers them here. Each
+# must be set by a case of RETRIEVAL_CASES below, of `RETRIEVAL_CONFIGS`
+# (tests/test_flax_nnx.py) and of `GRADIENT_CASES` (tests/test_training.py).
+RETRIEVAL_SWITCHES = ({f.name for f in dataclasses.fields(pf.PhoenixRetrievalModelConfig)}
+                      - haiku_compat._FREE_FIELDS[pf.PhoenixRetrievalModelConfig]
+                      | {"enable_linear_proj"})
+# Retrieval model cases: their keys go to the `PhoenixRetrievalModelConfig` fields of their
+# names (the conftest's small transformer and shapes otherwise); together they set every
+# retrieval switch (`test_every_retrieval_switch_is_set_in_a_case` checks it).
+RETRIEVAL_CASES = {
+    "mean_pool": dict(enable_linear_proj=False),
+}
+
+
+def _retrieval_case(name: str, case: dict) -> pf.PhoenixRetrievalModelConfig:
+  """The config of a retrieval case; a key that names no retrieval-model field is refused
+  instead of falling back to the default (the transformer's fields go to the ranking
+  grid)."""
+  fields = {f.name for f in dataclasses.fields(pf.PhoenixRetrievalModelConfig)}
+  unknown = set(case) - (fields - {"model"})
+  if unknown:
+    raise KeyError(f"retrieval case {name!r}: {sorted(unknown)} name no "
+                   "PhoenixRetrievalModelConfig field")
+  return retrieval_config(**case)
+
+
+def test_every_retrieval_switch_is_set_in_a_case():
+  """Step 6 of adding an idea: a `PhoenixRetrievalModelConfig` switch has no isolated-vs-
+  dense grid, so a case of RETRIEVAL_CASES sets it away from its default and the test
+  below checks that it changes what the model computes (a switch that no path implements
+  would pass every other retrieval test). A typo in a case is an error too."""
+  from test_ranking import _field_default
+  for name, case in RETRIEVAL_CASES.items():
+    config = _retrieval_case(name, case)
+    assert all(getattr(config, k) == v for k, v in case.items()), name
+  for field in sorted(RETRIEVAL_SWITCHES):
+    default = _field_default(pf.PhoenixRetrievalModelConfig, field)
+    assert any(field in c and c[field] != default for c in RETRIEVAL_CASES.values()), (
+        f"PhoenixRetrievalModelConfig.{field} is set away from its default ({default!r}) by "
+        "no case of RETRIEVAL_CASES (tests/test_retrieval.py)")
+  with pytest.raises(KeyError, match=r"\['enable_linear_prj'\] name no"):
+    _retrieval_case("typo", dict(enable_linear_prj=False))
+
+
+def _with_shared_arrays(model, reference, seed: int = 0):
+  """`model` with every array that `reference` has too (same path and shape) taken from
+  `reference`, and each of its own (the switch's parameters) moved off its initial value
+  by noise: so the two differ only in what the switch changes, and a parameter that starts
+  as the identity (a scale at 1, a gate at 0) acts."""
+  rng = np.random.default_rng(seed)
+  shared = {jax.tree_util.keystr(p): x
+            for p, x in jax.tree_util.tree_leaves_with_path(eqx.filter(reference, eqx.is_array))}
+  params, static = eqx.partition(model, eqx.is_array)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  out = []
+  for path, x in leaves:
+    same = shared.get(jax.tree_util.keystr(path))
+    out.append(same if same is not None and same.shape == x.shape else
+               x + jnp.asarray(0.5 * rng.standard_normal(x.shape), x.dtype))
+  return eqx.combine(jax.tree_util.tree_unflatten(treedef, out), static)
+
+
+def _retrieval_outputs(model, batch, emb, corpus_ND):
+  """What training and serving read: the user vectors, `scores` against the batch's
+  candidates (the in-batch loss's) and `retrieve`'s scores over the whole corpus."""
+  user_BD, _ = model.build_user_representation(batch, emb)
+  cand_BCD, _ = model.build_candidate_representation(batch, emb)
+  scores_BN = model.scores(user_BD, cand_BCD.reshape(-1, cand_BCD.shape[-1]))
+  return user_BD, scores_BN, model.retrieve(user_BD, corpus_ND, corpus_ND.shape[0]).top_k_scores
+
+
+@pytest.mark.parametrize("name, switch", [(name, key) for name, case in RETRIEVAL_CASES.items()
+                                          for key in case if key in RETRIEVAL_SWITCHES])
+def test_every_retrieval_switch_changes_the_scores(name, switch):
+  """A retrieval switch that no path implements (or whose parameters start as the identity
+  and are never read) passes every other test: each switch a case sets must move the user
+  vectors or the scores against the same case with that switch at its default, the two
+  models sharing every array they both have."""
+  without = {k: v for k, v in RETRIEVAL_CASES[name].items() if k != switch}
+  off = pf.PhoenixRetrievalModel(_retrieval_case(name, without), key=jax.random.key(0))
+  on = pf.PhoenixRetrievalModel(_retrieval_case(name, RETRIEVAL_CASES[name]),
+                                key=jax.random.key(0))
+  on = _with_shared_arrays(on, off)
+  batch, emb = make_batch(on.config, 2, 4)
+  outs = [call(_retrieval_outputs, m, batch, emb, corpus(2)) for m in (on, off)]
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(*outs))
+  assert moved > 1e-5, (f"{switch}={RETRIEVAL_CASES[name][switch]!r} moves neither the user "
+                        f"vectors nor the scores (RETRIEVAL_CASES[{name!r}], "
+                        "tests/test_retrieval.py)")

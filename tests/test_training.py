@@ -174,7 +174,26 @@ GRADIENT_CASES = [
     ("ranking", "ranking", {}),
     ("retrieval", "retrieval", {}),
     ("ranking_pre_norm", "ranking", {"model.norm_layout": "pre"}),
+    ("retrieval_mean_pool", "retrieval", {"model.enable_linear_proj": False}),
 ]
+
+
+def test_every_retrieval_switch_is_set_in_a_gradient_case():
+  """Step 6 of adding an idea: a retrieval switch (`RETRIEVAL_SWITCHES` of
+  tests/test_retrieval.py: every `PhoenixRetrievalModelConfig` field that export refuses
+  away from its default, a new one included) is set away from its default by a retrieval
+  case of GRADIENT_CASES. Its parameters are read only by the retrieval model's own code
+  (a learned temperature in `scores`, say), which no ranking case runs, and written where
+  not every path scores (in `retrieve`, say) they would never train, which only the test
+  below sees."""
+  from test_ranking import _field_default
+  from test_retrieval import RETRIEVAL_SWITCHES
+  cases = [overrides for _, task, overrides in GRADIENT_CASES if task == "retrieval"]
+  for field in sorted(RETRIEVAL_SWITCHES):
+    default = _field_default(pf.PhoenixRetrievalModelConfig, field)
+    assert any(o.get(f"model.{field}", default) != default for o in cases), (
+        f"PhoenixRetrievalModelConfig.{field} is set away from its default ({default!r}) by "
+        "no retrieval case of GRADIENT_CASES (tests/test_training.py)")
 
 
 @pytest.mark.parametrize("task, overrides", [case[1:] for case in GRADIENT_CASES],
