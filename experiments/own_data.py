@@ -18,8 +18,10 @@ user's last impression is held out for evaluation:
    ...)`.
 4. A checkpoint (`training.checkpoint.save` / `load`), then serving one user with
    `pf.RankingRunner`.
-5. The retriever: `training.RetrievalSystem.in_batch_loss`, then `pf.RetrievalRunner` over
-   the whole catalogue, and recall@K of each evaluation user's favorited post.
+5. The retriever: `training.RetrievalSystem.in_batch_loss`, with the logQ correction from
+   counts of the training impressions' positives (`positive_counts`), then
+   `pf.RetrievalRunner` over the whole catalogue, and recall@K of each evaluation user's
+   favorited post against the most favorited posts.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def define_flags() -> None:
   flags.DEFINE_integer("seed", 0, "Seed of the made-up logs and of the models.")
   flags.DEFINE_float("init_scale", 0.05, "Initial std of the hash-embedding tables "
                      "(the presets' 0.05; the systems' default is 1.0).")
+  flags.DEFINE_bool("logq_correction", True, "Train the retriever with the logQ "
+                    "correction, from counts of the training impressions' positives "
+                    "(--nologq_correction: the plain in-batch softmax).")
 
 A = len(pf.ACTIONS)
 FAVORITE = pf.ACTIONS.index("favorite_score")
@@ -264,7 +269,7 @@ def positive_counts(logs: Logs) -> np.ndarray:
 
 
 def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
-                    init_scale: float = 0.05, logq: bool = True
+                    init_scale: float = 0.05, logq: bool = False
                     ) -> training.RetrievalSystem:
   config = pf.PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=64,
                                           history_seq_len=HISTORY,
@@ -366,7 +371,7 @@ def main(argv) -> None:
   serve_one_user(restored, logs, 0)
 
   retriever = train_retriever(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed,
-                              FLAGS.init_scale)
+                              FLAGS.init_scale, FLAGS.logq_correction)
   recall = retrieval_recall(retriever, logs, users)
   print(f"retriever: recall@100 of the held-out favorited post over "
         f"{len(logs.catalogue_post)} catalogue posts {recall:.4f} (chance "

@@ -199,3 +199,36 @@ def test_retrieval_loss_methods_agree():
   want = system.contrastive_loss(user_BD, cand_BCD[rows, first], has_B, ids[rows, first], 0.05)
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
   assert has_B.any() and not has_B.all()
+  # With counts (the logQ correction): each positive's log count, the smaller of its two
+  # hash functions', comes off its column.
+  counts = np.random.default_rng(0).integers(1, 9, (2, own_data.BUCKETS["post"])).astype(
+      np.float32)
+  loss, _, _ = eqx.filter_jit(lambda s: s.in_batch_loss(
+      batch, labels, mask, ids, positive_action=0, temperature=0.05,
+      sampling_counts_KH=counts))(system)
+  hashes = np.asarray(batch.candidate_post_hashes)[rows, first]
+  log_q = np.log(np.minimum(counts[0, hashes[:, 0]], counts[1, hashes[:, 1]]))
+  want = system.contrastive_loss(user_BD, cand_BCD[rows, first], has_B, ids[rows, first], 0.05,
+                                 log_q)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+
+
+def test_positive_counts_count_each_training_impressions_first_favorite(logs):
+  """The count sketch the example's logQ correction uses: per hash function, the number
+  of training impressions (all but each user's last) whose first favorited candidate
+  hashes to each bucket."""
+  got = own_data.positive_counts(logs)
+  want = np.zeros_like(got)
+  liked = (logs.list_labels[..., own_data.FAVORITE] > 0) & (
+      np.arange(own_data.CANDIDATES) < logs.list_len[..., None])
+  for u in range(liked.shape[0]):
+    for impression in range(liked.shape[1] - 1):
+      if liked[u, impression].any():
+        post = logs.list_post[u, impression, np.argmax(liked[u, impression])]
+        for k, h in enumerate(np.asarray(pf.hash_ids(np.array([post]),
+                                                     own_data.BUCKETS["post"]))[0]):
+          want[k, h] += 1
+  np.testing.assert_array_equal(got, want)
+  assert got.sum() > 0
+  retriever = own_data.train_retriever(logs, num_steps=10, batch_size=16, seed=0, logq=True)
+  assert 0.0 <= own_data.retrieval_recall(retriever, logs, np.arange(40), top_k=50) <= 1.0

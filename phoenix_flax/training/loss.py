@@ -139,8 +139,8 @@ def sampling_log_q(counts_KH: Array, hashes_BK: Array) -> Array:
   """`log_q` `[B]` for `in_batch_softmax_loss`, up to a constant: the log of each post's
   count in the sketch, the smallest over its K hash functions (a count-min estimate: a
   post that shares a bucket with a popular one under one function rarely does under all
-  of them; one hash alone let a fifth of the cpu preset's posts inherit another post's
-  count). Counts updated with this batch (`update_sampling_counts`) give every present
+  of them: at the cpu preset 19.5% of the posts share their first bucket, 3.8% a bucket
+  under both functions). Counts updated with this batch (`update_sampling_counts`) give every present
   positive a count of at least 1; a count of 0 gives -inf, which `in_batch_softmax_loss`
   ignores for users without a positive and turns into a NaN loss for the others.
   """
