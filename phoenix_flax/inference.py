@@ -469,8 +469,8 @@ class RetrievalResult(NamedTuple):
 
 
 def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: RecsysEmbeddings,
-              corpus_ND: Array, post_ids_N: Array, top_k: int, corpus_mask_N: Optional[Array]):
-  out = model(batch, embeddings, corpus_ND, top_k, corpus_mask_N)
+              corpus_ND: Array, post_ids_N: Array, top_k: int, corpus_mask: Optional[Array]):
+  out = model(batch, embeddings, corpus_ND, top_k, corpus_mask)
   return RetrievalResult(out.user_representation, out.top_k_indices, out.top_k_scores,
                          post_ids_N[out.top_k_indices])
 
@@ -558,23 +558,28 @@ class RetrievalRunner:
 
   def retrieve(self, batch: RecsysBatch, embeddings: RecsysEmbeddings, top_k: int,
                corpus_mask: Optional[ArrayLike] = None) -> RetrievalResult:
-    """Top-k corpus items per user by dot product. `corpus_mask [N]` False excludes an
-    item: `top_k` may not exceed the items it keeps (the model itself would fill the
-    rest with masked items at score -1e12, as the release does)."""
+    """Top-k corpus items per user by dot product. `corpus_mask` False excludes an item,
+    `[N]` for every user or `[B, N]` per user (the posts each has seen, say): `top_k` may
+    not exceed the items it keeps for any user (the model itself would fill the rest with
+    masked items at score -1e12, as the release does)."""
     if self.corpus_embeddings is None:
       raise ValueError("corpus is not set: call set_corpus(embeddings, post_ids) first")
     N = self.corpus_embeddings.shape[0]
     top_k = _count("top_k", top_k, 1, N, " (corpus size)")
+    batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     if corpus_mask is not None:
       mask = np.asarray(corpus_mask)
-      if mask.shape != (N,):
-        raise ValueError(f"corpus_mask has shape {mask.shape}, expected ({N},)")
+      B = np.shape(batch.user_hashes)[0]
+      if mask.shape not in ((N,), (B, N)):
+        raise ValueError(f"corpus_mask has shape {mask.shape}, expected ({N},) or ({B}, {N}): "
+                         "the corpus items, for every user or per user")
       if mask.dtype != bool and not np.isin(mask, (0, 1)).all():
         raise ValueError("corpus_mask must be boolean or 0/1")
-      kept = int(np.count_nonzero(mask))
-      if top_k > kept:
-        raise ValueError(f"top_k={top_k} exceeds the {kept} corpus items corpus_mask keeps")
+      kept_B = np.count_nonzero(np.atleast_2d(mask), axis=-1)
+      if top_k > kept_B.min():
+        who = "" if mask.ndim == 1 else f" for user {int(np.argmin(kept_B))}"
+        raise ValueError(f"top_k={top_k} exceeds the {int(kept_B.min())} corpus items "
+                         f"corpus_mask keeps{who}")
       corpus_mask = jnp.asarray(mask, bool)
-    batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._retrieve(self.model, *_without_candidates(batch, embeddings),
                           self.corpus_embeddings, self.corpus_post_ids, top_k, corpus_mask)

@@ -145,6 +145,8 @@ class PhoenixRetrievalModel(eqx.Module):
                ) -> RetrievalOutput:
     """Top-k corpus items for each user by dot product; masked items score -1e12 (and
     still fill the top k when fewer than k items are unmasked, as in the release).
+    `corpus_mask` is `[N]` (the release's: the same items for every user) or `[B, N]`
+    (per user, e.g. to leave out what each has seen).
     `top_k` fixes an output shape: under `jax.jit` pass it as a static argument
     (`RetrievalRunner` does this for you)."""
     user, _ = self.build_user_representation(batch, embeddings)
@@ -161,9 +163,10 @@ class PhoenixRetrievalModel(eqx.Module):
     return user_BD @ items_ND.astype(user_BD.dtype).T
 
   def retrieve(self, user_BD: Array, corpus_ND: Array, top_k: int,
-               corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
+               corpus_mask: Optional[Array] = None) -> RetrievalOutput:
     """The top-k corpus items of users already encoded: `scores`, masked entries at
-    -1e12, then `lax.top_k`."""
+    -1e12 (`corpus_mask` `[N]`, or `[B, N]` per user; False leaves an item out), then
+    `lax.top_k`."""
     chex.assert_rank(corpus_ND, 2, custom_message="corpus_embeddings must be [N, D]")
     if not jnp.issubdtype(corpus_ND.dtype, jnp.floating):
       raise ValueError(f"corpus_embeddings has dtype {corpus_ND.dtype}, expected floats")
@@ -173,11 +176,15 @@ class PhoenixRetrievalModel(eqx.Module):
     if not 1 <= top_k <= corpus_ND.shape[0]:
       raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
     scores = self.scores(user_BD, corpus_ND)
-    if corpus_mask_N is not None:
-      chex.assert_shape(corpus_mask_N, (corpus_ND.shape[0],), custom_message="corpus_mask")
-      if corpus_mask_N.dtype != jnp.bool_:
-        raise ValueError(f"corpus_mask has dtype {corpus_mask_N.dtype}, expected bool (True "
+    if corpus_mask is not None:
+      N, B = corpus_ND.shape[0], user_BD.shape[0]
+      if jnp.shape(corpus_mask) not in ((N,), (B, N)):
+        raise ValueError(f"corpus_mask has shape {jnp.shape(corpus_mask)}, expected ({N},) or "
+                         f"({B}, {N}): the corpus items, for every user or per user")
+      if corpus_mask.dtype != jnp.bool_:
+        raise ValueError(f"corpus_mask has dtype {corpus_mask.dtype}, expected bool (True "
                          "keeps an item; RetrievalRunner.retrieve also takes 0/1 numbers)")
-      scores = jnp.where(corpus_mask_N[None, :], scores, MASKED_SCORE)
+      scores = jnp.where(corpus_mask if corpus_mask.ndim == 2 else corpus_mask[None, :],
+                         scores, MASKED_SCORE)
     top_scores, top_idx = jax.lax.top_k(scores, top_k)
     return RetrievalOutput(user_BD, top_idx.astype(jnp.int32), top_scores)

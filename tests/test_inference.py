@@ -449,6 +449,15 @@ def test_retrieval_runner_retrieve(retriever, corpus):
   np.testing.assert_array_equal(masked.top_k_post_ids, np.asarray(ids_N)[masked.top_k_indices])
   as_ints = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask.astype(np.int32))
   np.testing.assert_array_equal(as_ints.top_k_indices, masked.top_k_indices)
+  # Per user: each user leaves out its own top 3.
+  mask_BN = np.ones((3, 100), bool)
+  mask_BN[np.arange(3)[:, None], idx[:, :3]] = False
+  own = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask_BN)
+  for b in range(3):
+    kept = np.asarray(all_scores[b]).copy()
+    kept[idx[b, :3]] = -np.inf
+    np.testing.assert_array_equal(np.sort(np.asarray(own.top_k_indices[b])),
+                                  np.sort(np.argsort(-kept)[:10]))
 
   # Candidate fields play no part in retrieval: another candidate count compiles nothing.
   traces = retriever.trace_counts["retrieve"]
@@ -504,12 +513,20 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   for top_k in (0, 101, 2.0):
     with pytest.raises(ValueError, match=rf"top_k={top_k!r} must be an integer in \[1, 100\]"):
       runner.retrieve(batch, emb, top_k=top_k)
-  with pytest.raises(ValueError, match=r"corpus_mask has shape \(50,\)"):
-    runner.retrieve(batch, emb, top_k=5, corpus_mask=np.ones(50, bool))
+  B = np.shape(batch.user_hashes)[0]
+  for shape in ((50,), (B + 1, 100)):
+    with pytest.raises(ValueError, match=rf"corpus_mask has shape \({shape[0]},.*expected "
+                       rf"\(100,\) or \({B}, 100\)"):
+      runner.retrieve(batch, emb, top_k=5, corpus_mask=np.ones(shape, bool))
   few = np.zeros(100, bool)
   few[[4, 9]] = True
-  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps"):
+  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps$"):
     runner.retrieve(batch, emb, top_k=3, corpus_mask=few)
+  per_user = np.ones((B, 100), bool)
+  per_user[1, 2:] = False
+  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps "
+                                       "for user 1"):
+    runner.retrieve(batch, emb, top_k=3, corpus_mask=per_user)
   with pytest.raises(ValueError, match=r"author_embeddings has shape \(4, 2, 32\), expected "
                      r"\[N >= 1, 2, 32\] \(N = 3"):
     runner.encode_corpus(np.zeros((3, 2, 32), np.float32), np.zeros((4, 2, 32), np.float32))

@@ -151,6 +151,20 @@ def test_corpus_mask_excludes_items():
   np.testing.assert_array_equal(out.top_k_scores[:, 3:], np.float32(MASKED_SCORE))
 
 
+def test_a_per_user_corpus_mask_masks_each_users_row():
+  """A `[B, N]` mask (each user's own exclusions, such as the posts it has seen) gives
+  each user what the `[N]` mask of its own row gives it."""
+  model, batch, emb = model_and_batch()
+  corp = corpus(2)
+  mask_BN = np.random.default_rng(0).random((2, CORPUS)) < 0.5
+  out = retrieve(model, batch, emb, corp, jnp.asarray(mask_BN))
+  for b in range(2):
+    assert np.all(mask_BN[b][np.asarray(out.top_k_indices[b])])
+    alone = retrieve(model, batch, emb, corp, jnp.asarray(mask_BN[b]))
+    np.testing.assert_array_equal(out.top_k_indices[b], alone.top_k_indices[b])
+    np.testing.assert_array_equal(out.top_k_scores[b], alone.top_k_scores[b])
+
+
 def test_retrieve_checks_arguments():
   retrieve = model_and_batch()[0].retrieve
   user = jnp.ones((2, EMB)) / np.sqrt(EMB)
@@ -166,8 +180,10 @@ def test_retrieve_checks_arguments():
   whole = retrieve(user, corpus(), CORPUS)     # the whole corpus, best first
   np.testing.assert_array_equal(np.sort(whole.top_k_indices[0]), np.arange(CORPUS))
   assert np.all(np.diff(np.asarray(whole.top_k_scores), axis=1) <= 0)
-  with pytest.raises(AssertionError, match="corpus_mask"):
-    retrieve(user, corpus(), 3, jnp.ones(CORPUS - 1, bool))
+  for shape in ((CORPUS - 1,), (3, CORPUS), (2, CORPUS, 1)):
+    with pytest.raises(ValueError, match=rf"corpus_mask has shape \({shape[0]},.*expected "
+                       rf"\({CORPUS},\) or \(2, {CORPUS}\)"):
+      retrieve(user, corpus(), 3, jnp.ones(shape, bool))
   with pytest.raises(ValueError, match="corpus_embeddings has dtype int32, expected floats"):
     retrieve(user, jnp.ones((CORPUS, EMB), jnp.int32), 3)
   # A float mask is refused rather than read as "nonzero keeps": 0.5 is no answer.

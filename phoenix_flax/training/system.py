@@ -168,10 +168,10 @@ class RetrievalSystem(eqx.Module):
     return jnp.asarray(batch.candidate_post_hashes)[at], has_B
 
   def __call__(self, batch: RecsysBatch, corpus_ND: Array, top_k: int,
-               corpus_mask_N: Optional[Array] = None) -> RetrievalOutput:
+               corpus_mask: Optional[Array] = None) -> RetrievalOutput:
     """Top-k corpus items per user by the model's `scores`."""
     return self.model.retrieve(self.user_representation(batch), corpus_ND, top_k,
-                               corpus_mask_N)
+                               corpus_mask)
 
 
 def validate_training_batch(system: Union[RankingSystem, RetrievalSystem], batch: RecsysBatch,
