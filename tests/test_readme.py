@@ -101,6 +101,28 @@ def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
   assert stdout.getvalue().split() == [str(steps), "(4,", "4)"], stdout.getvalue()
 
 
+def test_serving_a_trained_retriever_works_as_written(tmp_path, monkeypatch):
+  """docs/training.md's retrieval snippet, on the smoke run the text says trains into
+  runs/retrieval_smoke."""
+  text = (ROOT / "docs" / "training.md").read_text("utf-8")
+  section = text[text.index("### Serving a trained retriever"):]
+  block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  assert 'load_run("runs/retrieval_smoke")' in block
+  command = re.search(r"`(python -m experiments\.run\s+--config=\S+\s+--workdir=\S+)`",
+                      section).group(1).split()
+  assert command[-1] == "--workdir=runs/retrieval_smoke"
+  command[-1] = f"--workdir={tmp_path / 'runs' / 'retrieval_smoke'}"
+  result = subprocess.run([sys.executable, *command[1:], "--quiet"], cwd=ROOT,
+                          env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  monkeypatch.chdir(tmp_path)
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    exec(compile(block, "docs/training.md:Serving", "exec"), {"__name__": "docs_serving"})
+  assert stdout.getvalue().split() == ["(4,", "10)"], stdout.getvalue()
+
+
 def test_every_switch_and_ablation_is_listed():
   """Step 5 of adding an idea: a config field that export refuses away from its default
   (what every new switch is until it joins `haiku_compat._FREE_FIELDS`) has a row in the
