@@ -78,9 +78,11 @@ def _recall_metrics(config) -> tuple[str, ...]:
 
 def headline_metrics(config) -> tuple[str, ...]:
   """The final metrics the summary prints: AUCs and log-loss, and for the retrieval task
-  the recall at each of the config's K next to its Bayes-optimal value."""
+  the recall at each of the config's K next to its Bayes reference and the recall of the
+  most engaged posts' list."""
   return (("auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc")
-          + tuple(f"{p}{m}" for m in _recall_metrics(config) for p in ("", "bayes_")))
+          + tuple(f"{p}{m}" for m in _recall_metrics(config)
+                  for p in ("", "bayes_", "popularity_")))
 
 
 def start_line(config, seeds: list[int], step: int) -> str:

@@ -184,8 +184,9 @@ def test_progress_durations_and_the_summary_metrics():
       proc.stdout.splitlines()[-9:])
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
   headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
-  assert retrieval_keys == str(headline + ["recall@10", "bayes_recall@10", "recall@100",
-                                           "bayes_recall@100"])
+  assert retrieval_keys == str(headline + ["recall@10", "bayes_recall@10",
+                                           "popularity_recall@10", "recall@100",
+                                           "bayes_recall@100", "popularity_recall@100"])
   assert ranking_keys == str(headline)
   # The line before a run's first chunk (smoke: 40 steps of batch 8, chunks of 10).
   assert starts == [

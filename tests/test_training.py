@@ -27,7 +27,7 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
 from phoenix_flax.training import checkpoint, metrics, provenance, schema
 from phoenix_flax.training.loss import binary_cross_entropy
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
-                                        unstack)
+                                        popularity_keys, popularity_scores, unstack)
 from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, metric_names,
                                           load_run)
 from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
@@ -332,6 +332,40 @@ def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
   assert without > 0     # the check tells a mean over every user apart
   for k, values in per_user.items():
     assert float(got[f"eval/recall@{k}"][0]) == pytest.approx(np.mean(values), rel=1e-5), k
+
+
+def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
+  """`eval/popularity_recall@K`: the recall of one list for every user, the corpus ranked
+  by how many positives each post has in `train.eval_batches` training-split batches
+  (`popularity_keys`); posts tied with the K-th share its places. It depends on no
+  parameter, so every seed reads the same."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  trainer = Trainer(spec)
+  got = trainer.evaluate(trainer.init([0, 1]))
+  a, N = spec.config.retrieval.positive_action, spec.world.num_posts
+  B = spec.config.train.eval_batch_size
+  draw = eqx.filter_jit(lambda key, split: sample_batch(trainer.world, split, B, key))
+  counts = np.zeros(N)
+  for key in popularity_keys(spec.config):
+    sb = draw(key, spec.train_split)
+    positive = (np.asarray(sb.labels)[..., a] > 0) & np.asarray(sb.candidate_mask)
+    np.add.at(counts, np.asarray(sb.candidate_post_ids)[positive], 1.0)
+  np.testing.assert_array_equal(
+      popularity_scores(trainer.world, spec.train_split, B, a, popularity_keys(spec.config)),
+      counts)
+  for k in spec.config.retrieval.recall_k:
+    kth = np.sort(counts)[::-1][k - 1]
+    share = (k - np.sum(counts > kth)) / np.sum(counts == kth)
+    in_top = np.where(counts > kth, 1.0, np.where(counts == kth, share, 0.0))
+    per_user = []
+    for key in eval_keys(spec.config):
+      sb = trainer._sample_eval(trainer.world, spec.eval_splits["eval"], key)
+      positive = (np.asarray(sb.labels)[..., a] > 0) & np.asarray(sb.candidate_mask)
+      ids = np.asarray(sb.candidate_post_ids)
+      per_user += [in_top[ids[b][positive[b]]].mean() for b in range(B) if positive[b].any()]
+    values = np.asarray(got[f"eval/popularity_recall@{k}"])
+    assert values[0] == values[1]
+    assert float(values[0]) == pytest.approx(np.mean(per_user), rel=1e-5), k
 
 
 def test_weight_decay_skips_hash_tables_and_norms():

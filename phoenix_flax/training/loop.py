@@ -186,6 +186,30 @@ def bayes_corpus_hits(world: World, interest_BL: Array, bias_B: Array, action: i
                              positive_BC)
 
 
+def popularity_scores(world: World, split: SplitConfig, batch_size: int, action: int,
+                      keys: Array) -> Array:
+  """How many positives of `action` each post has `[N]` in batches of `split` drawn from
+  `keys` `[M, 2]`: the scores of a list that is the same for every user (the most engaged
+  posts first), the reference behind `popularity_recall@K`."""
+  N = world.cfg.num_posts
+
+  def count(counts_N, key):
+    sb = sample_batch(world, split, batch_size, key)
+    positive_BC = (sb.labels[..., action] > 0) & sb.candidate_mask
+    at_BC = jnp.where(positive_BC, sb.candidate_post_ids, N)   # N: dropped
+    return counts_N.at[at_BC].add(1.0, mode="drop"), None
+
+  return jax.lax.scan(count, jnp.zeros((N,), jnp.float32), keys)[0]
+
+
+def popularity_keys(config) -> Array:
+  """The keys `[train.eval_batches, 2]` of the training-split batches that
+  `popularity_scores` counts: as many lists as an evaluation has, drawn from `eval_seed`
+  apart from the evaluation's own (`eval_keys`), the same for every run of a config."""
+  base = jax.random.fold_in(jax.random.PRNGKey(config.eval_seed), 0x7FFFFFFF)
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(config.train.eval_batches))
+
+
 def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
   """Evaluation diagnostics from per-batch, per-layer values: the max |attention logit|
   over every batch and layer, and each layer's mean residual RMS."""
@@ -457,6 +481,10 @@ class Trainer:
     N = self.spec.world.num_posts
     post_h, author_h, _ = post_features(world, jnp.arange(N))
     corpus_ND = system.corpus_representation(post_h, author_h)
+    # What a list of the posts engaged with most in training data finds.
+    popular_N = popularity_scores(world, self.spec.train_split,
+                                  self.spec.config.train.eval_batch_size, a,
+                                  popularity_keys(self.spec.config))
 
     def one(key):
       sb = self._sample_eval(world, split, key)
@@ -468,6 +496,9 @@ class Trainer:
                                               sb.candidate_post_ids, positive_BC, ks)
       bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
                                             a, sb.candidate_post_ids, positive_BC, ks)
+      popular_found_BK, _ = metrics.corpus_hits(
+          jnp.broadcast_to(popular_N, (user_BD.shape[0], N)), sb.candidate_post_ids,
+          positive_BC, ks)
       own_BC = jax.vmap(lambda u_D, c_CD: system.model.scores(u_D[None], c_CD)[0])
       res = dict(scores=own_BC(user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
@@ -475,6 +506,7 @@ class Trainer:
                  rms=diag.residual_rms, finite=jnp.all(jnp.isfinite(user_BD)), total=total_B)
       for j, k in enumerate(ks):
         res[f"found@{k}"], res[f"bayes_found@{k}"] = found_BK[:, j], bayes_found_BK[:, j]
+        res[f"popularity_found@{k}"] = popular_found_BK[:, j]
       return res
 
     r = jax.lax.map(one, self._eval_keys())
@@ -491,6 +523,8 @@ class Trainer:
       out[f"recall@{k}"] = jnp.where(
           defined, per_user(r[f"found@{k}"]) / jnp.maximum(jnp.sum(has), 1), jnp.nan)
       out[f"bayes_recall@{k}"] = per_user(r[f"bayes_found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
+      out[f"popularity_recall@{k}"] = (per_user(r[f"popularity_found@{k}"])
+                                       / jnp.maximum(jnp.sum(has), 1))
     m = flat(r["mask"])
     out["auc"] = metrics.roc_auc(flat(r["scores"]), flat(r["labels"]), m)[0]
     out["bayes_auc"] = metrics.roc_auc(flat(r["probs"]), flat(r["labels"]), m)[0]
