@@ -269,8 +269,10 @@ def positive_counts(logs: Logs) -> np.ndarray:
 
 
 def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
-                    init_scale: float = 0.05, logq: bool = False
+                    init_scale: float = 0.05, logq: bool = True
                     ) -> training.RetrievalSystem:
+  """The retriever trained on `training_batches`; `logq`: with the logQ correction from
+  `positive_counts` (the command's default, `--logq_correction`)."""
   config = pf.PhoenixRetrievalModelConfig(model=TRANSFORMER, emb_size=64,
                                           history_seq_len=HISTORY,
                                           product_surface_vocab_size=SURFACES)

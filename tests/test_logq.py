@@ -73,8 +73,9 @@ def test_sampling_counts_decay_and_count_every_present_positive():
 
 
 def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
-  """After a chunk, the state's counts are the decayed sum of every step's positives, by
-  first post hash; each step's loss is the in-batch loss with those counts' log as log q."""
+  """After a chunk, the state's count sketch is the decayed sum of every step's positives
+  under each post hash function; each step's loss is the in-batch loss with the smaller of
+  a positive's counts, logged, as its log q."""
   spec = parse_config(logq_config())
   trainer = Trainer(spec)
   r, n = spec.config.retrieval, spec.config.train.steps_per_call

@@ -944,11 +944,13 @@ def test_divergence_guard_freezes_a_seed_for_good():
   same(after.opt_state, healed.opt_state)
 
 
-def test_a_nan_gradient_with_a_finite_loss_diverges_the_seed():
+@pytest.mark.parametrize("config", [smoke_config, lambda: _overridden(
+    "retrieval", {"retrieval.logq_correction": True})], ids=["ranking", "retrieval_logq"])
+def test_a_nan_gradient_with_a_finite_loss_diverges_the_seed(config):
   """The guard checks the gradient norm too: a step whose loss is finite but whose
   gradient is not (a `where` over a NaN branch, a bfloat16 overflow) stops the seed there,
-  before AdamW writes NaN into its parameters."""
-  trainer = Trainer(parse_config(smoke_config()))
+  before AdamW writes NaN into its parameters; the logQ counts stay as they were too."""
+  trainer = Trainer(parse_config(config()))
   state = unstack(trainer.init([0]), 0)
   sb = eqx.filter_jit(trainer.sample_train_batch)(trainer.world, state)
   original = trainer._loss
@@ -964,6 +966,9 @@ def test_a_nan_gradient_with_a_finite_loss_diverges_the_seed():
   assert np.isfinite(float(stats["loss"])) and not np.isfinite(float(stats["grad_norm"]))
   assert bool(new.diverged) and int(new.diverged_step) == 1
   jax.tree.map(np.testing.assert_array_equal, new.params, state.params)
+  jax.tree.map(np.testing.assert_array_equal, new.sampling_counts, state.sampling_counts)
+  if state.sampling_counts is not None:     # the step would have counted its positives
+    assert np.asarray(trainer._sampling_counts(state, sb)).sum() > 0
 
 
 def test_a_step_logs_the_rate_it_applies_and_each_step_draws_a_new_batch():

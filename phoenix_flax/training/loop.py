@@ -193,13 +193,17 @@ def popularity_scores(world: World, split: SplitConfig, batch_size: int, action:
   posts first), the reference behind `popularity_recall@K`."""
   N = world.cfg.num_posts
 
-  def count(counts_N, key):
+  def positives(key):
     sb = sample_batch(world, split, batch_size, key)
     positive_BC = (sb.labels[..., action] > 0) & sb.candidate_mask
-    at_BC = jnp.where(positive_BC, sb.candidate_post_ids, N)   # N: dropped
-    return counts_N.at[at_BC].add(1.0, mode="drop"), None
+    return jnp.where(positive_BC, sb.candidate_post_ids, N)   # N: not a positive
 
-  return jax.lax.scan(count, jnp.zeros((N,), jnp.float32), keys)[0]
+  # Counted by sorting, not by a scatter-add, which on GPU adds in a varying order (see
+  # `test_evaluation_programs_sum_nothing_by_scatter`).
+  ids = jnp.sort(jax.lax.map(positives, keys).reshape(-1))
+  posts = jnp.arange(N)
+  return (jnp.searchsorted(ids, posts, side="right")
+          - jnp.searchsorted(ids, posts, side="left")).astype(jnp.float32)
 
 
 def popularity_keys(config) -> Array:

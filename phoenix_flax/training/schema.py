@@ -54,10 +54,11 @@ command line as `--config.<section>.<field>=value`):
   retrieval.*         `temperature` of the sampled softmax, `positive_action` (a user's
                       positive is its first candidate with this label), `recall_k` (K of
                       recall@K against the corpus of every post; at most world.num_posts),
-                      `logq_correction` (subtract from each in-batch negative's logit the
-                      log of how often its post is a positive, estimated as a count per
-                      post-hash bucket that decays by `logq_decay` per step; the training
-                      loss only, evaluation's loss stays uncorrected).
+                      `logq_correction` (subtract from each in-batch column's logit, the
+                      row's own positive included, the log of how often that post is a
+                      positive, estimated by a count sketch over the post hash functions
+                      that decays by `logq_decay` per step; the training loss only,
+                      evaluation's loss stays uncorrected).
   mesh.*              `num_devices` (1 = no mesh, -1 = all; batch sharded over a "data"
                       axis, parameters replicated), `shard_hash_tables` (rows of the hash
                       tables sharded over "data"; needs num_devices other than 1),

@@ -148,14 +148,12 @@ class RetrievalSystem(eqx.Module):
     diagnostics."""
     user_BD, diag = self.user_forward(batch)
     at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
-    positive_BD = self.corpus_representation(jnp.asarray(batch.candidate_post_hashes)[at],
+    hashes_BK = jnp.asarray(batch.candidate_post_hashes)[at]     # = positive_hashes(...)
+    positive_BD = self.corpus_representation(hashes_BK,
                                              jnp.asarray(batch.candidate_author_hashes)[at])
     ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
-    log_q_B = None
-    if sampling_counts_KH is not None:
-      hashes_BK, _ = self.positive_hashes(batch, labels_BCA, mask_BC,
-                                          positive_action=positive_action)
-      log_q_B = sampling_log_q(sampling_counts_KH, hashes_BK)
+    log_q_B = (None if sampling_counts_KH is None
+               else sampling_log_q(sampling_counts_KH, hashes_BK))
     loss = self.contrastive_loss(user_BD, positive_BD, has_B, ids_B, temperature, log_q_B)
     return loss, has_B, diag
 
