@@ -632,6 +632,67 @@ AT_THE_EDGE = {
 }
 
 
+# The fields of the sections where a loss option goes (`train`, `ranking`, `retrieval`),
+# each either in LOSS_CASES or in NOT_A_LOSS_OPTION with why. A loss option that no path
+# reads passes every other test, and an ablation of it reads "no significant difference".
+# A case: (task, the reference's overrides, the field, a value away from the reference's,
+# whether `eval/loss` moves with it too); the value must change the training loss.
+LOSS_CASES = [
+    ("ranking", {}, "train.action_weights", (3.0,) + (1.0,) * 18, True),
+    ("retrieval", {}, "retrieval.temperature", 0.2, True),
+    ("retrieval", {}, "retrieval.positive_action", 1, True),
+    # Training-side only: the evaluation's loss stays the plain one.
+    ("retrieval", {}, "retrieval.logq_correction", True, False),
+    ("retrieval", {"retrieval.logq_correction": True}, "retrieval.logq_decay", 0.5, False),
+]
+NOT_A_LOSS_OPTION = {
+    "train.num_steps": "how long training runs",
+    "train.batch_size": "how many lists a step draws",
+    "train.steps_per_call": "how many steps a host call runs",
+    "train.eval_every": "when to evaluate",
+    "train.checkpoint_every": "when to checkpoint",
+    "train.eval_batch_size": "the evaluation's batches",
+    "train.eval_batches": "the evaluation's batches",
+    "train.score_consistency": "an evaluation metric",
+    "ranking.top_k": "the evaluation's cut-offs",
+    "retrieval.recall_k": "the evaluation's cut-offs",
+}
+
+
+def test_every_loss_section_field_is_a_loss_case_or_says_why_not():
+  """A training-side idea's field in `train`, `ranking` or `retrieval` has a case in
+  LOSS_CASES (whose test checks that it reaches the training loss) or a reason in
+  NOT_A_LOSS_OPTION."""
+  cased = {field for _, _, field, _, _ in LOSS_CASES}
+  for task in schema.TASKS:
+    c = base_config(task)
+    fields = {f"{section}.{key}" for section in ("train", "ranking", "retrieval")
+              for key in c[section]}
+    missing = sorted(fields - cased - set(NOT_A_LOSS_OPTION))
+    assert not missing, (f"{missing}: add a case to LOSS_CASES, or a reason to "
+                         "NOT_A_LOSS_OPTION (tests/test_training.py)")
+  assert not cased & set(NOT_A_LOSS_OPTION)
+
+
+@pytest.mark.parametrize("task, reference, field, value, eval_moves", LOSS_CASES,
+                         ids=[case[2] for case in LOSS_CASES])
+def test_every_loss_option_reaches_the_training_loss(task, reference, field, value,
+                                                     eval_moves):
+  """Ten steps from the same initial state train on other losses with the field set; the
+  evaluation's loss of the same parameters moves too only where the option is meant for
+  it (a training-side correction leaves `eval/loss` the plain loss, which arms with and
+  without it compare on)."""
+  losses, evaluated = [], []
+  for overrides in (reference, {**reference, field: value}):
+    trainer = Trainer(parse_config(_overridden(task, overrides)))
+    state = trainer.init([0])
+    evaluated.append(float(trainer.evaluate(state)["eval/loss"][0]))
+    losses.append(np.asarray(trainer.train_chunk(state)[1]["loss"][0]))
+  assert np.all(np.isfinite(losses))
+  assert np.max(np.abs(losses[0] - losses[1])) > 1e-4, f"{field}={value!r} changes no step's loss"
+  assert (evaluated[0] != evaluated[1]) == eval_moves, (field, evaluated)
+
+
 @pytest.mark.parametrize("task, overrides, message", OUT_OF_RANGE,
                          ids=[",".join(o) for _, o, _ in OUT_OF_RANGE])
 def test_values_just_out_of_range_are_refused_by_name(task, overrides, message):
