@@ -120,7 +120,7 @@ def test_serving_a_trained_retriever_works_as_written(tmp_path, monkeypatch):
   stdout = io.StringIO()
   with contextlib.redirect_stdout(stdout):
     exec(compile(block, "docs/training.md:Serving", "exec"), {"__name__": "docs_serving"})
-  assert stdout.getvalue().split() == ["(4,", "10)"], stdout.getvalue()
+  assert stdout.getvalue().split() == ["(4,", "10)", "False"], stdout.getvalue()
 
 
 def test_every_switch_and_ablation_is_listed():
