@@ -263,6 +263,13 @@ def test_corpus_hits_match_reference():
     mc = ((own_rank < k) & positive).sum(-1).mean(0)
     np.testing.assert_allclose(found[:, j], mc, atol=0.05, err_msg=f"k={k}")
   assert np.any(found % 1 != 0)     # the ties did fall at the k-th place
+  # One ranking for every list, given as [1, N]: what its broadcast to [B, N] finds; a NaN
+  # in it leaves every list undefined.
+  for shared in (scores[3], np.where(np.arange(N) == 5, np.nan, scores[3]).astype(np.float32)):
+    one, _ = hits(shared[None], ids, positive, ks)
+    every, _ = hits(np.broadcast_to(shared, (B, N)), ids, positive, ks)
+    np.testing.assert_array_equal(one, every)
+  assert np.all(np.isnan(one[positive.any(axis=1)]))
   with pytest.raises(ValueError, match="ks"):
     metrics.corpus_hits(scores, ids, positive, (16,))
   # An id outside the corpus is never found (not clipped onto its last row), and a list

@@ -85,7 +85,7 @@ for logq in (False, True):
     ev = trainer.evaluate(state)
     out[name + "_eval"] = {k: np.asarray(ev["eval/" + k]).tolist()
                            for k in ("loss", "auc", "recall@5", "recall@200", "bayes_recall@5",
-                                     "bayes_recall@200")}
+                                     "bayes_recall@200", "popularity_recall@200")}
 print("RESULT" + json.dumps(out))
 """
 
@@ -127,7 +127,8 @@ def test_eight_devices_match_one_device(tmp_path):
     np.testing.assert_allclose(mesh_retrieval, single_retrieval, rtol=1e-3)
     single, mesh = out["retrieval" + suffix + "_eval"], out["mesh_retrieval" + suffix + "_eval"]
     np.testing.assert_allclose(mesh["loss"], single["loss"], rtol=2e-4)
-    for k in ("auc", "recall@5", "recall@200", "bayes_recall@5", "bayes_recall@200"):
+    for k in ("auc", "recall@5", "recall@200", "bayes_recall@5", "bayes_recall@200",
+              "popularity_recall@200"):
       np.testing.assert_allclose(mesh[k], single[k], atol=2e-3, err_msg=k + suffix)
     assert min(single["recall@200"]) > 0 and min(single["bayes_recall@5"]) > 0, single
   # The correction changes training: the two single-device curves differ.

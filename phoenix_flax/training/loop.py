@@ -485,7 +485,8 @@ class Trainer:
     N = self.spec.world.num_posts
     post_h, author_h, _ = post_features(world, jnp.arange(N))
     corpus_ND = system.corpus_representation(post_h, author_h)
-    # What a list of the posts engaged with most in training data finds.
+    # What a list of the posts engaged with most in training data finds (the same for
+    # every seed and split: cheap beside the evaluation, so counted where it is used).
     popular_N = popularity_scores(world, self.spec.train_split,
                                   self.spec.config.train.eval_batch_size, a,
                                   popularity_keys(self.spec.config))
@@ -500,9 +501,8 @@ class Trainer:
                                               sb.candidate_post_ids, positive_BC, ks)
       bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
                                             a, sb.candidate_post_ids, positive_BC, ks)
-      popular_found_BK, _ = metrics.corpus_hits(
-          jnp.broadcast_to(popular_N, (user_BD.shape[0], N)), sb.candidate_post_ids,
-          positive_BC, ks)
+      popular_found_BK, _ = metrics.corpus_hits(popular_N[None], sb.candidate_post_ids,
+                                                positive_BC, ks)
       own_BC = jax.vmap(lambda u_D, c_CD: system.model.scores(u_D[None], c_CD)[0])
       res = dict(scores=own_BC(user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,

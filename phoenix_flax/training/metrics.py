@@ -170,7 +170,8 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
   ratio. Items tied with the k-th score share the places left at random (a constant score
   finds k/N of the positives whatever their ids), where `lax.top_k` would keep the lowest
   ids. A positive whose id is not a corpus row is never found; a list with a NaN score
-  has an undefined order, and NaN `found`."""
+  has an undefined order, and NaN `found`. Scores `[1, N]` are one ranking for every
+  list, ranked once (not broadcast to `[B, N]` first)."""
   ks = tuple(int(k) for k in ks)
   N = scores_BN.shape[1]
   if not ks or min(ks) < 1 or max(ks) > N:
@@ -179,7 +180,9 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
   # bits, not two fusions' recomputations of them.
   scores_BN = jax.lax.optimization_barrier(scores_BN)
   kth_BK = jax.lax.top_k(scores_BN, max(ks))[0][:, jnp.asarray(ks) - 1]
-  own_BC = jnp.take_along_axis(scores_BN, jnp.clip(ids_BC, 0, N - 1), axis=1)
+  at_BC = jnp.clip(ids_BC, 0, N - 1)
+  own_BC = (scores_BN[0][at_BC] if scores_BN.shape[0] == 1
+            else jnp.take_along_axis(scores_BN, at_BC, axis=1))
   counted_BC = positive_BC & (ids_BC >= 0) & (ids_BC < N)
   undefined_B1 = jnp.any(jnp.isnan(scores_BN), axis=1, keepdims=True)
   found = []
