@@ -120,7 +120,10 @@ def update_sampling_counts(counts_KH: Array, hashes_BK: Array, present_B: Array,
   bucket, an exponentially decayed count. Each step multiplies it by `decay` and adds this
   batch's positives (`hashes_BK`, each positive's K post hashes, counted where
   `present_B`; a post in several rows counts several times) in every row k.
-  `sampling_log_q` reads it back. `1 / (1 - decay)` steps is its memory.
+  `sampling_log_q` reads it back. `1 / (1 - decay)` steps is its memory. On GPU the
+  scatter may add in another order from run to run; its addends are all 1 or 0, so only
+  another grouping of them (`x + 2` against `x + 1 + 1`) could round a count differently,
+  by an ulp.
   """
   chex.assert_rank(counts_KH, 2, custom_message="update_sampling_counts: counts must be [K, H]")
   K = jnp.shape(counts_KH)[0]
@@ -140,9 +143,10 @@ def sampling_log_q(counts_KH: Array, hashes_BK: Array) -> Array:
   count in the sketch, the smallest over its K hash functions (a count-min estimate: a
   post that shares a bucket with a popular one under one function rarely does under all
   of them: at the cpu preset 19.5% of the posts share their first bucket, 3.8% a bucket
-  under both functions). Counts updated with this batch (`update_sampling_counts`) give every present
-  positive a count of at least 1; a count of 0 gives -inf, which `in_batch_softmax_loss`
-  ignores for users without a positive and turns into a NaN loss for the others.
+  under both functions). Counts updated with this batch (`update_sampling_counts`) give
+  every present positive a count of at least 1; a count of 0 gives -inf, which
+  `in_batch_softmax_loss` ignores for users without a positive and turns into a NaN loss
+  for the others.
   """
   chex.assert_rank(counts_KH, 2, custom_message="sampling_log_q: counts must be [K, H]")
   hashes_BK = jnp.asarray(hashes_BK)
