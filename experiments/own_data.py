@@ -263,9 +263,11 @@ def positive_counts(logs: Logs) -> np.ndarray:
   liked = _favorited(logs)[:, :-1]                                     # [U, L-1, C]
   first = np.take_along_axis(logs.list_post[:, :-1], np.argmax(liked, axis=-1)[..., None],
                              axis=-1)[..., 0]
-  hashes = np.asarray(pf.hash_ids(first[liked.any(axis=-1)], BUCKETS["post"]))   # [N, 2]
-  return np.stack([np.bincount(h, minlength=BUCKETS["post"]) for h in hashes.T]
-                  ).astype(np.float32)
+  hashes = pf.hash_ids(first[liked.any(axis=-1)], BUCKETS["post"])            # [N, 2]
+  # All at once, undecayed: the runner's streaming update applied to the whole log.
+  return np.asarray(training.update_sampling_counts(
+      np.zeros((hashes.shape[1], BUCKETS["post"]), np.float32), hashes,
+      np.ones(hashes.shape[0], bool), decay=1.0))
 
 
 def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,

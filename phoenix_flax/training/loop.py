@@ -282,7 +282,10 @@ class Trainer:
                                                     in_turn=True))
     self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
                                          donate="all-except-first")
-    self._eval = xla_options.filter_jit(_over_seeds(self._eval_one, in_turn=True))
+    eval_seeds = _over_seeds(self._eval_one, in_turn=True)
+    # What depends on the world alone is computed once per evaluation, not per seed.
+    self._eval = xla_options.filter_jit(
+        lambda world, params: eval_seeds((world, self._popularity(world)), params))
 
   # -- state -------------------------------------------------------------------------
 
@@ -478,18 +481,25 @@ class Trainer:
       out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)
     return out
 
-  def _retrieval_eval(self, system: RetrievalSystem, world: World, split: SplitConfig
-                      ) -> dict[str, Array]:
+  def _popularity(self, world: World) -> Optional[Array]:
+    """The retrieval evaluation's `popularity_scores` `[N]` (None for ranking): the
+    positives of each post in training-split lists, the same for every seed and split."""
+    if self.spec.task != "retrieval":
+      return None
+    return popularity_scores(world, self.spec.train_split,
+                             self.spec.config.train.eval_batch_size,
+                             self.spec.config.retrieval.positive_action,
+                             popularity_keys(self.spec.config))
+
+  def _retrieval_eval(self, system: RetrievalSystem, world: World, split: SplitConfig,
+                      popular_N: Array) -> dict[str, Array]:
+    """`popular_N`: `_popularity`, what a list of the posts engaged with most in training
+    data finds (`popularity_recall@K`)."""
     rc = self.spec.config.retrieval
     a, ks = rc.positive_action, tuple(rc.recall_k)
     N = self.spec.world.num_posts
     post_h, author_h, _ = post_features(world, jnp.arange(N))
     corpus_ND = system.corpus_representation(post_h, author_h)
-    # What a list of the posts engaged with most in training data finds (the same for
-    # every seed and split: cheap beside the evaluation, so counted where it is used).
-    popular_N = popularity_scores(world, self.spec.train_split,
-                                  self.spec.config.train.eval_batch_size, a,
-                                  popularity_keys(self.spec.config))
 
     def one(key):
       sb = self._sample_eval(world, split, key)
@@ -535,7 +545,10 @@ class Trainer:
     out.update(_diagnostics(r["max_logit"], r["rms"]))
     return out
 
-  def _eval_one(self, world: World, params: PyTree) -> dict[str, Array]:
+  def _eval_one(self, shared: tuple[World, Optional[Array]], params: PyTree
+                ) -> dict[str, Array]:
+    """One seed's metrics; `shared` is the world and its `_popularity`."""
+    world, popular_N = shared
     system = self.system(params)
     out = {}
     for name, split in self.spec.eval_splits.items():
@@ -543,7 +556,7 @@ class Trainer:
         consistency = name == "eval" and self.spec.config.train.score_consistency
         res = self._ranking_eval(system, world, split, consistency)
       else:
-        res = self._retrieval_eval(system, world, split)
+        res = self._retrieval_eval(system, world, split, popular_N)
       out.update({f"{name}/{k}": v for k, v in res.items()})
     return out
 
