@@ -76,23 +76,47 @@ def p_phrase(label: str, p: Optional[float]) -> str:
   return f"{label} < 0.001" if text == "<0.001" else f"{label} = {text}"
 
 
+def deterministic(comparison: Mapping) -> bool:
+  """A nonzero difference that every seed gave exactly (a parameter count, a cache size):
+  `stats.paired_t` records it with a zero-width CI and p = 0. Nothing was tested."""
+  ci = comparison.get("ci95")
+  return (bool(comparison.get("delta")) and comparison.get("p_value") == 0.0
+          and ci is not None and ci[0] == ci[1])
+
+
+def smallest_p(comparison: Mapping) -> Optional[float]:
+  """The smallest p the row's exact test (McNemar, sign-flip) could give with its n pairs
+  whatever they held, 2**(1 - n); None for a t-test."""
+  test = comparison.get("test", "")
+  if not test.startswith(("exact McNemar", "sign-flip permutation")):
+    return None
+  return 2.0 ** (1 - comparison.get("n", 0))
+
+
 def significant(comparison: Mapping) -> bool:
-  """Holm-adjusted p < 0.05 (raw p when no adjustment is recorded)."""
+  """Holm-adjusted p < 0.05 (raw p when no adjustment is recorded); never for a
+  `deterministic` difference, which is exact rather than tested."""
   p = comparison.get("p_holm", comparison.get("p_value"))
-  return p is not None and p < ALPHA and bool(comparison.get("delta"))
+  return (p is not None and p < ALPHA and bool(comparison.get("delta"))
+          and not deterministic(comparison))
 
 
 def verdict(comparison: Mapping, better: Optional[str]) -> str:
   """Plain reading of one comparison."""
+  n = comparison.get("n", 0)
   if comparison.get("p_value") is None or comparison.get("delta") is None:
-    n = comparison.get("n", 0)
     return f"not testable: {n} complete pair{'' if n == 1 else 's'}"
-  if not significant(comparison):
-    return "no significant difference"
   side = "higher" if comparison["delta"] > 0 else "lower"
-  if better is None:
-    return f"significantly {side}"
-  return f"significantly {side} ({'better' if side == better else 'worse'})"
+  judged = "" if better is None else f" ({'better' if side == better else 'worse'})"
+  if deterministic(comparison):
+    return f"{side}{judged} in every seed alike (exact, not a test)"
+  if not significant(comparison):
+    floor = smallest_p(comparison)
+    if floor is not None and floor >= ALPHA:
+      return (f"not testable: {n} pair{'' if n == 1 else 's'} (its exact test's p is at "
+              f"least {fmt_p(floor)})")
+    return "no significant difference"
+  return f"significantly {side}{judged}"
 
 
 def headline_lines(results: Mapping) -> list[str]:
@@ -109,7 +133,7 @@ def headline_lines(results: Mapping) -> list[str]:
 
   lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope(c)[0]}, `{c['metric']}`: "
            f"{verdict(c, better.get(c['metric']))} (Δ = {fmt(c['delta'])}, "
-           f"95% CI {fmt_ci(c['ci95'])}, {p_phrase('p', c['p_value'])}, "
+           f"unadjusted 95% CI {fmt_ci(c['ci95'])}, {p_phrase('p', c['p_value'])}, "
            f"{p_phrase('Holm p', c.get('p_holm'))}, {scope(c)[1]})."
            for c in headline_comparisons(results)]
   return lines or ["- No comparison with the baseline could be computed."]
@@ -125,6 +149,8 @@ def short_verdict(comparison: Mapping, results: Mapping) -> str:
     return f"{k}/{n} vs {kb}/{nb} (p {fmt_p(comparison['p_value'])})"
   if comparison.get("delta") is None:
     return "n/a"
+  if deterministic(comparison):
+    return f"{comparison['delta']:+.3g} (exact)"
   star = " *" if significant(comparison) else ""
   delta = "0" if comparison["delta"] == 0 else f"{comparison['delta']:+.3g}"
   return f"{delta} (p {fmt_p(comparison['p_value'])}){star}"
@@ -230,7 +256,7 @@ def metric_table(results: Mapping, metric: str) -> list[str]:
             else "Bayes-optimal ")
   rows = [f"| variant | runs | diverged | `{metric}` (mean ± 95% CI) "
           + (f"| {oracle}" if ceiling else "")
-          + "| Δ vs baseline [95% CI] | p | Holm p | verdict |",
+          + "| Δ vs baseline [unadjusted 95% CI] | p | Holm p | verdict |",
           "| --- | --- | --- | --- " + ("| --- " if ceiling else "")
           + "| --- | --- | --- | --- |"]
   for name, v in results["variants"].items():
@@ -272,7 +298,8 @@ def other_metrics_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
 
 def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[str]:
   """Paired differences of `metrics` to the baseline, as the verdict pairs them (pooled
-  over conditions when the sweep has any, per variant otherwise): "Δ [95% CI] (Holm p)",
+  over conditions when the sweep has any, per variant otherwise): "Δ [unadjusted 95% CI]
+  (Holm p)",
   a star when significant. Empty when none could be computed."""
   metrics = [m for m in metrics if m != "diverged"]   # its counts are in the tables above
   comps = {(c["variant"], c["metric"]): c for c in verdict_comparisons(results)
@@ -285,6 +312,8 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
     c = comps.get((name, metric))
     if c is None or c.get("delta") is None:
       return "n/a"
+    if deterministic(c):
+      return f"{fmt(c['delta'], 3)} (exact: the same in every seed)"
     star = " *" if significant(c) else ""
     return f"{fmt(c['delta'], 3)} {fmt_ci(c['ci95'])} (Holm p {fmt_p(c.get('p_holm'))}){star}"
 
@@ -387,12 +416,22 @@ HOW_TO_READ = (
     "pairs as seeds (`diverged` becomes a per-seed rate, compared by an exact sign-flip "
     "test: with three seeds its p is at least 0.25). "
     "`Holm p` corrects for the number of comparisons of one metric in one table (the "
-    "per-condition rows, the pooled rows, or the interaction rows), not across metrics; "
+    "per-condition rows, the pooled rows, or the interaction rows), not across metrics "
+    "(a metric with one row there, such as a single arm's pooled comparison, is its own "
+    "family: its Holm p is its p); "
     "a verdict says *significant* only when it is below 0.05, so a real but small "
-    "effect can read *no significant difference* with few seeds. A CI of zero width "
+    "effect can read *no significant difference* with few seeds. The CIs are not "
+    "adjusted: each is its own row's 95% t-interval, so one that excludes 0 can sit "
+    "beside *no significant difference* when the Holm correction lifts p above 0.05. "
+    "With three seeds the t-test has 2 degrees of freedom and its p rests on the paired "
+    "differences being roughly normal: no test that assumes nothing of their "
+    "distribution can give p below 0.25 from three pairs, so where such an exact test "
+    "is the one used (`diverged`) the verdict reads *not testable* unless the pairs "
+    "could reach p < 0.05. A CI of zero width "
     "(± 0) means every pair differed by the same amount (up to float rounding) and that "
     "amount is 0 (p 1), or every seed gave the same value on each side, as a "
-    "deterministic quantity (a parameter count) does (p 0). Where the seeds' values vary "
+    "deterministic quantity (a parameter count) does: an exact difference, marked "
+    "*exact* and not starred, since nothing was tested. Where the seeds' values vary "
     "but every pair differs by the same nonzero amount (a coarse metric can), the t-test "
     "is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, 0.5 with "
     "two seeds and 0.25 with three. A diverged "
@@ -523,7 +562,8 @@ def plot_effects(results: Mapping, metrics: Sequence[str], path: str) -> bool:
   axes[0, 0].set_ylim(-0.6, len(labels) - 0.4)
   for ax in list(axes.flat)[len(panels):]:
     ax.axis("off")
-  fig.suptitle(f"difference to {results['baseline']} (95% CI; red = significant after Holm"
+  fig.suptitle(f"difference to {results['baseline']} (unadjusted 95% CI; red = significant "
+               "after Holm"
                + ("; hollow = no CI" if no_ci else "") + ")", fontsize=9)
   save_figure(fig, path)
   return True
@@ -580,7 +620,8 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
           "sweep has several conditions, pooled: each seed's values averaged over them "
           "first); significant means Holm-adjusted p < 0.05, Holm over the comparisons of "
           "one metric within one ablation (not across metrics or ablations).", "",
-          "| ablation | variant vs baseline | metric | Δ [95% CI] | p | Holm p | verdict |",
+          "| ablation | variant vs baseline | metric | Δ [unadjusted 95% CI] | p | Holm p "
+          "| verdict |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
   for rel, results in entries:
     better = results.get("better", {})

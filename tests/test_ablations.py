@@ -382,7 +382,7 @@ def test_sweep_results_stats_and_report(tmp_path):
   assert "| c_hi | 4 | 1 |" in text
   auc_table = text.split("## `auc_mean`\n\n")[1].split("\n\n")[0].splitlines()
   assert auc_table[0].startswith("| variant | runs | diverged | `auc_mean` (mean ± 95% CI) "
-                                 "| Bayes-optimal | Δ vs baseline")
+                                 "| Bayes-optimal | Δ vs baseline [unadjusted 95% CI]")
   assert all(len(row.split("|")) == len(auc_table[0].split("|")) for row in auc_table)
   assert auc_table[2].startswith("| a_lo | 4 | 0 | ") and " | 0.8 | baseline |" in auc_table[2]
   assert " | 0.81 | " in auc_table[-1]
@@ -441,6 +441,36 @@ def test_verdict_uses_the_holm_adjusted_p():
   assert report.verdict({**row, "p_holm": 0.04}, None) == "significantly higher"
   assert report.verdict({"p_value": None, "delta": None, "n": 1}, "higher") == \
       "not testable: 1 complete pair"
+
+
+def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
+  """A difference every seed gave alike (a parameter count) is exact, neither starred nor
+  called significant; an exact test whose pairs cannot reach p < 0.05 (three seeds'
+  divergences) reads "not testable", not "no significant difference"."""
+  exact = stats.paired_t([10.0, 10.0, 10.0], [7.0, 7.0, 7.0])
+  exact["p_holm"] = 0.0
+  assert exact["p_value"] == 0.0 and report.deterministic(exact)
+  assert not report.significant(exact)
+  assert report.verdict(exact, "higher") == "lower (worse) in every seed alike (exact, not a test)"
+  assert report.short_verdict({**exact, "metric": "params"}, {}) == "-3 (exact)"
+  varying = stats.paired_t([0.5, 0.6, 0.7], [0.4, 0.6, 0.55])
+  assert not report.deterministic(varying) and not report.deterministic(
+      stats.paired_t([1.0, 1.0, 1.0], [1.0, 1.0, 1.0]))
+  never = stats.mcnemar_exact([0, 0, 0], [1, 1, 1])
+  never["p_holm"] = never["p_value"]
+  assert never["p_value"] == 0.25 and report.smallest_p(never) == 0.25
+  assert report.verdict(never, "lower") == \
+      "not testable: 3 pairs (its exact test's p is at least 0.250)"
+  pooled = stats.rate_difference([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+  pooled["test"] += " of seed means"
+  assert report.verdict(pooled, "lower").startswith("not testable: 3 pairs")
+  # Six pairs can reject: the verdict is the test's.
+  six = stats.mcnemar_exact([0] * 6, [1] * 6)
+  six["p_holm"] = six["p_value"]
+  assert report.smallest_p(six) == 2.0 ** -5 and report.verdict(six, "lower") == \
+      "significantly higher (worse)"
+  assert report.verdict({**six, "p_holm": 0.5}, "lower") == "no significant difference"
+  assert report.smallest_p(varying) is None
 
 
 def test_mean_and_interval_show_the_same_decimals():
