@@ -404,44 +404,47 @@ def design_lines(results: Mapping) -> list[str]:
   return ["## Design", ""] + out if out else []
 
 
-HOW_TO_READ = (
-    "Values are the mean ± the half-width of the t-based 95% confidence interval over "
-    "seeds. Each variant is compared with the baseline run of the same seed (and the "
-    "same condition): a paired t-test on the differences, or the exact McNemar test "
-    "for `diverged` (which needs at least 6 pairs that disagree, all in one "
-    "direction, to reach p < 0.05 before the Holm correction: read the divergence "
-    "counts directly when there are fewer; no CI is given for `diverged`). A pooled "
-    "comparison first averages each seed's values over the conditions, then pairs those "
-    "means by seed, because every condition trains with the same seeds: it has as many "
-    "pairs as seeds (`diverged` becomes a per-seed rate, compared by an exact sign-flip "
-    "test: with three seeds its p is at least 0.25). "
-    "`Holm p` corrects for the number of comparisons of one metric in one table (the "
-    "per-condition rows, the pooled rows, or the interaction rows), not across metrics "
-    "(a metric with one row there, such as a single arm's pooled comparison, is its own "
-    "family: its Holm p is its p); "
-    "a verdict says *significant* only when it is below 0.05, so a real but small "
-    "effect can read *no significant difference* with few seeds. The CIs are not "
-    "adjusted: each is its own row's 95% t-interval, so one that excludes 0 can sit "
-    "beside *no significant difference* when the Holm correction lifts p above 0.05. "
-    "With three seeds the t-test has 2 degrees of freedom and its p rests on the paired "
-    "differences being roughly normal: no test that assumes nothing of their "
-    "distribution can give p below 0.25 from three pairs, so where such an exact test "
-    "is the one used (`diverged`) the verdict reads *not testable* unless the pairs "
-    "could reach p < 0.05. A CI of zero width "
-    "(± 0) means every pair differed by the same amount (up to float rounding) and that "
-    "amount is 0 (p 1), or every seed gave the same value on each side, as a "
-    "deterministic quantity (a parameter count) does: an exact difference, marked "
-    "*exact* and not starred, since nothing was tested. Where the seeds' values vary "
-    "but every pair differs by the same nonzero amount (a coarse metric can), the t-test "
-    "is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, 0.5 with "
-    "two seeds and 0.25 with three. A diverged "
-    "run (non-finite loss or gradient norm) counts in `diverged` and has no other final "
-    "metric: it is left out of the means and of the pairs it belongs to (the pair count says how "
-    "many remained). In TensorBoard (`tensorboard --logdir` on this folder) the primary "
-    "evaluation's metrics are tagged `eval/<metric>` (`auc_mean` is `eval/auc_mean`; "
-    "characters TensorBoard rejects become `_`: `recall@5` is `eval/recall_5`), "
-    "the extra splits' `<split>/<metric>`, and probe and derived metrics keep their names, "
-    "at each run's last step; the HParams view groups each variant's seeds.")
+HOW_TO_READ = "\n".join([
+    "- **Values**: the mean ± the half-width of the t-based 95% confidence interval over "
+    "seeds.",
+    "- **Tests**: each variant is compared with the baseline run of the same seed (and the "
+    "same condition): a paired t-test on the differences, or the exact McNemar test for "
+    "`diverged` (which needs at least 6 pairs that disagree, all in one direction, to "
+    "reach p < 0.05 before the Holm correction; no CI is given for `diverged`: read the "
+    "divergence counts). A pooled comparison first averages each seed's values over the "
+    "conditions, then pairs those means by seed, because every condition trains with the "
+    "same seeds: it has as many pairs as seeds (`diverged` becomes a per-seed rate, "
+    "compared by an exact sign-flip test).",
+    "- **Holm p** corrects for the number of comparisons of one metric in one table (the "
+    "per-condition rows, the pooled rows, or the interaction rows), not across metrics; "
+    "a metric with one row there, such as a single arm's pooled comparison, is its own "
+    "family, and its Holm p is its p. A verdict says *significant* only when Holm p is "
+    "below 0.05, so a real but small effect can read *no significant difference* with "
+    "few seeds.",
+    "- **The CIs are not adjusted**: each is its own row's 95% t-interval, so one that "
+    "excludes 0 can sit beside *no significant difference* when the Holm correction lifts "
+    "p above 0.05.",
+    "- **Three seeds**: the t-test has 2 degrees of freedom, and its p rests on the paired "
+    "differences being roughly normal; no test that assumes nothing of their "
+    "distribution can give p below 0.25 from three pairs. Where such an exact test is the "
+    "one used (`diverged`), the verdict reads *not testable* unless its pairs could reach "
+    "p < 0.05.",
+    "- **Zero-width CIs** (± 0): every pair differed by the same amount (up to float "
+    "rounding) and that amount is 0 (p 1), or every seed gave the same value on each "
+    "side, as a deterministic quantity (a parameter count) does: an exact difference, "
+    "marked *exact* and not starred, since nothing was tested. Where the seeds' values "
+    "vary but every pair differs by the same nonzero amount (a coarse metric can), the "
+    "t-test is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, 0.5 "
+    "with two seeds and 0.25 with three.",
+    "- **Diverged runs** (non-finite loss or gradient norm) count in `diverged` and have "
+    "no other final metric: they are left out of the means and of the pairs they belong "
+    "to (the pair count says how many remained).",
+    "- **TensorBoard** (`tensorboard --logdir` on this folder): the primary evaluation's "
+    "metrics are tagged `eval/<metric>` (`auc_mean` is `eval/auc_mean`; characters "
+    "TensorBoard rejects become `_`: `recall@5` is `eval/recall_5`), the extra splits' "
+    "`<split>/<metric>`, and probe and derived metrics keep their names, at each run's "
+    "last step; the HParams view groups each variant's seeds.",
+])
 
 
 def merged_environments(envs: Sequence[Mapping]) -> list[dict]:
