@@ -113,8 +113,8 @@ def verdict(comparison: Mapping, better: Optional[str]) -> str:
   if not significant(comparison):
     floor = smallest_p(comparison)
     if floor is not None and floor >= ALPHA:
-      return (f"not testable: {n} pair{'' if n == 1 else 's'} (its exact test's p is at "
-              f"least {fmt_p(floor)})")
+      return (f"not testable: {n} pair{' gives' if n == 1 else 's give'} no exact p "
+              f"below {fmt_p(floor)}")
     return "no significant difference"
   return f"significantly {side}{judged}"
 

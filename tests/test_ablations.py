@@ -460,7 +460,7 @@ def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
   never["p_holm"] = never["p_value"]
   assert never["p_value"] == 0.25 and report.smallest_p(never) == 0.25
   assert report.verdict(never, "lower") == \
-      "not testable: 3 pairs (its exact test's p is at least 0.250)"
+      "not testable: 3 pairs give no exact p below 0.250"
   pooled = stats.rate_difference([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
   pooled["test"] += " of seed means"
   assert report.verdict(pooled, "lower").startswith("not testable: 3 pairs")
