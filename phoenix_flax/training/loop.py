@@ -61,7 +61,8 @@ def make_system(spec: ExperimentSpec, key) -> System:
 
 
 def _decay_mask(params: PyTree) -> PyTree:
-  """Weight decay on matrices only: not on norm scales, not on the hash tables."""
+  """Weight decay on every array of two or more dimensions (the stacked transformer's
+  leading layer axis not counted) but norm scales and the hash tables."""
   def decays(path, x):
     names = [getattr(k, "name", None) for k in path]
     stacked = "transformer" in names
@@ -85,7 +86,10 @@ def schedule_from(optim: ml_collections.ConfigDict, num_steps: int) -> optax.Sch
 
 def make_optimizer(spec: ExperimentSpec) -> optax.GradientTransformation:
   """Global-norm clipping (optional) then AdamW on the schedule, with weight decay on
-  the transformer's matrices only (not on norm scales, biases or the hash tables)."""
+  every array of two or more dimensions (per layer, for the stacked transformer) that is
+  not named `scale` and not a hash table: the transformer's matrices, the input
+  projections, the action projection, the unembedding, the product-surface table. Norm
+  scales and the hash tables are not decayed (`_decay_mask`)."""
   return optimizer_from(spec.config.optim, spec.config.train.num_steps)
 
 
