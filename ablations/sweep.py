@@ -28,7 +28,7 @@ results.json:
     {"ablation": str, "experiment": "ranking"|"retrieval", "preset": str, "baseline": arm,
      "primary_metric": str,
      "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
-     "hypothesis": str, "design": str (the docstring's other sections),
+     "curves": [metrics.jsonl key] (those curves.png draws), "hypothesis": str, "design": str (the docstring's other sections),
      "training": {"num_steps", "batch_size", "eval_batches", "eval_batch_size", "eval_lists",
                   "eval_seed"} (the base config's), "variants_run": [variant] | null (the
      variants of a --variants subset), "overrides": {path: value} (the user's, every
@@ -724,7 +724,7 @@ class Sweep:
     return {"ablation": ab.name, "experiment": ab.experiment, "preset": self.preset,
             "baseline": ab.baseline,
             "primary_metric": ab.primary_metric, "headline": list(ab.headline),
-            "metrics": list(ab.metrics),
+            "metrics": list(ab.metrics), "curves": list(ab.curves),
             "better": {m: better(m, ab.better) for m in ab.metrics},
             "hypothesis": hypothesis(ab.doc), "design": design(ab.doc),
             "training": self.training(),

@@ -150,15 +150,22 @@ class MultiHeadAttention(eqx.Module):
     B, T = attn_BTKGd.shape[:2]
     return self.out(attn_BTKGd.reshape(B, T, -1))
 
-  def attend(self, q_BTKGd: Array, k_BSKd: Array, v_BSKd: Array, mask_B1TS: Array,
-             ) -> tuple[Array, Array]:
-    """Masked attention of projected heads. Returns `[B,T,D]` and max |logit| pre-cap."""
+  def attention_weights(self, q_BTKGd: Array, k_BSKd: Array, mask_B1TS: Array,
+                        ) -> tuple[Array, Array]:
+    """The softmax weights `[B,KV,G,T,S]` (float32) that `attend` averages the values
+    by, and the max |logit| before the cap; `mask` `[B,1,T,S]`, 1 = may attend."""
     # In the forward dtype, then float32, as the release does (bfloat16 rounds q.k once).
     raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
     logits, max_logit = masked_logits(raw, mask_B1TS[:, :, None].astype(bool),
                                       self.config.attn_logit_cap)
-    weights = jax.nn.softmax(logits, axis=-1).astype(q_BTKGd.dtype)
+    return jax.nn.softmax(logits, axis=-1), max_logit
+
+  def attend(self, q_BTKGd: Array, k_BSKd: Array, v_BSKd: Array, mask_B1TS: Array,
+             ) -> tuple[Array, Array]:
+    """Masked attention of projected heads. Returns `[B,T,D]` and max |logit| pre-cap."""
+    weights, max_logit = self.attention_weights(q_BTKGd, k_BSKd, mask_B1TS)
+    weights = weights.astype(q_BTKGd.dtype)
     return self.output(jnp.einsum("bkgts,bskd->btkgd", weights, v_BSKd)), max_logit
 
   def __call__(self, x_BTD: Array, mask_B1TT: Array, positions_BT: Array,

@@ -92,6 +92,8 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
                   "restored optimizer == optimizer: True", "| equal: True",
                   "same logits through Equinox and NNX: True"):
       assert claim in text, claim
+  if name == "compare_variants":   # every curve the ablation declares was drawn
+    assert "panel stays empty" not in text and "no curves" not in text, text
   if name == "inside_phoenix":
     assert "isolated  slot 0: max |logit change| when the companions change = 0" in text
     assert "identity: True" in text
@@ -112,8 +114,13 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
       assert patch.startswith(("your checkout already holds these edits", "--- a/")), patch
       return
     assert "--- /dev/null\n+++ b/ablations/no_rope.py" in patch
+    # Saved whole, the printed patch with it; the config edits document and check the field.
+    saved = (tmp_path / "no_rope" / "no_rope.patch").read_text()
+    assert saved in patch and f"git apply {tmp_path / 'no_rope' / 'no_rope.patch'}" in patch
+    assert "+    rope: rotary positions on queries and keys" in saved
+    assert "+    if self.right_anchored_rope and not self.model.rope:" in saved
     if os.path.isdir(os.path.join(ROOT, ".git")):
-      proc = subprocess.run(["git", "apply", "--check", "-"], input=patch, cwd=ROOT,
+      proc = subprocess.run(["git", "apply", "--check", "-"], input=saved, cwd=ROOT,
                             text=True, capture_output=True)
       assert proc.returncode == 0, proc.stderr
 
