@@ -22,13 +22,14 @@ import os
 import sys
 
 from absl import flags
+import jax
 from ml_collections import config_flags
 
 from experiments.cli import (checked_config, exit_on_run_errors, fail, parse_config_flags,
                              quiet_backend_search, run_app)
-from phoenix_flax.training import Progress, run_dirs, run_experiment
-from phoenix_flax.training.schema import flatten
-from phoenix_flax.training.runner import finished_seeds
+from phoenix_flax.training import Progress, parse_config, run_dirs, run_experiment
+from phoenix_flax.training.schema import ConfigError, flatten
+from phoenix_flax.training.runner import check_placement, finished_seeds
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None,
@@ -56,9 +57,9 @@ _QUIET = flags.DEFINE_bool(
     "quiet", False, "Print only the final summary, not a progress line per host call.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False,
-    "Check --config (with its overrides) and print every field as `path = value`, then "
-    "exit without training; needs no --workdir. The fields are documented in "
-    "phoenix_flax/training/schema.py.")
+    "Check --config (with its overrides, and its mesh against this host's devices) and "
+    "print every field as `path = value`, then exit without training; needs no "
+    "--workdir. The fields are documented in phoenix_flax/training/schema.py.")
 
 
 def _duration(seconds: float) -> str:
@@ -141,6 +142,10 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value and not _PRINT_CONFIG.value:
     fail("--workdir is required")
   if _PRINT_CONFIG.value:
+    try:   # the mesh against this host's devices (a multi-host one is left to the run)
+      check_placement(parse_config(config))
+    except ConfigError as e:
+      fail(str(e))
     text = "".join(f"{path} = {value!r}\n" for path, value in flatten(config).items())
     try:
       sys.stdout.write(text)
@@ -157,6 +162,8 @@ def main(argv: list[str]) -> None:
   with exit_on_run_errors():
     done_before = _finished_before(config, _WORKDIR.value)
     results = run_experiment(config, _WORKDIR.value, progress=report, on_start=start)
+  if jax.process_index() != 0:   # process 0 wrote the files and says so
+    return
   dirs = run_dirs(config, _WORKDIR.value)
   for seed, r in results.items():
     final = r["final"]

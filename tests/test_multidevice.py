@@ -21,6 +21,7 @@ SCRIPT = """
 import json, re, sys
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import Trainer, make_placement, parse_config, run_experiment
@@ -65,6 +66,15 @@ out["mesh_chunk_loss"] = [
     [json.loads(line)["train/loss"] for line in open(f"{sys.argv[1]}/seed_{k}/metrics.jsonl")]
     for k in (0, 1)]
 (mesh_trainer,) = runner._TRAINERS.values()
+# The initialisation program itself returns the tables sharded (each device builds its
+# rows), and so does a checkpoint restored from the host.
+made = mesh_trainer._init(jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)]))
+out["init_table_spec"] = str(made.params.tables.post_table.sharding.spec)
+# The same values as one device's (up to float rounding: two programs, two fusions).
+out["init_table_diff"] = float(np.max(np.abs(
+    np.asarray(made.params.tables.post_table)
+    - np.asarray(Trainer(parse_config(ranking.get_config("smoke")), make_placement(1, False))
+                 .init([0, 1]).params.tables.post_table))))
 table = mesh_trainer.init([0, 1]).params.tables.post_table
 out["mesh_devices"] = mesh_trainer.placement.num_devices
 out["table_shard_shape"] = list(table.addressable_shards[0].data.shape)
@@ -114,6 +124,7 @@ def test_eight_devices_match_one_device(tmp_path):
   np.testing.assert_allclose(out["mesh_auc"], out["auc"], atol=2e-3)
   assert out["mesh_devices"] == 8 and out["table_devices"] == 8
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
+  assert out["init_table_spec"] == "P(None, 'data')" and out["init_table_diff"] < 1e-6
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
   # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, and 20 steps
   # of training compound it: the first step (the same parameters) to float rounding, every
@@ -207,3 +218,50 @@ def test_distributed_already_initialized_by_the_caller():
                         text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "OK 1" in proc.stdout
+
+
+def _join_a_missing_peer(workdir, timeout_s: int) -> subprocess.Popen:
+  """Process 1 of 2 of a run whose process 0 never starts: it waits to join."""
+  return subprocess.Popen(
+      [sys.executable, "-m", "experiments.run", "--config=experiments/configs/ranking.py:smoke",
+       f"--workdir={workdir}", "--config.mesh.distributed=True",
+       f"--config.mesh.coordinator_address=127.0.0.1:{_free_port()}",
+       "--config.mesh.num_processes=2", "--config.mesh.process_id=1",
+       f"--config.mesh.initialization_timeout={timeout_s}"],
+      cwd=REPO, env=subprocess_env(JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+
+
+def test_a_process_whose_peer_never_joins_stops_at_its_timeout(tmp_path):
+  """`mesh.initialization_timeout` bounds the wait for the other processes (JAX's
+  runtime then aborts the process), and the log says first what it waits for."""
+  proc = _join_a_missing_peer(tmp_path / "run", 2)
+  try:
+    _, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode != 0
+  assert "waiting up to 2 s (mesh.initialization_timeout) for 2 processes" in err, err[-3000:]
+  assert not os.path.exists(tmp_path / "run" / "result.json")
+
+
+def test_sigterm_ends_a_process_waiting_for_its_peers(tmp_path):
+  """While `jax.distributed.initialize` blocks in native code, Python's SIGTERM handler
+  could not run: the wait restores the default action, so the signal ends it at once."""
+  import signal
+  import time
+  proc = _join_a_missing_peer(tmp_path / "run", 300)
+  try:
+    waited, err = time.monotonic(), ""
+    while "waiting up to 300 s" not in err and time.monotonic() - waited < 120:
+      err += proc.stderr.readline()
+    assert "waiting up to 300 s" in err, err[-3000:]
+    time.sleep(1.0)   # into the native call
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == -signal.SIGTERM
+  finally:
+    proc.kill()
+    proc.communicate()

@@ -152,6 +152,10 @@ def test_print_config_lists_every_field_with_its_value(tmp_path):
   bad = _run("--config=experiments/configs/ranking.py:smoke", "--config.model.num_kv_heads=3",
              "--print_config")
   assert bad.returncode == 2 and "num_kv_heads" in bad.stderr and not bad.stdout
+  # The mesh is checked against this host's devices (the suite's processes see one).
+  bad = _run("--config=experiments/configs/ranking.py:smoke", "--config.mesh.num_devices=16",
+             "--print_config")
+  assert bad.returncode == 2 and "num_devices" in bad.stderr and not bad.stdout, bad.stderr
 
 
 def test_progress_durations_and_the_summary_metrics():

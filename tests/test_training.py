@@ -607,6 +607,7 @@ OUT_OF_RANGE = [
     ("ranking", {"output.keep_checkpoints": 0}, "output.keep_checkpoints=0 is invalid"),
     ("ranking", {"mesh.num_processes": 0}, "mesh.num_processes=0 is invalid"),
     ("ranking", {"mesh.process_id": -1}, "mesh.process_id=-1 is invalid"),
+    ("ranking", {"mesh.initialization_timeout": 0}, "mesh.initialization_timeout=0 is invalid"),
 ]
 
 # Fields of `base_config` that need no case above, and why. (The model section's other
@@ -627,7 +628,7 @@ AT_THE_EDGE = {
     "mesh.num_devices": -1,
     "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
-    "mesh.process_id": 1, "output.seed_subdirs": True, "seed": 2**32 - 1,
+    "mesh.process_id": 1, "mesh.initialization_timeout": 1, "output.seed_subdirs": True, "seed": 2**32 - 1,
     "world_seed": 2**32 - 1, "eval_seed": 0,
 }
 

@@ -282,8 +282,9 @@ class Trainer:
     is_leaf = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     abstract = eqx.filter_eval_shape(make_system, spec, jax.random.PRNGKey(0))
     self.static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)[1]
-    self._init = xla_options.filter_jit(_over_seeds(self._init_one, shared_first=False,
-                                                    in_turn=True))
+    init_seeds = _over_seeds(self._init_one, shared_first=False, in_turn=True)
+    self._init = xla_options.filter_jit(
+        lambda keys: self.placement.constrain_stacked_state(init_seeds(keys)))
     self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
                                          donate="all-except-first")
     eval_seeds = _over_seeds(self._eval_one, in_turn=True)
@@ -308,7 +309,8 @@ class Trainer:
                       sampling_counts=counts)
 
   def init(self, seeds: Sequence[int]) -> TrainState:
-    """Fresh states of `seeds`, stacked on a leading axis and placed on the mesh."""
+    """Fresh states of `seeds`, stacked on a leading axis and placed on the mesh (built
+    there: a sharded table's rows are made on the device that holds them)."""
     keys = jnp.stack([jax.random.PRNGKey(s) for s in seeds])
     return self.placement.place_state(self._init(keys))
 

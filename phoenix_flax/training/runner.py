@@ -423,7 +423,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   if config.mesh.distributed is True:
     check_config(config)   # fail before waiting for the other processes
     initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
-                           config.mesh.process_id)
+                           config.mesh.process_id, config.mesh.initialization_timeout)
   spec = parse_config(config)
   check_workdir(workdir)
   check_run_dirs(config, workdir)
@@ -539,7 +539,8 @@ class _Group:
   def _restore(self, step: int) -> tuple[TrainState, list[float]]:
     like = checkpoint_like(self.trainer)
     loaded = [load_checkpoint(self.trainer, self.dirs[k], step, like) for k in self.seeds]
-    state = jax.tree.map(lambda *xs: jnp.asarray(np.stack(xs)), *[s for s, _ in loaded])
+    # Stacked on the host, then each device's shard copied from there.
+    state = jax.tree.map(lambda *xs: np.stack(xs), *[s for s, _ in loaded])
     return self.trainer.placement.place_state(state), [wall for _, wall in loaded]
 
   def wall(self, i: int) -> float:

@@ -64,7 +64,9 @@ command line as `--config.<section>.<field>=value`):
                       tables sharded over "data"; needs num_devices other than 1),
                       `distributed` (call `jax.distributed.initialize`, with
                       `coordinator_address`, `num_processes`, `process_id` when given,
-                      auto-detected otherwise; those three are an error without it).
+                      auto-detected otherwise; those three are an error without it),
+                      `initialization_timeout` (seconds to wait for every process to
+                      join; a process still waiting then aborts).
   output.*            `seed_subdirs`: None = `<workdir>/seed_<k>/` only when num_seeds > 1,
                       True = always, False = never (one seed only); `keep_checkpoints`:
                       newest checkpoints kept per run (the last is the final model; at
@@ -163,7 +165,7 @@ def base_config(task: str = "ranking") -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict(dict(
       num_devices=1, shard_hash_tables=False, distributed=False,
       coordinator_address=nullable(None), num_processes=nullable(None),
-      process_id=nullable(None)))
+      process_id=nullable(None), initialization_timeout=300))
   c.output = ml_collections.ConfigDict(dict(seed_subdirs=nullable(None), keep_checkpoints=2))
   return c
 
@@ -460,6 +462,9 @@ def _check_mesh(m: ml_collections.ConfigDict) -> None:
                                   and (m.num_processes is None
                                        or m.process_id < m.num_processes)),
          "mesh.process_id", m.process_id, "must be an integer in [0, num_processes), or None")
+  _check(_is_int(m.initialization_timeout) and m.initialization_timeout >= 1,
+         "mesh.initialization_timeout", m.initialization_timeout,
+         "must be an integer >= 1 (seconds)")
   _check(not m.shard_hash_tables or m.num_devices != 1, "mesh.shard_hash_tables",
          m.shard_hash_tables, "needs a mesh: set mesh.num_devices to -1 (all) or N > 1")
   for f in ("coordinator_address", "num_processes", "process_id"):

@@ -8,11 +8,15 @@ runs on one device, several, or several hosts (`jax.distributed.initialize`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Optional
+import signal
+import threading
+from typing import Any, Iterator, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -27,12 +31,18 @@ _distributed_initialized = False
 
 def initialize_distributed(coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> None:
+                           process_id: Optional[int] = None,
+                           initialization_timeout: int = 300) -> None:
   """`jax.distributed.initialize` once per process (arguments auto-detected when None).
 
-  It waits (JAX's timeout: minutes) until all `num_processes` processes have joined, so
-  start the same command on every host. A failure to start (no coordinator given and
-  none detected) is a `ConfigError` naming the `config.mesh` fields.
+  It waits up to `initialization_timeout` seconds (`config.mesh.initialization_timeout`)
+  until all `num_processes` processes have joined, so start the same command on every
+  host. A process that is still waiting then is aborted by JAX's runtime (a native fatal
+  error, not a Python exception), after the log line this writes first has said what it
+  waits for. While it waits, Ctrl-C and SIGTERM end the process at once (the call blocks
+  in native code, where Python's handlers cannot run). A failure to start (no
+  coordinator given and none detected) is a `ConfigError` naming the `config.mesh`
+  fields.
   """
   global _distributed_initialized
   if _distributed_initialized or jax.distributed.is_initialized():
@@ -40,9 +50,17 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
     # call, and its devices are this run's)
     _distributed_initialized = True
     return
+  logging.info(
+      "jax.distributed.initialize: waiting up to %d s (mesh.initialization_timeout) for %s "
+      "to join the coordinator %s, as process %s; a process that never starts makes this "
+      "one abort then", initialization_timeout,
+      "the cluster's processes" if num_processes is None else f"{num_processes} processes",
+      coordinator_address or "(detected)", "(detected)" if process_id is None else process_id)
   try:
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
+    with _signals_end_the_process():
+      jax.distributed.initialize(coordinator_address=coordinator_address,
+                                 num_processes=num_processes, process_id=process_id,
+                                 initialization_timeout=initialization_timeout)
   except (ValueError, RuntimeError) as e:
     if "must be called before" in str(e):
       raise ConfigError(
@@ -54,6 +72,21 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
         "config.mesh.coordinator_address, num_processes and process_id, or run where JAX "
         "detects the cluster (e.g. SLURM, Cloud TPU)") from e
   _distributed_initialized = True
+
+
+@contextlib.contextmanager
+def _signals_end_the_process() -> Iterator[None]:
+  """SIGINT and SIGTERM at their defaults (the process ends) inside the block, then the
+  handlers as they were; in another thread than the main one, nothing changes."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    yield
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
 
 
 def _is_table(path) -> bool:
@@ -77,12 +110,24 @@ class Placement:
     return P()
 
   def place_state(self, tree: Any) -> Any:
-    """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded."""
+    """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded.
+    Host (numpy) arrays go from the host to each device's shard, never whole to one
+    device first; without a mesh they go to the default device."""
     if self.mesh is None:
-      return tree
+      return jax.tree.map(jnp.asarray, tree)
     place = lambda p, x: jax.device_put(
         x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=True)))
     return jax.tree_util.tree_map_with_path(place, tree)
+
+  def constrain_stacked_state(self, tree: Any) -> Any:
+    """Inside jit: a seed-stacked state laid out as `place_state` puts it, so that a
+    program that makes one (the initialisation) builds each device's shard of a sharded
+    table there, not the whole table on one device."""
+    if self.mesh is None:
+      return tree
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=True))), tree)
 
   def replicate(self, tree: Any) -> Any:
     if self.mesh is None:
