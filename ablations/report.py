@@ -85,12 +85,15 @@ def deterministic(comparison: Mapping) -> bool:
 
 
 def smallest_p(comparison: Mapping) -> Optional[float]:
-  """The smallest p the row's exact test (McNemar, sign-flip) could give with its n pairs
-  whatever they held, 2**(1 - n); None for a t-test."""
-  test = comparison.get("test", "")
-  if not test.startswith(("exact McNemar", "sign-flip permutation")):
+  """The smallest p the row's exact test could give with its n pairs whatever they held,
+  2**(1 - n): McNemar's for `diverged`, the sign-flip test of a pooled `diverged` or of a
+  metric whose pairs all moved by the same amount (`stats.paired_t`). None for a t-test
+  or a row without pairs."""
+  test = comparison.get("test") or ""
+  n = comparison.get("n") or 0
+  if n < 1 or not test.startswith(("exact McNemar", "sign-flip permutation")):
     return None
-  return 2.0 ** (1 - comparison.get("n", 0))
+  return 2.0 ** (1 - n)
 
 
 def significant(comparison: Mapping) -> bool:
@@ -103,7 +106,7 @@ def significant(comparison: Mapping) -> bool:
 
 def verdict(comparison: Mapping, better: Optional[str]) -> str:
   """Plain reading of one comparison."""
-  n = comparison.get("n", 0)
+  n = comparison.get("n") or 0
   if comparison.get("p_value") is None or comparison.get("delta") is None:
     return f"not testable: {n} complete pair{'' if n == 1 else 's'}"
   side = "higher" if comparison["delta"] > 0 else "lower"
@@ -131,10 +134,14 @@ def headline_lines(results: Mapping) -> list[str]:
     return (f" (pooled: per seed, the mean over {c['conditions']} conditions)",
             f"{c['n']} seed{plural}")
 
+  def figures(c: Mapping) -> str:
+    if deterministic(c):
+      return f"Δ = {fmt(c['delta'])}"
+    return (f"Δ = {fmt(c['delta'])}, unadjusted 95% CI {fmt_ci(c['ci95'])}, "
+            f"{p_phrase('p', c['p_value'])}, {p_phrase('Holm p', c.get('p_holm'))}")
+
   lines = [f"- **{c['variant']}** vs **{c['baseline']}**{scope(c)[0]}, `{c['metric']}`: "
-           f"{verdict(c, better.get(c['metric']))} (Δ = {fmt(c['delta'])}, "
-           f"unadjusted 95% CI {fmt_ci(c['ci95'])}, {p_phrase('p', c['p_value'])}, "
-           f"{p_phrase('Holm p', c.get('p_holm'))}, {scope(c)[1]})."
+           f"{verdict(c, better.get(c['metric']))} ({figures(c)}, {scope(c)[1]})."
            for c in headline_comparisons(results)]
   return lines or ["- No comparison with the baseline could be computed."]
 
@@ -268,6 +275,8 @@ def metric_table(results: Mapping, metric: str) -> list[str]:
       rows.append(f"{head} | baseline | | | |")
     elif c is None:
       rows.append(f"{head} | n/a | | | |")
+    elif deterministic(c):
+      rows.append(f"{head} | {fmt(c['delta'])} (exact) | | | {verdict(c, better)} |")
     else:
       rows.append(f"{head} | {fmt(c['delta'])} {fmt_ci(c['ci95'])} | {fmt_p(c['p_value'])} "
                   f"| {fmt_p(c.get('p_holm'))} | {verdict(c, better)} |")
@@ -414,7 +423,7 @@ HOW_TO_READ = "\n".join([
     "divergence counts). A pooled comparison first averages each seed's values over the "
     "conditions, then pairs those means by seed, because every condition trains with the "
     "same seeds: it has as many pairs as seeds (`diverged` becomes a per-seed rate, "
-    "compared by an exact sign-flip test).",
+    "compared by an exact sign-flip test, up to 16 seeds).",
     "- **Holm p** corrects for the number of comparisons of one metric in one table (the "
     "per-condition rows, the pooled rows, or the interaction rows), not across metrics; "
     "a metric with one row there, such as a single arm's pooled comparison, is its own "
@@ -424,18 +433,19 @@ HOW_TO_READ = "\n".join([
     "- **The CIs are not adjusted**: each is its own row's 95% t-interval, so one that "
     "excludes 0 can sit beside *no significant difference* when the Holm correction lifts "
     "p above 0.05.",
-    "- **Three seeds**: the t-test has 2 degrees of freedom, and its p rests on the paired "
-    "differences being roughly normal; no test that assumes nothing of their "
-    "distribution can give p below 0.25 from three pairs. Where such an exact test is the "
-    "one used (`diverged`), the verdict reads *not testable* unless its pairs could reach "
-    "p < 0.05.",
+    "- **Few seeds**: with n pairs the t-test has n − 1 degrees of freedom, and its p rests "
+    "on the paired differences being roughly normal; no test that assumes nothing of "
+    "their distribution can give p below 2^(1 − n) from n pairs (0.25 with three). Where "
+    "such an exact test is the one used (`diverged`, and a metric whose pairs all moved "
+    "by the same amount), the verdict reads *not testable* while n is 5 or less, since "
+    "its p cannot reach 0.05.",
     "- **Zero-width CIs** (± 0): every pair differed by the same amount (up to float "
     "rounding) and that amount is 0 (p 1), or every seed gave the same value on each "
     "side, as a deterministic quantity (a parameter count) does: an exact difference, "
     "marked *exact* and not starred, since nothing was tested. Where the seeds' values "
     "vary but every pair differs by the same nonzero amount (a coarse metric can), the "
-    "t-test is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, 0.5 "
-    "with two seeds and 0.25 with three.",
+    "t-test is undefined: the row has no CI (`n/a`) and takes the exact sign-flip p, "
+    "2^(1 − n) (0.25 with three seeds: *not testable*, as above).",
     "- **Diverged runs** (non-finite loss or gradient norm) count in `diverged` and have "
     "no other final metric: they are left out of the means and of the pairs they belong "
     "to (the pair count says how many remained).",

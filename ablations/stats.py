@@ -211,15 +211,21 @@ def rate_difference(baseline: Sequence[Optional[float]], variant: Sequence[Optio
   """Paired comparison of event rates in [0, 1] (e.g. the share of a seed's runs that
   diverged): the mean difference, and the exact sign-flip p (`sign_flip_p`; a t-test on a
   few rates reads p = 0 whenever every pair differs by the same amount) for up to
-  `SIGN_FLIP_MAX_PAIRS` pairs, the t-test's beyond. No CI: a t-interval of rates can leave
+  `SIGN_FLIP_MAX_PAIRS` pairs, the t-test's beyond (the exact 2**(1 - n) there when every
+  pair differs by the same amount). No CI: a t-interval of rates can leave
   [-1, 1], and equal observed rates (say, no divergence on either side in three pairs) do
   not pin the true rates down."""
   out = paired_t(baseline, variant)
   out["ci95"] = None
+  b, v = _pairs(baseline, variant)
   if 2 <= out["n"] <= SIGN_FLIP_MAX_PAIRS:
-    b, v = _pairs(baseline, variant)
     out["p_value"] = sign_flip_p(v - b)
     out["test"] = "sign-flip permutation"
+  elif out["n"] > SIGN_FLIP_MAX_PAIRS and out["delta"] and np.ptp(v - b) == 0:
+    # Every seed's rate moved by the same amount: t is undefined (paired_t's p = 0 is for
+    # a deterministic quantity); the exact sign-flip p of n equal differences.
+    out["p_value"] = 2.0 ** (1 - out["n"])
+    out["test"] = "sign-flip permutation (identical differences)"
   return out
 
 

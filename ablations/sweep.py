@@ -28,7 +28,8 @@ results.json:
     {"ablation": str, "experiment": "ranking"|"retrieval", "preset": str, "baseline": arm,
      "primary_metric": str,
      "headline": [metric], "metrics": [metric], "better": {metric: "higher"|"lower"|null},
-     "curves": [metrics.jsonl key] (those curves.png draws), "hypothesis": str, "design": str (the docstring's other sections),
+     "curves": [metrics.jsonl key] (those curves.png draws),
+     "hypothesis": str, "design": str (the docstring's other sections),
      "training": {"num_steps", "batch_size", "eval_batches", "eval_batch_size", "eval_lists",
                   "eval_seed"} (the base config's), "variants_run": [variant] | null (the
      variants of a --variants subset), "overrides": {path: value} (the user's, every
@@ -95,7 +96,7 @@ from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_che
 from phoenix_flax.training import provenance
 from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
                                          not_in_model_section, paths_named)
-from phoenix_flax.training.sharding import initialize_distributed
+from phoenix_flax.training.sharding import initialize_from
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           finished_seeds, metric_names, seed_dir)
 from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
@@ -466,8 +467,7 @@ class Sweep:
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
       for cfg in configs:
         check_config(cfg)
-      m = self.base.mesh
-      initialize_distributed(m.coordinator_address, m.num_processes, m.process_id)
+      initialize_from(self.base.mesh)
     specs = []
     for variant, cfg in zip(self.variants, configs):
       specs.append(parse_config(cfg))

@@ -471,6 +471,25 @@ def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
       "significantly higher (worse)"
   assert report.verdict({**six, "p_holm": 0.5}, "lower") == "no significant difference"
   assert report.smallest_p(varying) is None
+  # Pairs that all moved alike in a continuous metric: the exact sign-flip test again.
+  alike = stats.paired_t([0.5, 0.6, 0.7], [0.51, 0.61, 0.71])
+  assert report.smallest_p(alike) == 0.25 and report.verdict(alike, "higher").startswith(
+      "not testable: 3 pairs")
+  # Rows written by hand: no pairs, no test name.
+  assert report.smallest_p({"test": None, "n": None}) is None
+  assert report.verdict({"p_value": 0.5, "delta": 0.1, "n": None, "test": None}, "higher") \
+      == "no significant difference"
+  # An exact difference shows no p-value beside "not a test", in the tables and the verdict.
+  results = {"baseline": "a", "better": {"params": "lower"}, "headline": ["params"],
+             "primary_metric": "params", "experiment": "ranking",
+             "variants": {n: {"arm": n, "cell": "", "seeds": [0, 1, 2], "diverged": 0,
+                              "metrics": {"params": stats.summarize([x] * 3)}}
+                          for n, x in (("a", 10.0), ("b", 7.0))},
+             "comparisons": [{**exact, "variant": "b", "baseline": "a", "metric": "params"}]}
+  row = report.metric_table(results, "params")[-1]
+  assert row.endswith("| -3 (exact) | | | lower (better) in every seed alike (exact, not a test) |")
+  line, = report.headline_lines(results)
+  assert "(Δ = -3, 3 pairs)" in line and "p =" not in line
 
 
 def test_mean_and_interval_show_the_same_decimals():

@@ -68,7 +68,12 @@ out["mesh_chunk_loss"] = [
 (mesh_trainer,) = runner._TRAINERS.values()
 # The initialisation program itself returns the tables sharded (each device builds its
 # rows), and so does a checkpoint restored from the host.
-made = mesh_trainer._init(jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)]))
+keys = jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)])
+made = mesh_trainer._init(keys)
+# No device builds a whole table: the compiled program holds the 64-row shards only.
+init_hlo = mesh_trainer._init.lower(keys).lowered.compile().as_text()
+out["init_whole_table"] = "512,16]" in init_hlo
+out["init_shard_rows"] = "64,16]" in init_hlo
 out["init_table_spec"] = str(made.params.tables.post_table.sharding.spec)
 # The same values as one device's (up to float rounding: two programs, two fusions).
 out["init_table_diff"] = float(np.max(np.abs(
@@ -125,6 +130,7 @@ def test_eight_devices_match_one_device(tmp_path):
   assert out["mesh_devices"] == 8 and out["table_devices"] == 8
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
   assert out["init_table_spec"] == "P(None, 'data')" and out["init_table_diff"] < 1e-6
+  assert out["init_shard_rows"] and not out["init_whole_table"]
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
   # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, and 20 steps
   # of training compound it: the first step (the same parameters) to float rounding, every
@@ -235,12 +241,16 @@ def _join_a_missing_peer(workdir, timeout_s: int) -> subprocess.Popen:
 def test_a_process_whose_peer_never_joins_stops_at_its_timeout(tmp_path):
   """`mesh.initialization_timeout` bounds the wait for the other processes (JAX's
   runtime then aborts the process), and the log says first what it waits for."""
+  import signal
+  import time
+  started = time.monotonic()
   proc = _join_a_missing_peer(tmp_path / "run", 2)
   try:
     _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
-  assert proc.returncode != 0
+  assert proc.returncode == -signal.SIGABRT, (proc.returncode, err[-3000:])
+  assert time.monotonic() - started < 60
   assert "waiting up to 2 s (mesh.initialization_timeout) for 2 processes" in err, err[-3000:]
   assert not os.path.exists(tmp_path / "run" / "result.json")
 
@@ -248,13 +258,15 @@ def test_a_process_whose_peer_never_joins_stops_at_its_timeout(tmp_path):
 def test_sigterm_ends_a_process_waiting_for_its_peers(tmp_path):
   """While `jax.distributed.initialize` blocks in native code, Python's SIGTERM handler
   could not run: the wait restores the default action, so the signal ends it at once."""
+  import select
   import signal
   import time
   proc = _join_a_missing_peer(tmp_path / "run", 300)
   try:
     waited, err = time.monotonic(), ""
     while "waiting up to 300 s" not in err and time.monotonic() - waited < 120:
-      err += proc.stderr.readline()
+      if select.select([proc.stderr], [], [], 1.0)[0]:   # never blocks past the deadline
+        err += proc.stderr.readline()
     assert "waiting up to 300 s" in err, err[-3000:]
     time.sleep(1.0)   # into the native call
     sent = time.monotonic()
@@ -265,3 +277,44 @@ def test_sigterm_ends_a_process_waiting_for_its_peers(tmp_path):
   finally:
     proc.kill()
     proc.communicate()
+
+
+def test_the_join_passes_every_mesh_field_and_leaves_foreign_handlers_alone(monkeypatch):
+  """`initialize_from` hands every `mesh` field to `jax.distributed.initialize` (the runner
+  and the sweeps both call it). During the join, a Python handler gives way to the
+  default action (the process ends), while an ignored signal stays ignored and one
+  handled outside Python (`getsignal` None) is left alone; all come back after."""
+  import signal
+  from phoenix_flax.training import sharding
+  from phoenix_flax.training.schema import base_config
+  during, real = [], signal.getsignal
+
+  def join(**kwargs):
+    during.append(dict(kwargs, SIGTERM=real(signal.SIGTERM), SIGINT=real(signal.SIGINT)))
+
+  monkeypatch.setattr(sharding.jax.distributed, "initialize", join)
+  monkeypatch.setattr(sharding.jax.distributed, "is_initialized", lambda: False)
+  monkeypatch.setattr(sharding, "_distributed_initialized", False)
+  mesh = base_config("ranking").mesh
+  mesh.distributed, mesh.coordinator_address = True, "127.0.0.1:1234"
+  mesh.num_processes, mesh.process_id, mesh.initialization_timeout = 2, 1, 7
+  ours = lambda *args: None
+  before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    signal.signal(signal.SIGTERM, ours)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sharding.initialize_from(mesh)
+    after = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    # A handler installed outside Python: neither swapped nor "restored" to None.
+    monkeypatch.setattr(sharding, "_distributed_initialized", False)
+    monkeypatch.setattr(signal, "getsignal",
+                        lambda s: None if s == signal.SIGTERM else real(s))
+    sharding.initialize_from(mesh)
+  finally:
+    for s, handler in before.items():
+      signal.signal(s, handler)
+  fields = dict(coordinator_address="127.0.0.1:1234", num_processes=2, process_id=1,
+                initialization_timeout=7)
+  assert during == [dict(fields, SIGTERM=signal.SIG_DFL, SIGINT=signal.SIG_IGN),
+                    dict(fields, SIGTERM=ours, SIGINT=signal.SIG_IGN)]
+  assert after == {signal.SIGTERM: ours, signal.SIGINT: signal.SIG_IGN}

@@ -101,6 +101,7 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
     with open(tmp_path / "no_rope" / "results.json") as f:
       results = json.load(f)
     assert set(results["variants"]) == {"rope", "no_rope"}
+    assert ("right_anchored_rope=True is invalid: needs model.rope=True" in text), text[-3000:]
     slot = results["variants"]["no_rope"]["metrics"]["slot_sensitivity"]["per_seed"]
     assert max(slot) < 1e-5
     # The scratch copy is no checkout: its runs record the version the notebook gives.

@@ -100,6 +100,13 @@ def test_rate_difference_and_zero_spread():
   # (the t-test's zero spread would read p = 0).
   two = stats.rate_difference([0.0, 0.0], [0.5, 0.5])
   assert two["test"] == "sign-flip permutation" and two["p_value"] == pytest.approx(0.5)
+  # Beyond the exact test's 16 pairs the t-test takes over, except where every seed's
+  # rate moved alike (t undefined): there the exact p of n equal differences, not 0.
+  many = stats.rate_difference([0.0] * 17, [1.0] * 17)
+  assert many["p_value"] == pytest.approx(2.0 ** -16) and "identical" in many["test"]
+  assert stats.rate_difference([0.0] * 17, [0.0] * 17)["p_value"] == 1.0
+  varied = stats.rate_difference([0.0] * 17, [0.5, 1.0] * 8 + [1.0])
+  assert varied["test"] == "paired t" and 0 < varied["p_value"] < 1e-6
   # A deterministic quantity (the same value in every seed on each side) keeps its exact
   # CI and p = 0.
   fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])

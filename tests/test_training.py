@@ -628,7 +628,8 @@ AT_THE_EDGE = {
     "mesh.num_devices": -1,
     "mesh.distributed": True,
     "mesh.coordinator_address": "10.0.0.1:1234", "mesh.num_processes": 2,
-    "mesh.process_id": 1, "mesh.initialization_timeout": 1, "output.seed_subdirs": True, "seed": 2**32 - 1,
+    "mesh.process_id": 1, "mesh.initialization_timeout": 1,
+    "output.seed_subdirs": True, "seed": 2**32 - 1,
     "world_seed": 2**32 - 1, "eval_seed": 0,
 }
 

@@ -76,7 +76,7 @@ from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
                                           check_config, default_fprop_dtype, flatten, hparams,
                                           parse_config, seed_config, with_defaults)
-from phoenix_flax.training.sharding import (Placement, initialize_distributed,
+from phoenix_flax.training.sharding import (Placement, initialize_from,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
                                            read_metrics, remove_temporaries, write_json)
@@ -422,8 +422,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
                     f"{type(config).__name__}")
   if config.mesh.distributed is True:
     check_config(config)   # fail before waiting for the other processes
-    initialize_distributed(config.mesh.coordinator_address, config.mesh.num_processes,
-                           config.mesh.process_id, config.mesh.initialization_timeout)
+    initialize_from(config.mesh)
   spec = parse_config(config)
   check_workdir(workdir)
   check_run_dirs(config, workdir)

@@ -65,8 +65,8 @@ command line as `--config.<section>.<field>=value`):
                       `distributed` (call `jax.distributed.initialize`, with
                       `coordinator_address`, `num_processes`, `process_id` when given,
                       auto-detected otherwise; those three are an error without it),
-                      `initialization_timeout` (seconds to wait for every process to
-                      join; a process still waiting then aborts).
+                      `initialization_timeout` (with distributed=True: seconds to wait
+                      for every process to join; a process still waiting then aborts).
   output.*            `seed_subdirs`: None = `<workdir>/seed_<k>/` only when num_seeds > 1,
                       True = always, False = never (one seed only); `keep_checkpoints`:
                       newest checkpoints kept per run (the last is the final model; at

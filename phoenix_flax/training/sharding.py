@@ -74,18 +74,32 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   _distributed_initialized = True
 
 
+def initialize_from(mesh: Any) -> None:
+  """`initialize_distributed` with the fields of a config's `mesh` section (what both the
+  runner and the ablation sweeps call, so that neither leaves one out)."""
+  initialize_distributed(mesh.coordinator_address, mesh.num_processes, mesh.process_id,
+                         mesh.initialization_timeout)
+
+
 @contextlib.contextmanager
 def _signals_end_the_process() -> Iterator[None]:
-  """SIGINT and SIGTERM at their defaults (the process ends) inside the block, then the
-  handlers as they were; in another thread than the main one, nothing changes."""
+  """Inside the block, SIGINT and SIGTERM end the process (their default action) where a
+  Python handler would have caught them, since a native call blocks Python's handlers;
+  a signal the process ignores stays ignored, and one handled outside Python (no
+  Python-visible handler) is left alone. The handlers are restored after. In a thread
+  other than the main one, nothing changes."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-  previous = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)}
+  swapped = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+  swapped = {s: h for s, h in swapped.items()
+             if callable(h) and h not in (signal.SIG_DFL, signal.SIG_IGN)}
+  for s in swapped:
+    signal.signal(s, signal.SIG_DFL)
   try:
     yield
   finally:
-    for s, handler in previous.items():
+    for s, handler in swapped.items():
       signal.signal(s, handler)
 
 
