@@ -128,11 +128,12 @@ def headline_lines(results: Mapping) -> list[str]:
   better = results.get("better", {})
 
   def scope(c: Mapping) -> tuple[str, str]:
-    plural = "" if c["n"] == 1 else "s"
+    n = c.get("n") or 0
+    plural = "" if n == 1 else "s"
     if "conditions" not in c:
-      return "", f"{c['n']} pair{plural}"
+      return "", f"{n} pair{plural}"
     return (f" (pooled: per seed, the mean over {c['conditions']} conditions)",
-            f"{c['n']} seed{plural}")
+            f"{n} seed{plural}")
 
   def figures(c: Mapping) -> str:
     if deterministic(c):

@@ -221,9 +221,10 @@ def rate_difference(baseline: Sequence[Optional[float]], variant: Sequence[Optio
   if 2 <= out["n"] <= SIGN_FLIP_MAX_PAIRS:
     out["p_value"] = sign_flip_p(v - b)
     out["test"] = "sign-flip permutation"
-  elif out["n"] > SIGN_FLIP_MAX_PAIRS and out["delta"] and np.ptp(v - b) == 0:
-    # Every seed's rate moved by the same amount: t is undefined (paired_t's p = 0 is for
-    # a deterministic quantity); the exact sign-flip p of n equal differences.
+  elif out["n"] > SIGN_FLIP_MAX_PAIRS and out["p_value"] == 0.0:
+    # Every seed's rate moved by the same amount (paired_t's p = 0, meant for a
+    # deterministic quantity): t is undefined; the exact sign-flip p of n equal
+    # differences.
     out["p_value"] = 2.0 ** (1 - out["n"])
     out["test"] = "sign-flip permutation (identical differences)"
   return out

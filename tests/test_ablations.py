@@ -490,6 +490,9 @@ def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
   assert row.endswith("| -3 (exact) | | | lower (better) in every seed alike (exact, not a test) |")
   line, = report.headline_lines(results)
   assert "(Δ = -3, 3 pairs)" in line and "p =" not in line
+  # A hand-written row without a pair count still renders.
+  results["comparisons"][0] = {k: v for k, v in results["comparisons"][0].items() if k != "n"}
+  assert report.headline_lines(results)[0].endswith("(Δ = -3, 0 pairs).")
 
 
 def test_mean_and_interval_show_the_same_decimals():

@@ -67,7 +67,7 @@ out["mesh_chunk_loss"] = [
     for k in (0, 1)]
 (mesh_trainer,) = runner._TRAINERS.values()
 # The initialisation program itself returns the tables sharded (each device builds its
-# rows), and so does a checkpoint restored from the host.
+# rows).
 keys = jnp.stack([jax.random.PRNGKey(s) for s in (0, 1)])
 made = mesh_trainer._init(keys)
 # No device builds a whole table: the compiled program holds the 64-row shards only.
@@ -80,6 +80,14 @@ out["init_table_diff"] = float(np.max(np.abs(
     np.asarray(made.params.tables.post_table)
     - np.asarray(Trainer(parse_config(ranking.get_config("smoke")), make_placement(1, False))
                  .init([0, 1]).params.tables.post_table))))
+# A checkpoint loads into host memory, and its tables go from there to their shards.
+loaded, _ = runner.load_checkpoint(mesh_trainer, f"{sys.argv[1]}/seed_0", cfg.train.num_steps)
+out["loaded_on_host"] = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(loaded))
+host = jax.tree.map(lambda *xs: np.stack(xs), loaded, loaded)
+placed = mesh_trainer.placement.place_state(host)
+out["placed_table_spec"] = str(placed.params.tables.post_table.sharding.spec)
+out["placed_equal"] = all(np.array_equal(np.asarray(a), b)
+                          for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(host)))
 table = mesh_trainer.init([0, 1]).params.tables.post_table
 out["mesh_devices"] = mesh_trainer.placement.num_devices
 out["table_shard_shape"] = list(table.addressable_shards[0].data.shape)
@@ -131,6 +139,8 @@ def test_eight_devices_match_one_device(tmp_path):
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
   assert out["init_table_spec"] == "P(None, 'data')" and out["init_table_diff"] < 1e-6
   assert out["init_shard_rows"] and not out["init_whole_table"]
+  assert out["loaded_on_host"] and out["placed_equal"]
+  assert out["placed_table_spec"] == "P(None, 'data')"
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
   # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, and 20 steps
   # of training compound it: the first step (the same parameters) to float rounding, every

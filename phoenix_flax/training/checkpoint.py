@@ -21,6 +21,8 @@ import re
 from typing import Any
 
 import equinox as eqx
+import jax
+import numpy as np
 
 from phoenix_flax.training import writers
 
@@ -91,8 +93,19 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
   return path
 
 
-def load(run_dir: str, step: int, like: Any) -> Any:
-  """Reads the checkpoint of `step` into the structure (and leaf types) of `like`."""
+def _host_leaf(f, x: Any) -> Any:
+  """A numpy leaf read as numpy (equinox's default), bfloat16 included."""
+  if isinstance(x, np.ndarray):
+    out = np.load(f)
+    # np.save writes bfloat16 as raw 2-byte records (ml_dtypes' dtype is not numpy's).
+    return out.view(x.dtype) if out.dtype != x.dtype and out.dtype.kind == "V" else out
+  return eqx.default_deserialise_filter_spec(f, x)
+
+
+def load(run_dir: str, step: int, like: Any, host: bool = False) -> Any:
+  """Reads the checkpoint of `step` into the structure (and leaf types) of `like`; with
+  `host`, its arrays stay numpy arrays in host memory (a caller that shards them copies
+  each device's part from there)."""
   path = _path(run_dir, step)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
@@ -105,7 +118,10 @@ def load(run_dir: str, step: int, like: Any) -> Any:
         raise ValueError("its SHA-256 checksum does not match its contents")
     else:
       payload = data   # written before checkpoints carried a checksum
-    return eqx.tree_deserialise_leaves(io.BytesIO(payload), like)
+    if host:   # numpy placeholders (unwritten memory) in place of the device arrays
+      like = jax.tree.map(lambda x: np.empty(x.shape, x.dtype)
+                          if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else x, like)
+    return eqx.tree_deserialise_leaves(io.BytesIO(payload), like, filter_spec=_host_leaf)
   except Exception as e:   # damaged or foreign bytes: equinox's error names no file
     raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
                           "it is damaged or of another model. An older step may still "

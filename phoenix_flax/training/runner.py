@@ -733,7 +733,8 @@ def load_checkpoint(trainer: Trainer, run_dir: str, step: int,
                     like: Optional[dict] = None) -> tuple[TrainState, float]:
   """One seed's train state (host arrays) and wall seconds from the checkpoint of `step`;
   pass `like` (`checkpoint_like(trainer)`) when loading several seeds of one trainer."""
-  found = checkpoint.load(run_dir, step, checkpoint_like(trainer) if like is None else like)
+  found = checkpoint.load(run_dir, step, checkpoint_like(trainer) if like is None else like,
+                          host=True)
   return found["state"], float(found["wall_seconds"])
 
 

@@ -35,8 +35,8 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
                            initialization_timeout: int = 300) -> None:
   """`jax.distributed.initialize` once per process (arguments auto-detected when None).
 
-  It waits up to `initialization_timeout` seconds (`config.mesh.initialization_timeout`)
-  until all `num_processes` processes have joined, so start the same command on every
+  It waits about `initialization_timeout` seconds (`config.mesh.initialization_timeout`;
+  JAX's connection retries add a few) until all `num_processes` processes have joined, so start the same command on every
   host. A process that is still waiting then is aborted by JAX's runtime (a native fatal
   error, not a Python exception), after the log line this writes first has said what it
   waits for. While it waits, Ctrl-C and SIGTERM end the process at once (the call blocks
@@ -125,12 +125,18 @@ class Placement:
 
   def place_state(self, tree: Any) -> Any:
     """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded.
-    Host (numpy) arrays go from the host to each device's shard, never whole to one
-    device first; without a mesh they go to the default device."""
+    Host (numpy) arrays are copied to each of this process's devices as its shard, never
+    whole to one device first, and with no collective between processes (which
+    `jax.device_put` of a host array runs to check that every process holds the same);
+    without a mesh they go to the default device."""
     if self.mesh is None:
       return jax.tree.map(jnp.asarray, tree)
-    place = lambda p, x: jax.device_put(
-        x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=True)))
+
+    def place(path, x):
+      sharding = NamedSharding(self.mesh, self._state_spec(path, x, seed_axis=True))
+      if isinstance(x, np.ndarray):
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+      return jax.device_put(x, sharding)
     return jax.tree_util.tree_map_with_path(place, tree)
 
   def constrain_stacked_state(self, tree: Any) -> Any:
