@@ -58,9 +58,9 @@ _QUIET = flags.DEFINE_bool(
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False,
     "Check --config (with its overrides; a single-host mesh of several devices also "
-    "against this host's devices, which starts JAX's backend) and print every field as `path = "
-    "value`, then exit without training; needs no --workdir. The fields are documented "
-    "in phoenix_flax/training/schema.py.")
+    "against this host's devices, which starts JAX's backend) and print every field as "
+    "`path = value`, then exit without training; needs no --workdir. The fields are "
+    "documented in phoenix_flax/training/schema.py.")
 
 
 def _duration(seconds: float) -> str:

@@ -284,7 +284,7 @@ class Trainer:
     self.static = eqx.partition(abstract, is_leaf, is_leaf=is_leaf)[1]
     init_seeds = _over_seeds(self._init_one, shared_first=False, in_turn=True)
     self._init = xla_options.filter_jit(
-        lambda keys: self.placement.constrain_stacked_state(init_seeds(keys)))
+        lambda keys: self.placement.constrain_state(init_seeds(keys), seed_axis=True))
     self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
                                          donate="all-except-first")
     eval_seeds = _over_seeds(self._eval_one, in_turn=True)

@@ -36,10 +36,10 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   """`jax.distributed.initialize` once per process (arguments auto-detected when None).
 
   It waits about `initialization_timeout` seconds (`config.mesh.initialization_timeout`;
-  JAX's connection retries add a few) until all `num_processes` processes have joined, so start the same command on every
-  host. A process that is still waiting then is aborted by JAX's runtime (a native fatal
-  error, not a Python exception), after the log line this writes first has said what it
-  waits for. While it waits, Ctrl-C and SIGTERM end the process at once (the call blocks
+  JAX's connection retries add a few) until all `num_processes` processes have joined,
+  so start the same command on every host. A process that is still waiting then is
+  aborted by JAX's runtime (a native fatal error, not a Python exception), after the log
+  line this writes first has said what it waits for. While it waits, Ctrl-C and SIGTERM end the process at once (the call blocks
   in native code, where Python's handlers cannot run). A failure to start (no
   coordinator given and none detected) is a `ConfigError` naming the `config.mesh`
   fields.
@@ -118,10 +118,12 @@ class Placement:
   def num_devices(self) -> int:
     return 1 if self.mesh is None else self.mesh.size
 
-  def _state_spec(self, path, leaf, seed_axis: bool) -> P:
+  def _state_sharding(self, path, leaf, seed_axis: bool) -> NamedSharding:
+    """A state leaf's layout: replicated, or a table sharded by rows (after the seed axis
+    of a seed-stacked state)."""
     if self.shard_hash_tables and _is_table(path) and getattr(leaf, "ndim", 0) >= 2:
-      return P(None, DATA_AXIS) if seed_axis else P(DATA_AXIS)
-    return P()
+      return NamedSharding(self.mesh, P(None, DATA_AXIS) if seed_axis else P(DATA_AXIS))
+    return NamedSharding(self.mesh, P())
 
   def place_state(self, tree: Any) -> Any:
     """Puts a (seed-stacked) train state on the mesh: replicated, tables optionally sharded.
@@ -133,34 +135,27 @@ class Placement:
       return jax.tree.map(jnp.asarray, tree)
 
     def place(path, x):
-      sharding = NamedSharding(self.mesh, self._state_spec(path, x, seed_axis=True))
+      sharding = self._state_sharding(path, x, seed_axis=True)
       if isinstance(x, np.ndarray):
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
       return jax.device_put(x, sharding)
     return jax.tree_util.tree_map_with_path(place, tree)
-
-  def constrain_stacked_state(self, tree: Any) -> Any:
-    """Inside jit: a seed-stacked state laid out as `place_state` puts it, so that a
-    program that makes one (the initialisation) builds each device's shard of a sharded
-    table there, not the whole table on one device."""
-    if self.mesh is None:
-      return tree
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=True))), tree)
 
   def replicate(self, tree: Any) -> Any:
     if self.mesh is None:
       return tree
     return jax.device_put(tree, NamedSharding(self.mesh, P()))
 
-  def constrain_state(self, tree: Any) -> Any:
-    """Inside jit (per seed): keeps the state's layout from one call to the next."""
+  def constrain_state(self, tree: Any, seed_axis: bool = False) -> Any:
+    """Inside jit: keeps a state (one seed's; with `seed_axis`, seed-stacked) in the layout
+    `place_state` gives it, from one call to the next, and so that a program that makes
+    one (the initialisation) builds each device's shard of a sharded table there, not the
+    whole table on one device."""
     if self.mesh is None:
       return tree
     return jax.tree_util.tree_map_with_path(
         lambda p, x: jax.lax.with_sharding_constraint(
-            x, NamedSharding(self.mesh, self._state_spec(p, x, seed_axis=False))), tree)
+            x, self._state_sharding(p, x, seed_axis)), tree)
 
   def constrain_batch(self, tree: Any) -> Any:
     """Inside jit (per seed): shards every array's leading (batch) axis over "data".
