@@ -110,10 +110,13 @@ def soft_cap(logits: Array, cap: Optional[float]) -> Array:
   return cap * jnp.tanh(logits / cap)
 
 
-def masked_logits(raw: Array, keep: Array, cap: Optional[float]) -> tuple[Array, Array]:
+def masked_logits(raw: Array, keep: Array, cap: Optional[float], valid_rows: Array,
+                  ) -> tuple[Array, Array]:
   """Soft-capped logits where `keep` (`MASK_VALUE` elsewhere) and the max |raw logit| over
-  the kept entries (the diagnostic). Both attention paths mask through this."""
-  max_logit = jnp.max(jnp.where(keep, jnp.abs(raw), 0.0))
+  the kept entries of valid queries' rows (the diagnostic; `valid_rows` broadcasts against
+  `raw`). A padded query's row feeds no valid output, so it counts for nothing. Both
+  attention paths mask through this."""
+  max_logit = jnp.max(jnp.where(keep & valid_rows, jnp.abs(raw), 0.0))
   return jnp.where(keep, soft_cap(raw, cap), MASK_VALUE), max_logit
 
 
@@ -153,12 +156,19 @@ class MultiHeadAttention(eqx.Module):
   def attention_weights(self, q_BTKGd: Array, k_BSKd: Array, mask_B1TS: Array,
                         ) -> tuple[Array, Array]:
     """The softmax weights `[B,KV,G,T,S]` (float32) that `attend` averages the values
-    by, and the max |logit| before the cap; `mask` `[B,1,T,S]`, 1 = may attend."""
+    by, and the max |logit| before the cap over valid queries' rows; `mask` `[B,1,T,S]`
+    (self-attention, T = S), 1 = may attend.
+
+    A query is valid where it may attend to itself, the mask's diagonal: every structure
+    (causal, recsys) lets a token see itself, and padding clears a padded token's column,
+    its own entry included."""
     # In the forward dtype, then float32, as the release does (bfloat16 rounds q.k once).
     raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
-    logits, max_logit = masked_logits(raw, mask_B1TS[:, :, None].astype(bool),
-                                      self.config.attn_logit_cap)
+    keep_B11TS = mask_B1TS[:, :, None].astype(bool)
+    valid_B11T1 = jnp.diagonal(keep_B11TS, axis1=-2, axis2=-1)[..., None]
+    logits, max_logit = masked_logits(raw, keep_B11TS, self.config.attn_logit_cap,
+                                      valid_B11T1)
     return jax.nn.softmax(logits, axis=-1), max_logit
 
   def attend(self, q_BTKGd: Array, k_BSKd: Array, v_BSKd: Array, mask_B1TS: Array,

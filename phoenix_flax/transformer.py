@@ -34,7 +34,7 @@ from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 
 class TransformerOutput(NamedTuple):
   embeddings: Array             # [B, T, D]
-  max_abs_attn_logit: Array     # [L] max |logit| over valid entries, before the cap
+  max_abs_attn_logit: Array     # [L] max |logit| a valid query gives a kept key, before the cap
   residual_rms: Array           # [L] RMS of the residual stream after each layer, over
                                 #     the non-padded tokens
 
@@ -202,7 +202,7 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   context key and to its own key (kept where `mask_BT` is set), and one softmax spans both
   parts without concatenating them. Masks come from iota comparisons and are never
   stored. Returns the attended values `[B,T,KV,G,d]` (before the output projection) and
-  the max |logit| over kept entries.
+  the max |logit| over the kept entries of valid queries.
 
   The softmax is the release's masked softmax over the row, computed in another order:
   the unnormalised weights `exp(logit - shift)` go through the value product and its
@@ -227,16 +227,20 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   raw_BKQN = jnp.einsum("bkqd,bkdn->bkqn", q_BKQd,
                         jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
   keep_B1T1N = ctx_mask_BN[:, None, None, None, :]   # (T: 1 for candidates, all keys)
-  if candidates is None:
+  if candidates is None:   # the queries are the context: valid where its mask is set
     keep_B1T1N = keep_B1T1N & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
+    valid_B1T11 = ctx_mask_BN[:, None, :, None, None]
+  else:
+    valid_B1T11 = candidates[2][:, None, :, None, None]
   logits_BKTGN, max_logit = masked_logits(raw_BKQN.reshape(B, KV, T, G, N) * mult,
-                                          keep_B1T1N, cap)
+                                          keep_B1T1N, cap, valid_B1T11)
   if candidates is not None:
     # The own-key term stays in token order ([B,T,KV,G]): only its small result moves
     # to heads-first, not a second copy of the queries.
     k_BTKd, v_BTKd, mask_BT = candidates
     raw_self_BTKG = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
-    logits_self_BTKG, max_self = masked_logits(raw_self_BTKG, mask_BT[:, :, None, None], cap)
+    own_BT11 = mask_BT[:, :, None, None]   # a candidate's own key: valid as a key and a query
+    logits_self_BTKG, max_self = masked_logits(raw_self_BTKG, own_BT11, cap, own_BT11)
     logits_self_BKTG = _swap_time_heads(logits_self_BTKG)
     max_logit = jnp.maximum(max_logit, max_self)
   if _exp_without_shift(cap, q_BTKGd.dtype, N + 1):

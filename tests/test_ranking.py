@@ -227,9 +227,9 @@ def test_bfloat16_runs_and_stays_close_to_float32():
 
 
 def _direct_diagnostics(model, batch, emb):
-  """Per layer, by hand: max |q.k| * multiplier over attended entries (before the cap) and
-  the RMS of the layer's output over the non-padded tokens, running the layers one by one
-  on the dense mask."""
+  """Per layer, by hand: max |q.k| * multiplier over the entries a non-padded query attends
+  to (before the cap) and the RMS of the layer's output over the non-padded tokens, running
+  the layers one by one on the dense mask."""
   cfg = model.config.model
   H, KV, d = cfg.num_q_heads, cfg.num_kv_heads, cfg.key_size
   h, mask, offset = model.build_inputs(batch, emb)
@@ -245,7 +245,8 @@ def _direct_diagnostics(model, batch, emb):
     k = apply_rope((x @ w[:, H * d:(H + KV) * d]).reshape(B, T, KV, d), pos)
     raw = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, H // KV, axis=2))
     raw = raw * cfg.attn_output_multiplier
-    max_logits.append(jnp.max(jnp.where(allowed, jnp.abs(raw), 0.0)))
+    counted = allowed & mask.astype(bool)[:, None, :, None]   # valid queries' rows only
+    max_logits.append(jnp.max(jnp.where(counted, jnp.abs(raw), 0.0)))
     h = lyr(h, lambda a, y: a(y, allowed.astype(h.dtype), pos))[0]
     valid = mask.astype(bool)[..., None]   # the RMS counts non-padded tokens only
     rms.append(jnp.sqrt(jnp.sum(jnp.where(valid, h * h, 0.0)) / (jnp.sum(valid) * h.shape[-1])))

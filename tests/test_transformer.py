@@ -117,11 +117,14 @@ def test_scan_equals_python_loop():
   np.testing.assert_allclose(out.residual_rms, [s[1] for s in stats], rtol=1e-5)
 
 
-def test_residual_rms_ignores_padded_tokens():
-  """Every path's residual RMS counts valid tokens only: new values at padded positions
-  (which no valid token attends to) change no RMS, and it equals the RMS of the valid
-  outputs themselves."""
-  tr = pf.Transformer(transformer_config(), key=jax.random.key(6))
+@pytest.mark.parametrize("layout", ["sandwich", "post"])
+def test_diagnostics_ignore_padded_tokens(layout):
+  """Every path's diagnostics count valid tokens only: new values at padded positions
+  (which no valid token attends to) change neither the residual RMS nor the max |attention
+  logit| (a padded query's row feeds no valid output), and the RMS equals that of the
+  valid outputs themselves. In the post layout the attention reads the unnormalised
+  stream, so the padded rows' 100x larger values would set the max if they counted."""
+  tr = pf.Transformer(transformer_config(norm_layout=layout), key=jax.random.key(6))
   x, pos = inputs(), positions()
   noisy = jnp.where(PADDING[:, :, None], x, 100.0 * inputs(seed=1))
 
@@ -137,6 +140,7 @@ def test_residual_rms_ignores_padded_tokens():
   for c, d in zip(clean, dirty):
     assert float(jnp.min(c.residual_rms)) > 0.1
     np.testing.assert_allclose(d.residual_rms, c.residual_rms, rtol=1e-5)
+    np.testing.assert_allclose(d.max_abs_attn_logit, c.max_abs_attn_logit, rtol=1e-5)
   dense, iso, ctx, cand = clean
   np.testing.assert_allclose(dense.residual_rms[-1], valid_rms(dense.embeddings), rtol=1e-5)
   np.testing.assert_allclose(iso.residual_rms, dense.residual_rms, rtol=1e-5)
