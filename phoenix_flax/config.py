@@ -32,11 +32,15 @@ def _fail(cls: str, field: str, value: Any, fix: str) -> None:
   raise ValueError(f"{cls}.{field}={value!r} is invalid: {fix}")
 
 
-def _positive_int(cls: str, field: str, value: Any) -> None:
+def _int_at_least(cls: str, field: str, value: Any, low: int, note: str = "") -> None:
   # A config is static (hashed, compared, written to JSON): its sizes are Python ints.
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    _fail(cls, field, value, "must be an integer >= 1" + (
+  if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    _fail(cls, field, value, f"must be an integer >= {low}{note}" + (
         f" (a Python int: int({value!r}))" if isinstance(value, np.integer) else ""))
+
+
+def _positive_int(cls: str, field: str, value: Any) -> None:
+  _int_at_least(cls, field, value, 1)
 
 
 def _is_real(value: Any) -> bool:

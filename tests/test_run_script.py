@@ -74,7 +74,7 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
             (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
               "--config.model.dwell_time_norm=30.0"],
              "'dwell_time_norm' is a field of PhoenixModelConfig that the experiment config "
-             "does not expose: the synthetic world draws no dwell times"),
+             "does not expose: the synthetic world's dwell times are its binary dwell action"),
             # the config file's own error, without the traceback around it
             (["--config=experiments/configs/ranking.py:nopreset", f"--workdir={workdir}"],
              "unknown preset 'nopreset'")]

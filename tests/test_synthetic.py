@@ -57,6 +57,9 @@ BAD_WORLD = [
     ("mean_post_age_hours", dict(mean_post_age_hours=float("inf"))),
     ("base_rates", dict(base_rates=("a",) * 19)),
     ("negative_actions", dict(negative_actions=(14, True))),
+    # not sequences: a ValueError naming the field, not Python's TypeError
+    ("base_rates", dict(base_rates=0.1)), ("base_rates", dict(base_rates=None)),
+    ("negative_actions", dict(negative_actions=14)),
 ]
 BAD_SPLIT = [
     ("max_history", dict(min_history=5, max_history=3)), ("min_history", dict(min_history=-1)),
@@ -68,6 +71,8 @@ BAD_SPLIT = [
     ("min_candidates", dict(num_candidates=4, min_candidates=5)),
     ("min_history", dict(min_history=True)), ("relevant_fraction", dict(relevant_fraction=True)),
     ("max_history", dict(max_history=-1)),
+    # sizes are Python ints, as every config's are (the message says how to convert)
+    ("min_history", dict(min_history=np.int64(2))), ("max_history", dict(max_history=np.int64(4))),
 ]
 
 
@@ -88,14 +93,23 @@ def test_every_world_and_split_field_has_a_bad_value_case():
 
 
 def test_config_checks_across_fields_and_numpy_scalars():
-  assert WorldConfig(recency_decay=np.float32(0.5)).recency_decay == 0.5   # NumPy scalars
+  # NumPy scalars pass and are stored as Python scalars (a config is written to JSON)
+  decay = WorldConfig(recency_decay=np.float32(0.5)).recency_decay
+  assert decay == 0.5 and type(decay) is float
+  rates = WorldConfig(base_rates=np.full(19, 0.1, np.float32)).base_rates
+  assert len(rates) == 19 and all(type(r) is float for r in rates)
   negs = WorldConfig(negative_actions=(np.int64(14),)).negative_actions
-  assert negs == (14,) and type(negs[0]) is int   # a static config holds Python ints
-  assert SplitConfig(relevant_fraction=np.float32(0.25)).relevant_fraction == 0.25
+  assert negs == (14,) and type(negs[0]) is int
+  fraction = SplitConfig(relevant_fraction=np.float32(0.25)).relevant_fraction
+  assert fraction == 0.25 and type(fraction) is float
   with pytest.raises(ValueError, match="batch_size"):
     sample(world(), SplitConfig(), True, jax.random.PRNGKey(0))
   with pytest.raises(ValueError, match="max_history"):
     SplitConfig(max_history=SMALL.history_len + 1).resolve(SMALL)
+  # an unset max_history is the world's S, and the message says so
+  with pytest.raises(ValueError, match=rf"min_history=.*<= the world's history_len="
+                                       rf"{SMALL.history_len} \(max_history is None"):
+    SplitConfig(min_history=SMALL.history_len + 1).resolve(SMALL)
 
 
 def test_a_cold_start_split_has_empty_histories():

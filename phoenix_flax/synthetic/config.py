@@ -9,7 +9,9 @@ import dataclasses
 import math
 from typing import Optional
 
-from phoenix_flax.config import _fail, _is_int, _is_real, _positive_int
+import numpy as np
+
+from phoenix_flax.config import _fail, _int_at_least, _is_int, _is_real, _positive_int
 
 HISTORY_DISTS = ("uniform", "log_uniform")
 CANDIDATE_ORDERS = ("random", "relevance", "grouped")
@@ -32,6 +34,22 @@ def _in_range(cls: str, field: str, value, lo: float, hi: float) -> None:
 def _non_negative(cls: str, field: str, value) -> None:
   if not (_is_real(value) and math.isfinite(value) and value >= 0):
     _fail(cls, field, value, "must be a finite number >= 0")
+
+
+def _sequence(cls: str, field: str, value, fix: str) -> tuple:
+  """`value` as a tuple, or a ValueError naming the field when it is no sequence."""
+  if not isinstance(value, (tuple, list, np.ndarray)):
+    _fail(cls, field, value, fix)
+  return tuple(value.tolist() if isinstance(value, np.ndarray) else value)
+
+
+def _store_python_floats(config) -> None:
+  """A config is static (hashed, compared, written to JSON): NumPy floats that passed
+  validation are stored as Python floats."""
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if isinstance(value, np.floating):
+      object.__setattr__(config, field.name, float(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,17 +146,19 @@ class WorldConfig:
       _fail(c, "mean_post_age_hours", self.mean_post_age_hours, "must be a finite number > 0")
     if not isinstance(self.post_age, bool):
       _fail(c, "post_age", self.post_age, "must be a bool")
-    rates = tuple(self.base_rates)
+    rates_fix = f"give {self.num_actions} probabilities in (0, 1), one per action"
+    rates = _sequence(c, "base_rates", self.base_rates, rates_fix)
     if len(rates) != self.num_actions or not all(_is_real(r) and 0 < r < 1 for r in rates):
-      _fail(c, "base_rates", self.base_rates,
-            f"give {self.num_actions} probabilities in (0, 1), one per action")
-    negs = tuple(int(i) if _is_int(i) else i for i in self.negative_actions)
+      _fail(c, "base_rates", self.base_rates, rates_fix)
+    negs_fix = f"give distinct action indices in [0, {self.num_actions})"
+    negs = tuple(int(i) if _is_int(i) else i
+                 for i in _sequence(c, "negative_actions", self.negative_actions, negs_fix))
     if len(set(negs)) != len(negs) or not all(
         _is_int(i) and 0 <= i < self.num_actions for i in negs):
-      _fail(c, "negative_actions", self.negative_actions,
-            f"give distinct action indices in [0, {self.num_actions})")
-    object.__setattr__(self, "base_rates", rates)
+      _fail(c, "negative_actions", self.negative_actions, negs_fix)
+    object.__setattr__(self, "base_rates", tuple(float(r) for r in rates))
     object.__setattr__(self, "negative_actions", negs)
+    _store_python_floats(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +198,10 @@ class SplitConfig:
 
   def __post_init__(self):
     c = "SplitConfig"
-    if not _is_int(self.min_history) or self.min_history < 0:
-      _fail(c, "min_history", self.min_history, "must be an integer >= 0")
+    _int_at_least(c, "min_history", self.min_history, 0)
     if self.max_history is not None:
-      if not _is_int(self.max_history) or self.max_history < 0:
-        _fail(c, "max_history", self.max_history,
-              "must be an integer >= 0 (0: every history empty, a cold-start split)")
+      _int_at_least(c, "max_history", self.max_history, 0,
+                    " (0: every history empty, a cold-start split)")
       if self.max_history < self.min_history:
         _fail(c, "max_history", self.max_history,
               f"must be >= min_history={self.min_history}")
@@ -200,6 +218,7 @@ class SplitConfig:
       if self.num_candidates is not None and self.min_candidates > self.num_candidates:
         _fail(c, "min_candidates", self.min_candidates,
               f"must be <= num_candidates={self.num_candidates}")
+    _store_python_floats(self)
 
   def resolve(self, world_cfg: WorldConfig) -> tuple[int, int]:
     """(max history length, list width) for a world; checks them against its S."""
@@ -210,7 +229,8 @@ class SplitConfig:
             f"must be <= the world's history_len={S}")
     if self.min_history > max_history:
       _fail("SplitConfig", "min_history", self.min_history,
-            f"must be <= max_history={max_history}")
+            f"must be <= max_history={max_history}" if self.max_history is not None else
+            f"must be <= the world's history_len={S} (max_history is None: the world's)")
     C = world_cfg.num_candidates if self.num_candidates is None else self.num_candidates
     if self.min_candidates is not None and self.min_candidates > C:
       _fail("SplitConfig", "min_candidates", self.min_candidates,

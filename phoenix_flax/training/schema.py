@@ -229,9 +229,11 @@ NOT_IN_MODEL_SECTION = {
     "hash_config": "set world.num_user_hashes, num_item_hashes, num_author_hashes",
     "num_actions": "set world.num_actions (with world.base_rates and world.negative_actions)",
     "product_surface_vocab_size": "set world.product_surface_vocab_size",
-    "dwell_time_norm": "the synthetic world draws no dwell times (dwell is its binary "
-                       "dwell action), so the dwell-time embedding would read nothing",
-    "dwell_hidden_size": "the synthetic world draws no dwell times",
+    "dwell_time_norm": "the synthetic world's dwell times are its binary dwell action "
+                       "plus noise, which the model already reads as an action, so the "
+                       "dwell-time embedding would read nothing new",
+    "dwell_hidden_size": "the synthetic world's dwell times hold nothing beyond its binary "
+                         "dwell action",
     "num_continuous_actions": "the synthetic world has no continuous labels to train a "
                               "continuous head on",
     "micro_batch_rows": "a serving setting of `model(...)`; training and evaluation run "
