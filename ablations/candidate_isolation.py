@@ -28,8 +28,9 @@ JAX runs as TF32 there) and 0.04 in bfloat16, the forward's default on GPU/TPU, 
 Variants: `isolated` (candidate_isolation=True, baseline), `causal` (False), at each
 list correlation (the smoke preset runs 0.5 only).
 
-Metrics: in-distribution `auc_mean`, `score_consistency` (mean |logit change| when a
-candidate's companions are replaced), `<shift>/auc_mean` and `<shift>/calibration_error`
+Metrics: in-distribution `auc_mean`, `score_consistency` (mean |logit change| when the
+candidates of the other slot parity, about half of a candidate's companions, are
+replaced by another user's), `<shift>/auc_mean` and `<shift>/calibration_error`
 for every shift, `shift_mean/auc_mean` (their average), `chunked/auc_mean` and
 `chunked/max_logit_change`, `calibration_error`, `logloss`, `diverged`.
 """

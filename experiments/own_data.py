@@ -304,7 +304,9 @@ def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
 def retrieval_recall(system: training.RetrievalSystem, logs: Logs, rows: np.ndarray,
                      top_k: int = 100) -> float:
   """Share of users whose first favorited candidate of their held-out impression is among
-  the top `top_k` posts retrieved from the whole catalogue. The runner's corpus ids must
+  the top `top_k` posts retrieved from the whole catalogue (ties at the `top_k`-th score
+  go to the lower row, as `lax.top_k` breaks them; the training runs' `recall@K` shares
+  tied places and counts every positive, so the two figures are defined differently). The runner's corpus ids must
   fit int32, so the catalogue's row numbers stand in for the raw ids (mapped back with
   `catalogue_post`)."""
   runner = pf.RetrievalRunner(system.model)
@@ -336,7 +338,8 @@ def held_out_favorite(logs: Logs, rows: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def popularity_recall(logs: Logs, rows: np.ndarray, top_k: int = 100) -> float:
   """`retrieval_recall` of a baseline without a model: the `top_k` posts favorited most
-  often in the training impressions, the same list for every user."""
+  often in the training impressions, the same list for every user (ties go to the lower
+  post id)."""
   liked = _favorited(logs)
   posts, counts = np.unique(logs.list_post[:, :-1][liked[:, :-1]], return_counts=True)
   top = posts[np.argsort(-counts, kind="stable")[:top_k]]

@@ -128,11 +128,13 @@ def mix_companions(batch: RecsysBatch, keep_C: Array) -> RecsysBatch:
 
 def forward_with_new_companions(system: RankingSystem, batch: RecsysBatch, mask_BC: Array
                                 ) -> tuple[RecsysModelOutput, Diagnostics, Array, Array]:
-  """The batch's output and diagnostics, plus the sum and count of |logit change| when
-  each candidate's list companions are replaced (the score-consistency figure).
+  """The batch's output and diagnostics, plus the sum and count of |logit change| (over
+  valid candidates and every action) when about half of each candidate's list companions
+  are replaced (the score-consistency figure).
 
   Even slots keep their candidates while odd slots take another user's, then the reverse,
-  so every candidate is re-scored in its own slot among new companions. The three
+  so every candidate is re-scored in its own slot with the companions of the other
+  parity replaced and those of its own kept. The three
   forwards run as one `lax.map` (one compiled body, the same arithmetic for every
   variant), so with candidate isolation the change is exactly 0.
   """

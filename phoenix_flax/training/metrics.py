@@ -133,9 +133,10 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
 
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
   """NDCG@k with linear gains and 1/log2(rank+1) discounts (rank counted from 1),
-  averaged over the lists whose ideal DCG is positive (0 when there is none). Tied scores
-  count at their expected value over a random order of the tie (as scikit-learn's
-  `ndcg_score` does), so neither the candidates' slots nor their order decide a tie."""
+  averaged over the lists whose ideal DCG is positive (0 when there is none; scikit-learn's
+  `ndcg_score` counts such lists as 0 in its mean instead). Tied scores count at their
+  expected value over a random order of the tie (as `ndcg_score` does), so neither the
+  candidates' slots nor their order decide a tie."""
   k = min(k, scores_BC.shape[-1])
   gains_BC = jnp.where(mask_BC, jnp.asarray(gains_BC, jnp.float32), 0.0)
   _, discount_BC = _expected_in_top_k(scores_BC, mask_BC, k)
@@ -214,7 +215,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
 
   Keys: `auc_mean` / `bayes_auc_mean` (mean over actions that have positives and
   negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` /
-  `bayes_logloss`, `calibration_error`, `list_auc` / `bayes_list_auc` (the favorite's AUC
+  `bayes_logloss` (mean binary cross-entropy over valid candidates and all actions; the
+  Bayes one clips the true probabilities to [1e-7, 1 - 1e-7] in float32),
+  `calibration_error` (`calibration_error`: every action's predictions pooled), `list_auc` / `bayes_list_auc` (the favorite's AUC
   within each list, averaged over the lists with a favorited and a not-favorited
   candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited

@@ -46,8 +46,9 @@ command line as `--config.<section>.<field>=value`):
                       `batch_size` divides `eval_batch_size`; with the whole evaluation
                       batch otherwise), `action_weights` (ranking: None or one weight
                       >= 0 per action, for the loss), `score_consistency` (ranking:
-                      re-score the primary eval split's lists with new companions;
-                      retrieval runs ignore it).
+                      re-score the primary eval split's lists with the candidates of
+                      every other slot taken from another user's list, and report the
+                      mean |logit change|; retrieval runs ignore it).
   ranking.*           `top_k`: the K of ndcg@K, recall@K and bayes_recall@K of the favorite
                       ranking of each evaluation list (one or more; a K at or above a
                       list's size ranks the whole list, where recall is 1.0).
