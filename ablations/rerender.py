@@ -36,20 +36,69 @@ def _listed_plots(report_path: str, folder: str) -> list[str]:
   return [name for name in listed if os.path.exists(os.path.join(folder, name))]
 
 
+class RerenderError(ValueError):
+  """A folder that holds no results.json this command can render (named in the message)."""
+
+
 def _load(folder: str) -> dict:
+  """The folder's results.json as an object, or a `RerenderError` saying why not."""
   path = os.path.join(folder, "results.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{folder} holds no results.json: not a finished sweep")
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  if not os.path.isfile(path):
+    raise RerenderError(f"{folder} holds no results.json: not a finished sweep")
+  try:
+    with open(path, encoding="utf-8") as f:
+      found = json.load(f)
+  except (OSError, ValueError) as e:
+    raise RerenderError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
+  if not isinstance(found, dict):
+    raise RerenderError(f"{path} holds a {type(found).__name__}, not a sweep's results")
+  return found
+
+
+def _check_sweep(folder: str, results: dict) -> None:
+  """A `RerenderError` naming what a sweep's results.json lacks of what rendering reads."""
+  path = os.path.join(folder, "results.json")
+  variants, metrics = results.get("variants"), results.get("metrics")
+  if not isinstance(variants, dict) or not variants:
+    raise RerenderError(f"{path} is no sweep's results (no 'variants')")
+  if not isinstance(metrics, list) or not metrics:
+    raise RerenderError(f"{path} is no sweep's results (no 'metrics' list)")
+  arms = results.get("arms") or list(variants)   # with conditions, the baseline is an arm
+  if results.get("baseline") not in arms:
+    raise RerenderError(f"{path}: its 'baseline' {results.get('baseline')!r} is none of "
+                        f"its arms {sorted(arms)}")
+  for name, variant in variants.items():
+    summaries = variant.get("metrics") if isinstance(variant, dict) else None
+    if not isinstance(summaries, dict) or not all(
+        isinstance(s, dict) and isinstance(s.get("per_seed"), list) for s in summaries.values()):
+      raise RerenderError(f"{path}: variant {name!r} has no per-seed values of its metrics "
+                          "('metrics' -> <metric> -> 'per_seed')")
+
+
+def check(folder: str) -> None:
+  """Raises `RerenderError` unless `folder` (a sweep's, or a `run_all` one and every sweep
+  it lists) can be rendered: called for every folder before anything is rewritten."""
+  results = _load(folder)
+  if "ablation" in results:
+    _check_sweep(folder, results)
+    return
+  if not results:
+    raise RerenderError(f"{folder}/results.json lists no sweeps")
+  presets = set()
+  for name in results:
+    inner = os.path.join(folder, name)
+    found = _load(inner)
+    _check_sweep(inner, found)
+    presets.add(found.get("preset"))
+  if len(presets) != 1:
+    raise RerenderError(f"{folder}: its sweeps ran at several presets {sorted(map(str, presets))}")
 
 
 def rerender_sweep(folder: str, command: str = "") -> dict:
   """One sweep's folder: statistics recomputed, results.json and REPORT.md rewritten;
   returns the new results."""
   results = _load(folder)
-  if "variants" not in results:
-    raise ValueError(f"{folder}/results.json is no sweep's results (no 'variants')")
+  _check_sweep(folder, results)
   for variant in results["variants"].values():   # mean, std and CI over seeds
     variant["metrics"] = {m: stats.summarize(summary["per_seed"])
                           for m, summary in variant["metrics"].items()}
@@ -75,10 +124,9 @@ def rerender(folder: str, command: str = "") -> str:
   if "ablation" in results:
     rerender_sweep(folder, command)
     return os.path.join(folder, "REPORT.md")
+  check(folder)   # every sweep it lists, before anything is rewritten
   path = os.path.join(folder, "REPORT.md")
   presets = {_load(os.path.join(folder, name))["preset"] for name in results}
-  if len(presets) != 1:   # checked before anything is rewritten
-    raise ValueError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")
   old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
   ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
   entries = [(name, rerender_sweep(os.path.join(folder, name), command)) for name in results]
@@ -91,10 +139,13 @@ def rerender(folder: str, command: str = "") -> str:
 def main(argv) -> None:
   folders = argv[1:]
   if not folders:
-    raise app.UsageError("name one or more sweep folders (each holding a results.json)")
-  for folder in folders:
-    if not os.path.isfile(os.path.join(folder, "results.json")):
-      raise app.UsageError(f"{folder} holds no results.json: not a finished sweep")
+    sweep.usage_error("name one or more sweep folders (each holding a results.json)",
+                      flags_hint=False)
+  for folder in folders:   # every folder checked before any is rewritten
+    try:
+      check(folder)
+    except RerenderError as e:
+      sweep.usage_error(str(e), flags_hint=False)
   command = sweep.command_line()
   for folder in folders:
     print(f"wrote {rerender(folder, command)}")

@@ -98,8 +98,9 @@ from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
                                          not_in_model_section, paths_named)
 from phoenix_flax.training.sharding import initialize_from
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
-                                          finished_seeds, metric_names, seed_dir)
-from phoenix_flax.training.writers import event_file_name, jsonable, write_event_file
+                                          finished_seeds, metric_names, read_result, seed_dir)
+from phoenix_flax.training.writers import (event_file_name, jsonable, remove_temporaries,
+                                           write_event_file)
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
@@ -380,6 +381,12 @@ def read_json_if_exists(path: str) -> Optional[dict]:
     return json.load(f)
 
 
+def _result_if_finished(run_dir: str) -> Optional[dict]:
+  """The run's result.json (checked: `runner.read_result`), or None where it has none."""
+  path = os.path.join(run_dir, "result.json")
+  return read_result(path) if os.path.exists(path) else None
+
+
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Optional[float]]:
   """Numbers (and None) kept, lists -> "name/i", dicts -> "name/key"; the rest dropped."""
   out = {}
@@ -574,6 +581,7 @@ class Sweep:
     results = self.results()
     if not writes_outputs():
       return results
+    remove_temporaries(self.workdir, keep_live_writers=True)   # of a killed earlier writer
     path = os.path.join(self.workdir, "results.json")
     try:
       before = read_json_if_exists(path) or {}
@@ -591,12 +599,26 @@ class Sweep:
 
   def _probeable(self, variant: Variant, seed: int) -> bool:
     """Whether the run has finished without diverging (probes need its final model)."""
-    result = read_json_if_exists(os.path.join(self.run_dir(variant, seed), "result.json"))
-    return result is not None and not result.get("diverged")
+    result = _result_if_finished(self.run_dir(variant, seed))
+    return result is not None and not result["diverged"]
 
   def _cached(self, variant: Variant, seed: int, name: str) -> bool:
-    """Whether the run's probe file `name` is there and this sweep may use it."""
-    return not self._reprobe and os.path.exists(os.path.join(self.run_dir(variant, seed), name))
+    """Whether the run's probe file `name` is there and this sweep may use it (one that is
+    no JSON object, damaged from outside, is measured again). Clears the partial files
+    of a killed probe writer from the run's directory."""
+    run_dir = self.run_dir(variant, seed)
+    if writes_outputs():
+      remove_temporaries(run_dir, keep_live_writers=True)
+    path = os.path.join(run_dir, name)
+    if self._reprobe or not os.path.exists(path):
+      return False
+    try:
+      if isinstance(read_json_if_exists(path), dict):
+        return True
+    except ValueError:
+      pass
+    logging.warning("%s cannot be read as a JSON object: measuring it again", path)
+    return False
 
   def _probe(self, variant: Variant, cfg: ml_collections.ConfigDict) -> None:
     done = [seed for seed in self.seeds if self._probeable(variant, seed)]
@@ -621,7 +643,7 @@ class Sweep:
       return
     if fresh or event_file_name(run_dir, tag) is None:
       write_event_file(run_dir, tag, read_json_if_exists(os.path.join(run_dir, name)) or {},
-                       read_json_if_exists(os.path.join(run_dir, "result.json"))["steps"])
+                       _result_if_finished(run_dir)["steps"])
 
   def _joint_probe(self) -> None:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
@@ -658,14 +680,14 @@ class Sweep:
     diverged_at, available, codes = [], set(), []
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
-      result = read_json_if_exists(os.path.join(run_dir, "result.json"))
+      result = _result_if_finished(run_dir)
       if result is None:
         raise FileNotFoundError(f"{run_dir}/result.json is missing: that run has not "
                                 "finished; run the sweep (not only the report) again")
-      diverged = bool(result.get("diverged"))
+      diverged = result["diverged"]
       codes.append(result.get("code"))
       diverged_at.append(result.get("diverged_at_step") if diverged else None)
-      found = flatten_metrics(result.get("final", {}))
+      found = flatten_metrics(result["final"])
       for probes_file in (PROBES_FILE, JOINT_PROBES_FILE):
         found.update(flatten_metrics(read_json_if_exists(os.path.join(run_dir, probes_file)) or {}))
       if self.ablation.derived is not None:

@@ -26,20 +26,23 @@ user's last impression is held out for evaluation:
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
 from typing import NamedTuple
 
-from absl import app, flags
+from absl import flags
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.cli import quiet_backend_search
+from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
 import phoenix_flax as pf
 from phoenix_flax import training
 from phoenix_flax.training import checkpoint, metrics
-from phoenix_flax.training.runner import check_workdir
+from phoenix_flax.training.runner import (CONFIG_FILE, RESULT_FILE, check_workdir,
+                                          lock_run_dir)
 
 FLAGS = flags.FLAGS
 
@@ -347,23 +350,44 @@ def popularity_recall(logs: Logs, rows: np.ndarray, top_k: int = 100) -> float:
   return float(np.isin(first, top)[has].mean())
 
 
+def _check_workdir(workdir: str) -> None:
+  """Refuses a workdir that cannot be written or that is an `experiments.run` run
+  directory, whose checkpoints `checkpoint.save` would replace (it keeps no later step)."""
+  check_workdir(workdir)
+  found = [name for name in (CONFIG_FILE, RESULT_FILE)
+           if os.path.exists(os.path.join(workdir, name))]
+  if found:
+    usage_error(f"--workdir={workdir} holds a training run ({', '.join(found)}), whose "
+                "checkpoints this example would replace; use another --workdir",
+                flags_hint=False)
+
+
 def main(argv) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    usage_error(f"unexpected arguments: {argv[1:]}")
+  num_users = inspect.signature(make_logs).parameters["num_users"].default
   if FLAGS.num_steps < 10:
-    raise app.UsageError(f"--num_steps={FLAGS.num_steps}: use at least 10")
+    usage_error(f"--num_steps={FLAGS.num_steps}: use at least 10")
+  if not FLAGS.init_scale > 0:
+    usage_error(f"--init_scale={FLAGS.init_scale}: must be > 0")
+  if not 1 <= FLAGS.batch_size <= num_users:
+    usage_error(f"--batch_size={FLAGS.batch_size}: use 1 to {num_users}")
+  if not 0 <= FLAGS.seed < 2 ** 32:
+    usage_error(f"--seed={FLAGS.seed}: use 0 to 2**32 - 1")
+  with exit_on_run_errors():   # Ctrl-C, and a workdir in use or unwritable: one line
+    _check_workdir(FLAGS.workdir)   # before minutes of training, not after
+    lock = lock_run_dir(FLAGS.workdir)   # no experiments.run starts here meanwhile
+    try:
+      _run()
+    finally:
+      if lock is not None:
+        os.close(lock)
+
+
+def _run() -> None:
   start = time.perf_counter()
   logs = make_logs(seed=FLAGS.seed)
   users = np.arange(len(logs.user_id))
-  if not FLAGS.init_scale > 0:
-    raise app.UsageError(f"--init_scale={FLAGS.init_scale}: must be > 0")
-  if not 1 <= FLAGS.batch_size <= len(users):
-    raise app.UsageError(f"--batch_size={FLAGS.batch_size}: use 1 to {len(users)}")
-  try:   # before minutes of training, not after
-    check_workdir(FLAGS.workdir)
-  except OSError as e:
-    raise app.UsageError(str(e)) from e
-
   ranker = train_ranker(logs, FLAGS.num_steps, FLAGS.batch_size, FLAGS.seed, FLAGS.init_scale)
   found = evaluate_ranker(ranker, logs, users)
   ceiling = generator_metrics(logs, users)
@@ -390,4 +414,4 @@ def main(argv) -> None:
 if __name__ == "__main__":
   define_flags()
   quiet_backend_search()
-  app.run(main)
+  run_app(main)

@@ -277,7 +277,38 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
   assert "computed again from results.json" in (folder / "REPORT.md").read_text()
   cli = subprocess.run([sys.executable, "-m", "ablations.rerender", str(tmp_path / "none")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
-  assert cli.returncode != 0 and "holds no results.json: not a finished sweep" in cli.stderr
+  assert cli.returncode == 2 and "holds no results.json: not a finished sweep" in cli.stderr
+  assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr   # no docstring, no traceback
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"ablation": "x", "variants": {', "cannot be read (JSONDecodeError"),
+    ("[1]", "holds a list, not a sweep's results"),
+    ('{"ablation": "x"}', "no sweep's results (no 'variants')"),
+    ('{"ablation": "x", "variants": {"a": {"metrics": {}}}}', "no 'metrics' list"),
+    ('{"ablation": "x", "variants": {"a": {"metrics": {}}}, "metrics": ["m"]}',
+     "its 'baseline' None is none of its arms ['a']"),
+    ('{"ablation": "x", "variants": {"a": {"metrics": {"m": {}}}}, "metrics": ["m"], '
+     '"baseline": "a"}', "variant 'a' has no per-seed values"),
+    ('{"one": {}}', "one holds no results.json"),   # a run_all folder: each sweep checked
+])
+def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, message):
+  """A results.json that rendering cannot read is refused by name, before any file of any
+  folder named is rewritten (a run_all folder's sweeps included)."""
+  import shutil
+  from ablations import rerender
+  good = tmp_path / "good"
+  shutil.copytree(os.path.join(REPO, "docs", "results", "gqa_ratio"), good)
+  before = {p.name: p.read_bytes() for p in good.iterdir()}
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "results.json").write_text(text)
+  with pytest.raises(rerender.RerenderError, match=re.escape(message)):
+    rerender.check(str(bad))
+  with pytest.raises(SystemExit) as stop:
+    rerender.main(["rerender", str(good), str(bad)])
+  assert stop.value.code == 2
+  assert {p.name: p.read_bytes() for p in good.iterdir()} == before
 
 
 def test_sweep_results_stats_and_report(tmp_path):
@@ -582,6 +613,19 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
   sw.run()
   assert len(calls) == 5
   assert _probe_scalars(tmp_path / "c" / "seed_1", "probes") == {"probe/value": [(20, 1.0)]}
+  # A probes.json damaged from outside is measured again, not a traceback; the partial
+  # files of writers killed mid-write (a probe's, the report's) are cleared.
+  text = (tmp_path / "c" / "seed_1" / sweep.PROBES_FILE).read_text()
+  (tmp_path / "c" / "seed_1" / sweep.PROBES_FILE).write_text(text[:len(text) // 2])
+  left = [tmp_path / "c" / "seed_0" / ".probes.json.tmp.999999",
+          tmp_path / ".REPORT.md.tmp.999999"]
+  for path in left:
+    path.write_text("partial")
+  with caplog.at_level("WARNING"):
+    sw.run()
+  assert calls[5:] == [("c", 1)] and "cannot be read as a JSON object" in caplog.text
+  assert not [path for path in left if path.exists()]
+  del calls[5:]
   # A probe changed to report another metric, run without --reprobe: the cached values
   # lack it, and the error says why and what to do.
   changed = dataclasses.replace(ab, metrics=("auc_mean", "probe/valu", "diverged"))
@@ -593,6 +637,18 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
   assert sorted(calls[5:]) == sorted(calls[:5])
   assert len(glob.glob(str(tmp_path / "c" / "seed_1" / "events.out.tfevents.*"))) == 1
+
+
+def test_a_result_json_of_the_wrong_shape_stops_the_report(tmp_path):
+  """A result.json emptied or overwritten from outside (valid JSON, no run's result) is
+  named with the way out, instead of a report without that seed."""
+  from phoenix_flax.training import ConfigError
+  sw = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=fake_runner())
+  sw.run()
+  (tmp_path / "b" / "seed_1" / "result.json").write_text("{}")
+  with pytest.raises(ConfigError, match=r"b/seed_1/result.json is not a finished run's result "
+                                        r"\(no valid 'final', .*delete it and the run resumes"):
+    sw.write()
 
 
 def test_derived_metrics_reach_tensorboard(tmp_path):

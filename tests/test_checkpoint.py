@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
@@ -396,7 +398,8 @@ def test_failed_checkpoint_write_keeps_the_previous_ones(tmp_path, monkeypatch):
     raise OSError("disk full")
 
   monkeypatch.setattr(checkpoint.eqx, "tree_serialise_leaves", disk_full)
-  with pytest.raises(OSError, match="disk full"):
+  with pytest.raises(checkpoint.CheckpointError, match=r"step_000000020.eqx cannot be "
+                                                       r"written \(disk full\)"):
     checkpoint.save(str(tmp_path), 20, {"a": np.zeros(3, np.float32)}, keep=1)
   assert checkpoint.available_steps(str(tmp_path)) == [10]
   assert os.listdir(tmp_path / "checkpoint") == ["step_000000010.eqx"]
@@ -452,7 +455,7 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
   config = ranking_configs.get_config("smoke")
   config.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
   run_dir = str(tmp_path / "run")
-  held = runner._lock(run_dir)
+  held = runner.lock_run_dir(run_dir)
   with pytest.raises(RunInUseError, match="is being trained by another process"):
     run_experiment(config, run_dir)
   os.close(held)
@@ -632,6 +635,55 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   with pytest.raises(ConfigError, match=r"result.json cannot be read .*delete it and the run "
                                         r"resumes from its checkpoints"):
     run_experiment(config, run_dir)
+  # JSON, but not a finished run's result (emptied, or another file's content): the
+  # same way out, naming what it lacks, instead of a KeyError or a run counted as done.
+  for text, lacks in (("{}", "'final', 'diverged', 'steps', 'wall_seconds'"),
+                      ('{"final": {}, "diverged": false, "steps": true, "wall_seconds": 1}',
+                       "'steps'")):
+    (tmp_path / "result.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"result.json is not a finished run's result \(no "
+                                          rf"valid {lacks}\); delete it and the run resumes"):
+      run_experiment(config, run_dir)
+
+
+def test_checkpoint_io_errors_name_the_file(tmp_path, monkeypatch):
+  """A disk that fills while equinox writes the leaves (which wraps the OS's error in one
+  about the leaf) gives `CheckpointError` naming the file and the OS's reason, no partial
+  file, and the checkpoints on disk kept; a folder named like a checkpoint is no step to
+  resume from, and an unreadable file reads as a damaged one (so a resume falls back to
+  the step before it)."""
+  tree = {"a": np.arange(3, dtype=np.float32)}
+  run_dir = str(tmp_path)
+  checkpoint.save(run_dir, 10, tree)
+  real = checkpoint.writers.atomic_file
+
+  @contextlib.contextmanager
+  def full_disk(path, mode):
+    with real(path, mode):   # its temporary file is made, then the write fails
+      class Full:
+        def write(self, data):   # the header fits, the first leaf does not
+          if data != checkpoint.MAGIC:
+            raise OSError(errno.ENOSPC, "No space left on device")
+      yield Full()
+
+  monkeypatch.setattr(checkpoint.writers, "atomic_file", full_disk)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"step_000000020.eqx cannot be written \(No space left on device\)"
+                           r".*resumes from the newest checkpoint on disk \(steps \[10\]\)"):
+    checkpoint.save(run_dir, 20, tree)
+  monkeypatch.undo()
+  assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step_000000010.eqx"]
+  os.mkdir(tmp_path / "checkpoint" / "step_000000030.eqx")
+  assert checkpoint.available_steps(run_dir) == [10]
+  path = tmp_path / "checkpoint" / "step_000000040.eqx"
+  path.write_bytes(b"")
+  def unreadable(*args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied")
+
+  monkeypatch.setattr(checkpoint, "open", unreadable, raising=False)   # the module's open
+  with pytest.raises(checkpoint.CheckpointError, match=r"step_000000040.eqx cannot be read "
+                                                       r"\(PermissionError"):
+    checkpoint.load(run_dir, 40, tree)
 
 
 def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):

@@ -167,13 +167,24 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
     ("--num_steps=5", "--num_steps=5: use at least 10"),
     ("--batch_size=0", "--batch_size=0: use 1 to 2000"),
     ("--init_scale=0", "--init_scale=0.0: must be > 0"),
-    ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written")])
-def test_own_data_refuses_bad_flags_before_training(flag, message):
-  proc = subprocess.run([sys.executable, "-m", "experiments.own_data", flag],
+    ("--seed=-1", "--seed=-1: use 0 to 2**32 - 1"),
+    ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written"),
+    # an experiments.run run directory, whose checkpoints the example's save would replace
+    ("--workdir={run}", "holds a training run (config.json, result.json)")])
+def test_own_data_refuses_bad_flags_before_training(flag, message, tmp_path):
+  run = tmp_path / "run"
+  (run / "checkpoint").mkdir(parents=True)
+  for name in ("config.json", "result.json", "checkpoint/step_000000200.eqx"):
+    (run / name).write_text("{}")
+  proc = subprocess.run([sys.executable, "-m", "experiments.own_data",
+                         flag.format(run=run)],
                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
                         timeout=120)
-  assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+  # one line and status 2, as every script's usage errors (not absl's whole help text)
+  assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+  assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr[-2000:]
   assert "ranker:" not in proc.stdout
+  assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step_000000200.eqx"]
 
 
 def test_retrieval_loss_methods_agree():

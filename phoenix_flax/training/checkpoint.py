@@ -18,7 +18,7 @@ import hashlib
 import io
 import os
 import re
-from typing import Any
+from typing import Any, Optional
 
 import equinox as eqx
 import jax
@@ -44,7 +44,8 @@ class _Hashing:
 
 
 class CheckpointError(ValueError):
-  """A checkpoint file exists but cannot be read into the expected structure (`path`)."""
+  """A checkpoint file exists but cannot be read into the expected structure, or one
+  cannot be written (`path`)."""
 
   def __init__(self, message: str, path: str):
     super().__init__(message)
@@ -60,7 +61,8 @@ def available_steps(run_dir: str) -> list[int]:
   path = checkpoint_dir(run_dir)
   if not os.path.isdir(path):
     return []
-  steps = [int(m.group(1)) for m in map(_PATTERN.fullmatch, os.listdir(path)) if m]
+  steps = [int(m.group(1)) for m in map(_PATTERN.fullmatch, os.listdir(path))
+           if m and os.path.isfile(os.path.join(path, m.group(0)))]
   return sorted(steps)
 
 
@@ -79,11 +81,20 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
     raise ValueError(f"keep={keep} must be >= 1")
   os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
   path = _path(run_dir, step)
-  with writers.atomic_file(path, "wb") as f:
-    f.write(MAGIC)
-    payload = _Hashing(f)
-    eqx.tree_serialise_leaves(payload, tree)
-    f.write(payload.sha.digest())
+  try:
+    with writers.atomic_file(path, "wb") as f:
+      f.write(MAGIC)
+      payload = _Hashing(f)
+      eqx.tree_serialise_leaves(payload, tree)
+      f.write(payload.sha.digest())
+  except Exception as e:
+    cause = _os_error(e)   # equinox wraps a failed write in an error about the leaf
+    if cause is None:
+      raise
+    raise CheckpointError(f"checkpoint {path} cannot be written ({cause.strerror or cause}); "
+                          "nothing of it was kept. Fix that and run the same command "
+                          "again: it resumes from the newest checkpoint on disk (steps "
+                          f"{available_steps(run_dir)})", path) from e
   steps = available_steps(run_dir)
   kept = [s for s in steps if s <= step][-keep:]
   for old in steps:
@@ -91,6 +102,17 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
       os.remove(_path(run_dir, old))
   writers.remove_temporaries(checkpoint_dir(run_dir))   # partial files of killed writers
   return path
+
+
+def _os_error(e: BaseException) -> Optional[OSError]:
+  """The `OSError` (a full disk, a lost mount) in `e`'s chain of causes, if any."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    if isinstance(e, OSError):
+      return e
+    seen.add(id(e))
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def _host_leaf(f, x: Any) -> Any:
@@ -109,9 +131,9 @@ def load(run_dir: str, step: int, like: Any, host: bool = False) -> Any:
   path = _path(run_dir, step)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
-  with open(path, "rb") as f:
-    data = f.read()
   try:
+    with open(path, "rb") as f:   # inside: an unreadable file falls back as a damaged one
+      data = f.read()
     if data.startswith(MAGIC):
       payload, digest = data[len(MAGIC):-_DIGEST], data[-_DIGEST:]
       if len(data) < len(MAGIC) + _DIGEST or hashlib.sha256(payload).digest() != digest:

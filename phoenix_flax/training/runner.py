@@ -162,9 +162,10 @@ class _StopRequests:
       exc.stopped_at_once = True    # (a second signal, during training)
 
 
-def _lock(run_dir: str) -> Optional[int]:
-  """Creates `run_dir` and takes its lock; the file descriptor to release, or None where
-  the platform has no `flock`."""
+def lock_run_dir(run_dir: str) -> Optional[int]:
+  """Creates `run_dir` and takes its lock (a `RunInUseError` when another process holds
+  it); the file descriptor to release (`os.close`), or None where the platform has no
+  `flock`."""
   os.makedirs(run_dir, exist_ok=True)
   if fcntl is None:
     return None
@@ -241,6 +242,23 @@ def _read_run_file(path: str, advice: bool = True) -> dict:
         " and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
         else ", or the run's directory, to start the run afresh"))
     raise ConfigError(f"{path} cannot be read ({what}){fix}")
+  return found
+
+
+# What a result.json must hold for a run to count as finished (the runner writes more).
+_RESULT_FIELDS = {"final": dict, "diverged": bool, "steps": int, "wall_seconds": (int, float)}
+
+
+def read_result(path: str) -> dict:
+  """A finished run's result.json, or a `ConfigError` naming what is wrong with it (it
+  cannot be read, or lacks a field a finished run's result has) and saying that deleting
+  it resumes the run from its checkpoints."""
+  found = _read_run_file(path)
+  wrong = [f"'{k}'" for k, kind in _RESULT_FIELDS.items()
+           if not isinstance(found.get(k), kind) or (kind is int and isinstance(found[k], bool))]
+  if wrong:
+    raise ConfigError(f"{path} is not a finished run's result (no valid {', '.join(wrong)}); "
+                      "delete it and the run resumes from its checkpoints")
   return found
 
 
@@ -428,7 +446,7 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
   done = finished_seeds(config, workdir)
-  results = {k: _read_run_file(os.path.join(dirs[k], RESULT_FILE)) for k in done}
+  results = {k: read_result(os.path.join(dirs[k], RESULT_FILE)) for k in done}
   if done:
     _warn_if_other_code(results, dirs)
   pending = [k for k in dirs if k not in done]
@@ -497,7 +515,7 @@ class _Group:
     seeds, dirs = self.seeds, self.dirs
     if self.main:
       for k in seeds:
-        self.locks.append(_lock(dirs[k]))
+        self.locks.append(lock_run_dir(dirs[k]))
         remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
     self.step = 0
     damaged = []

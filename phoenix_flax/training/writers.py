@@ -29,7 +29,7 @@ _LOG = logging.getLogger(__name__)
 logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 METRICS_FILE = "metrics.jsonl"
-_TEMPORARY = re.compile(r"\..+\.tmp\.\d+")   # atomic_file's ".<name>.tmp.<pid>"
+_TEMPORARY = re.compile(r"\..+\.tmp\.(\d+)")   # atomic_file's ".<name>.tmp.<pid>"
 
 
 def jsonable(value: Any) -> Any:
@@ -96,12 +96,30 @@ def nearest_existing(path: str) -> str:
   return path
 
 
-def remove_temporaries(folder: str) -> None:
+def _running(pid: int) -> bool:
+  """Whether another process with this id runs on this host."""
+  if pid == os.getpid():
+    return False
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:   # it exists, as another user's
+    return True
+  return True
+
+
+def remove_temporaries(folder: str, keep_live_writers: bool = False) -> None:
   """Deletes `atomic_file`'s temporary files in `folder`: partial files of killed writers
-  (call it only where no other process is writing)."""
+  (call it only where no other process is writing, or with `keep_live_writers`, which
+  keeps the files of writers still running on this host)."""
   for name in os.listdir(folder):
-    if _TEMPORARY.fullmatch(name):
-      os.remove(os.path.join(folder, name))
+    found = _TEMPORARY.fullmatch(name)
+    if found and not (keep_live_writers and _running(int(found.group(1)))):
+      try:
+        os.remove(os.path.join(folder, name))
+      except FileNotFoundError:   # its writer finished (renamed it) meanwhile
+        pass
 
 
 def write_json(path: str, payload: Any) -> None:
