@@ -6,6 +6,7 @@ refused, and a quieter JAX backend search."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -69,8 +70,26 @@ class Terminated(KeyboardInterrupt):
   signum = signal.SIGTERM
 
 
-def _raise_terminated(signum, frame) -> NoReturn:
-  raise Terminated()
+def _swallowed_here(frame) -> bool:
+  """Whether an exception raised in `frame` would be lost: inside a garbage-collector
+  callback (JAX registers one, which runs at any allocation) or a finalizer, Python
+  prints "Exception ignored" and carries on."""
+  callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
+      return True
+    frame = frame.f_back
+  return False
+
+
+def _stop_on_signal(signum, frame) -> None:
+  """The handler of SIGINT and SIGTERM in `exit_on_run_errors`: raises `KeyboardInterrupt`
+  (`Terminated` for SIGTERM), or, where that would be lost (`_swallowed_here`), sends the
+  signal again 50 ms later, once the callback has returned."""
+  if _swallowed_here(frame):
+    threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+    return
+  raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 @contextlib.contextmanager
@@ -78,11 +97,14 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
   the script with its message, `resume_hint`, and the shell's status for that signal
   (130, 143); a Ctrl-C or SIGTERM anywhere else in the block (setup, compiling, probes;
-  in the main thread SIGTERM raises `Terminated` there), or a second one during training
-  (which stops at once), with a one-line message and 130 or 143; one of `RUN_ERRORS` with
-  its message and status 2."""
+  in the main thread SIGTERM raises `Terminated` there, and a signal that lands in a
+  garbage-collector callback, which would lose the exception, is sent again once it has
+  returned: `_stop_on_signal`), or a second one during training (which stops at once),
+  with a one-line message and 130 or 143; one of `RUN_ERRORS` with its message and
+  status 2."""
   main_thread = threading.current_thread() is threading.main_thread()
-  previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+  previous = ({s: signal.signal(s, _stop_on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+              if main_thread else {})
   try:
     yield
   except RunInterrupted as e:
@@ -100,8 +122,8 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
   finally:
-    if main_thread:
-      signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    for s, handler in previous.items():
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def run_app(main, **kwargs) -> NoReturn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -229,3 +230,32 @@ run_app(main)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "unflushed output" in proc.stdout
     assert ("teardown ran" in proc.stdout) == teardown
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_a_garbage_collector_callback_still_stops(signum, status):
+  """Python loses an exception raised inside a garbage-collector callback (JAX registers
+  one, run at any allocation) with "Exception ignored", and the command would carry on;
+  `exit_on_run_errors` sends such a signal again once the callback has returned, so the
+  block still stops with the signal's status."""
+  script = f"""
+import gc, os, sys, time
+from experiments.cli import exit_on_run_errors
+def callback(phase, info):
+  if phase == "start" and not sent:
+    sent.append(1)
+    os.kill(os.getpid(), {int(signum)})
+    time.sleep(0.01)   # the handler runs here, inside the callback
+sent = []
+gc.callbacks.append(callback)
+with exit_on_run_errors():
+  gc.collect()
+  time.sleep(2)
+  print("carried on")
+"""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=REPO, env=subprocess_env(), timeout=120)
+  assert proc.returncode == status, (proc.stdout, proc.stderr[-2000:])
+  assert "carried on" not in proc.stdout
+  assert "Exception ignored" not in proc.stderr
+  assert "while no training chunk was running" in proc.stderr
