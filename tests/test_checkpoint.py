@@ -629,6 +629,12 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   with pytest.raises(ConfigError, match=r"differs in \['optim.learning_rate'\].*stopped "
                                         r"before its first checkpoint"):
     runner.check_run_dirs(config, run_dir)
+  lock = runner.lock_run_dir(run_dir)   # ... unless a process is training it right now
+  try:
+    with pytest.raises(ConfigError, match=r"another process is training it now$"):
+      runner.check_run_dirs(config, run_dir)
+  finally:
+    os.close(lock)
   # The run's own config, and a damaged result.json: deleting it resumes the run.
   path.write_text(json.dumps(runner.jsonable(config.to_dict())))
   (tmp_path / "result.json").write_text("")

@@ -180,6 +180,21 @@ def lock_run_dir(run_dir: str) -> Optional[int]:
   return fd
 
 
+def _in_use(run_dir: str) -> bool:
+  """Whether another process holds `run_dir`'s lock (trains it) now."""
+  path = os.path.join(run_dir, LOCK_FILE)
+  if fcntl is None or not os.path.exists(path):
+    return False
+  fd = os.open(path, os.O_RDWR)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)   # closing releases a lock taken here
+  return False
+
+
 def check_workdir(workdir: str) -> None:
   """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
   parents that exists, is not a directory, and `PermissionError` when this process cannot
@@ -292,7 +307,8 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
   found[FPROP_KEY] = found.get(FPROP_KEY) or wanted[FPROP_KEY]
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
-    never = ("; it stopped before its first checkpoint, so deleting it loses nothing"
+    never = ("; another process is training it now" if _in_use(run_dir) else
+             "; it stopped before its first checkpoint, so deleting it loses nothing"
              if not checkpoint.available_steps(run_dir)
              and not os.path.exists(os.path.join(run_dir, RESULT_FILE)) else "")
     more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
