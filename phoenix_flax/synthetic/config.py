@@ -181,7 +181,10 @@ class SplitConfig:
       0.5 and 0.91 at 1, so splits with different correlations are tasks of different
       difficulty (compare variants within one).
     candidate_order: "random" (shuffled), "relevance" (true favorite probability,
-      best first) or "grouped" (relevant candidates first, then random ones).
+      best first) or "grouped" (relevant candidates first, then random ones). The last
+      two make a candidate's slot predict its labels, which a model without candidate
+      isolation, or with positions that count slots, can learn from a training split in
+      that order; the ablations use them for evaluation splits only (a serving shift).
     num_candidates: list width C (None = the world's).
     min_candidates: None = every slot valid; else the valid count is uniform in
       [min_candidates, C] and padded slots come last.
