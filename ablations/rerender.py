@@ -73,6 +73,9 @@ def _check_sweep(folder: str, results: dict) -> None:
         isinstance(s, dict) and isinstance(s.get("per_seed"), list) for s in summaries.values()):
       raise RerenderError(f"{path}: variant {name!r} has no per-seed values of its metrics "
                           "('metrics' -> <metric> -> 'per_seed')")
+  if results.get("primary_metric") not in metrics:
+    raise RerenderError(f"{path}: its 'primary_metric' {results.get('primary_metric')!r} is "
+                        f"none of its metrics {metrics}")
 
 
 def check(folder: str) -> None:
@@ -89,9 +92,11 @@ def check(folder: str) -> None:
     inner = os.path.join(folder, name)
     found = _load(inner)
     _check_sweep(inner, found)
-    presets.add(found.get("preset"))
+    if not isinstance(found.get("preset"), str):
+      raise RerenderError(f"{inner}/results.json names no 'preset'")
+    presets.add(found["preset"])
   if len(presets) != 1:
-    raise RerenderError(f"{folder}: its sweeps ran at several presets {sorted(map(str, presets))}")
+    raise RerenderError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")
 
 
 def rerender_sweep(folder: str, command: str = "") -> dict:

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, NoReturn
+from typing import Iterator, NoReturn, Optional
 
 from absl import app, flags
 import ml_collections
@@ -82,18 +82,39 @@ def _swallowed_here(frame) -> bool:
   return False
 
 
-def _stop_on_signal(signum, frame) -> None:
-  """The handler of SIGINT and SIGTERM in `exit_on_run_errors`: raises `KeyboardInterrupt`
-  (`Terminated` for SIGTERM), or, where that would be lost (`_swallowed_here`), sends the
-  signal again 50 ms later, once the callback has returned."""
-  if _swallowed_here(frame):
-    threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-    return
+_DEFERRED: list[threading.Timer] = []   # signals `_stop_on_signal` sends again
+
+
+def _interrupt(signum: int) -> NoReturn:
   raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+def _stop_on_signal(signum, frame) -> None:
+  """The handler of SIGINT and SIGTERM in `exit_on_run_errors`: raises `KeyboardInterrupt`
+  (`Terminated` for SIGTERM), or, where that would be lost (`_swallowed_here`), sends the
+  signal again 50 ms later, once the callback has returned (a block that ends before
+  then raises it as it ends)."""
+  if _swallowed_here(frame):
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    _DEFERRED.append(timer)
+    timer.start()
+    return
+  _cancel_deferred()
+  _interrupt(signum)
+
+
+def _cancel_deferred() -> Optional[int]:
+  """Cancels the signals waiting to be sent again; the last one's number, or None."""
+  signum = _DEFERRED[-1].args[1] if _DEFERRED else None
+  for timer in _DEFERRED:
+    timer.cancel()
+  _DEFERRED.clear()
+  return signum
+
+
 @contextlib.contextmanager
-def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
+def exit_on_run_errors(resume_hint: str = "", resumable: bool = True) -> Iterator[None]:
   """A run stopped by Ctrl-C or SIGTERM (`RunInterrupted`, its checkpoint written) ends
   the script with its message, `resume_hint`, and the shell's status for that signal
   (130, 143); a Ctrl-C or SIGTERM anywhere else in the block (setup, compiling, probes;
@@ -101,18 +122,31 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   garbage-collector callback, which would lose the exception, is sent again once it has
   returned: `_stop_on_signal`), or a second one during training (which stops at once),
   with a one-line message and 130 or 143; one of `RUN_ERRORS` with its message and
-  status 2."""
+  status 2. A signal that the process ignores (a job started in the background with
+  `&` ignores SIGINT) stays ignored. `resumable=False` (a script that keeps nothing to
+  resume from) says that running it again starts over."""
   main_thread = threading.current_thread() is threading.main_thread()
-  previous = ({s: signal.signal(s, _stop_on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-              if main_thread else {})
+  previous = {}
+  if main_thread:
+    for s in (signal.SIGINT, signal.SIGTERM):
+      if signal.getsignal(s) is not signal.SIG_IGN:
+        previous[s] = signal.signal(s, _stop_on_signal)
   try:
     yield
+    deferred = _cancel_deferred()   # caught in a callback just before the block ended
+    if deferred is not None:
+      _interrupt(deferred)
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
     sys.exit(128 + e.signum)
   except KeyboardInterrupt as e:
+    _cancel_deferred()
     signum = getattr(e, "signum", signal.SIGINT)
     name = signal.Signals(signum).name
+    if not resumable:
+      sys.stderr.write(f"interrupted by {name}; this command resumes nothing: run it again "
+                       "to start over\n")
+      sys.exit(128 + signum)
     what = (f"stopped at once by a second signal ({name}) during training, losing the "
             "chunk under way" if getattr(e, "stopped_at_once", False)
             else f"interrupted by {name} while no training chunk was running")
@@ -122,6 +156,7 @@ def exit_on_run_errors(resume_hint: str = "") -> Iterator[None]:
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
   finally:
+    _cancel_deferred()
     for s, handler in previous.items():
       signal.signal(s, signal.SIG_DFL if handler is None else handler)
 

@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.cli import exit_on_run_errors, quiet_backend_search, run_app, usage_error
+from experiments.cli import (exit_on_run_errors, parse_flags, quiet_backend_search, run_app,
+                             usage_error)
 import phoenix_flax as pf
 from phoenix_flax import training
 from phoenix_flax.training import checkpoint, metrics
@@ -309,9 +310,9 @@ def retrieval_recall(system: training.RetrievalSystem, logs: Logs, rows: np.ndar
   """Share of users whose first favorited candidate of their held-out impression is among
   the top `top_k` posts retrieved from the whole catalogue (ties at the `top_k`-th score
   go to the lower row, as `lax.top_k` breaks them; the training runs' `recall@K` shares
-  tied places and counts every positive, so the two figures are defined differently). The runner's corpus ids must
-  fit int32, so the catalogue's row numbers stand in for the raw ids (mapped back with
-  `catalogue_post`)."""
+  tied places and counts every positive, so the two figures are defined differently).
+  The runner's corpus ids must fit int32, so the catalogue's row numbers stand in for the
+  raw ids (mapped back with `catalogue_post`)."""
   runner = pf.RetrievalRunner(system.model)
   valid = np.ones(len(logs.catalogue_post), bool)
   vectors = runner.encode_corpus(*system.tables.post_embeddings(
@@ -374,7 +375,7 @@ def main(argv) -> None:
     usage_error(f"--batch_size={FLAGS.batch_size}: use 1 to {num_users}")
   if not 0 <= FLAGS.seed < 2 ** 32:
     usage_error(f"--seed={FLAGS.seed}: use 0 to 2**32 - 1")
-  with exit_on_run_errors():   # Ctrl-C, and a workdir in use or unwritable: one line
+  with exit_on_run_errors(resumable=False):   # Ctrl-C, a workdir in use or unwritable
     _check_workdir(FLAGS.workdir)   # before minutes of training, not after
     lock = lock_run_dir(FLAGS.workdir)   # no experiments.run starts here meanwhile
     try:
@@ -414,4 +415,4 @@ def _run() -> None:
 if __name__ == "__main__":
   define_flags()
   quiet_backend_search()
-  run_app(main)
+  run_app(main, flags_parser=parse_flags)

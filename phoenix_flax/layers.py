@@ -165,6 +165,10 @@ class MultiHeadAttention(eqx.Module):
     # In the forward dtype, then float32, as the release does (bfloat16 rounds q.k once).
     raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
+    T, S = q_BTKGd.shape[1], k_BSKd.shape[1]
+    if mask_B1TS.shape[-2:] != (T, S) or T != S:
+      raise ValueError(f"mask of shape {mask_B1TS.shape} for {T} queries and {S} keys: "
+                       "self-attention takes a [B, 1, T, T] mask")
     keep_B11TS = mask_B1TS[:, :, None].astype(bool)
     valid_B11T1 = jnp.diagonal(keep_B11TS, axis1=-2, axis2=-1)[..., None]
     logits, max_logit = masked_logits(raw, keep_B11TS, self.config.attn_logit_cap,

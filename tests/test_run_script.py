@@ -233,11 +233,12 @@ run_app(main)
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_during_a_garbage_collector_callback_still_stops(signum, status):
+@pytest.mark.parametrize("rest", ["time.sleep(2)", "pass"])
+def test_a_signal_during_a_garbage_collector_callback_still_stops(signum, status, rest):
   """Python loses an exception raised inside a garbage-collector callback (JAX registers
   one, run at any allocation) with "Exception ignored", and the command would carry on;
   `exit_on_run_errors` sends such a signal again once the callback has returned, so the
-  block still stops with the signal's status."""
+  block still stops with the signal's status, also when it ends before that (`pass`)."""
   script = f"""
 import gc, os, sys, time
 from experiments.cli import exit_on_run_errors
@@ -250,12 +251,29 @@ sent = []
 gc.callbacks.append(callback)
 with exit_on_run_errors():
   gc.collect()
-  time.sleep(2)
-  print("carried on")
+  {rest}
+print("carried on")
+time.sleep(0.2)   # a signal sent again after the block would land here
 """
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         cwd=REPO, env=subprocess_env(), timeout=120)
   assert proc.returncode == status, (proc.stdout, proc.stderr[-2000:])
   assert "carried on" not in proc.stdout
-  assert "Exception ignored" not in proc.stderr
+  assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr
   assert "while no training chunk was running" in proc.stderr
+
+
+def test_an_ignored_sigint_stays_ignored():
+  """A job started in the background (`cmd &` in a script) ignores SIGINT; the block does
+  not make it stop on one."""
+  script = """
+import os, signal
+from experiments.cli import exit_on_run_errors
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+with exit_on_run_errors():
+  os.kill(os.getpid(), signal.SIGINT)
+print("carried on", signal.getsignal(signal.SIGINT) is signal.SIG_IGN)
+"""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=REPO, env=subprocess_env(), timeout=120)
+  assert proc.returncode == 0 and "carried on True" in proc.stdout, proc.stderr[-2000:]

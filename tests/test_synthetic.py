@@ -60,6 +60,7 @@ BAD_WORLD = [
     # not sequences: a ValueError naming the field, not Python's TypeError
     ("base_rates", dict(base_rates=0.1)), ("base_rates", dict(base_rates=None)),
     ("negative_actions", dict(negative_actions=14)),
+    ("base_rates", dict(base_rates=np.array(0.1))),   # a 0-d array is no sequence either
 ]
 BAD_SPLIT = [
     ("max_history", dict(min_history=5, max_history=3)), ("min_history", dict(min_history=-1)),
@@ -96,6 +97,8 @@ def test_config_checks_across_fields_and_numpy_scalars():
   # NumPy scalars pass and are stored as Python scalars (a config is written to JSON)
   decay = WorldConfig(recency_decay=np.float32(0.5)).recency_decay
   assert decay == 0.5 and type(decay) is float
+  scale = WorldConfig(affinity_scale=np.int64(2)).affinity_scale   # an integer real value
+  assert scale == 2 and type(scale) is int
   rates = WorldConfig(base_rates=np.full(19, 0.1, np.float32)).base_rates
   assert len(rates) == 19 and all(type(r) is float for r in rates)
   negs = WorldConfig(negative_actions=(np.int64(14),)).negative_actions

@@ -38,18 +38,20 @@ def _non_negative(cls: str, field: str, value) -> None:
 
 def _sequence(cls: str, field: str, value, fix: str) -> tuple:
   """`value` as a tuple, or a ValueError naming the field when it is no sequence."""
-  if not isinstance(value, (tuple, list, np.ndarray)):
+  if not isinstance(value, (tuple, list, np.ndarray)) or np.ndim(value) != 1:
     _fail(cls, field, value, fix)
   return tuple(value.tolist() if isinstance(value, np.ndarray) else value)
 
 
-def _store_python_floats(config) -> None:
-  """A config is static (hashed, compared, written to JSON): NumPy floats that passed
-  validation are stored as Python floats."""
+def _store_python_scalars(config) -> None:
+  """A config is static (hashed, compared, written to JSON): NumPy numbers that passed
+  validation (in real-valued fields) are stored as Python floats and ints."""
   for field in dataclasses.fields(config):
     value = getattr(config, field.name)
     if isinstance(value, np.floating):
       object.__setattr__(config, field.name, float(value))
+    elif isinstance(value, np.integer):
+      object.__setattr__(config, field.name, int(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +160,7 @@ class WorldConfig:
       _fail(c, "negative_actions", self.negative_actions, negs_fix)
     object.__setattr__(self, "base_rates", tuple(float(r) for r in rates))
     object.__setattr__(self, "negative_actions", negs)
-    _store_python_floats(self)
+    _store_python_scalars(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +223,7 @@ class SplitConfig:
       if self.num_candidates is not None and self.min_candidates > self.num_candidates:
         _fail(c, "min_candidates", self.min_candidates,
               f"must be <= num_candidates={self.num_candidates}")
-    _store_python_floats(self)
+    _store_python_scalars(self)
 
   def resolve(self, world_cfg: WorldConfig) -> tuple[int, int]:
     """(max history length, list width) for a world; checks them against its S."""

@@ -217,9 +217,9 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   negatives in the batch; NaN if none has), `auc_gap` (Bayes minus model), `logloss` /
   `bayes_logloss` (mean binary cross-entropy over valid candidates and all actions; the
   Bayes one clips the true probabilities to [1e-7, 1 - 1e-7] in float32),
-  `calibration_error` (`calibration_error`: every action's predictions pooled), `list_auc` / `bayes_list_auc` (the favorite's AUC
-  within each list, averaged over the lists with a favorited and a not-favorited
-  candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
+  `calibration_error` (`calibration_error`: every action's predictions pooled),
+  `list_auc` / `bayes_list_auc` (the favorite's AUC within each list, averaged over the
+  lists with a favorited and a not-favorited candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
   candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
   size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and

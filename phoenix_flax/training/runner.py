@@ -185,9 +185,9 @@ def _in_use(run_dir: str) -> bool:
   path = os.path.join(run_dir, LOCK_FILE)
   if fcntl is None or not os.path.exists(path):
     return False
-  fd = os.open(path, os.O_RDWR)
+  fd = os.open(path, os.O_RDONLY)   # flock needs no write access
   try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
   except BlockingIOError:
     return True
   finally:
@@ -270,7 +270,8 @@ def read_result(path: str) -> dict:
   it resumes the run from its checkpoints."""
   found = _read_run_file(path)
   wrong = [f"'{k}'" for k, kind in _RESULT_FIELDS.items()
-           if not isinstance(found.get(k), kind) or (kind is int and isinstance(found[k], bool))]
+           if not isinstance(found.get(k), kind) or (kind is not bool
+                                                     and isinstance(found[k], bool))]
   if wrong:
     raise ConfigError(f"{path} is not a finished run's result (no valid {', '.join(wrong)}); "
                       "delete it and the run resumes from its checkpoints")

@@ -102,7 +102,7 @@ def _running(pid: int) -> bool:
     return False
   try:
     os.kill(pid, 0)
-  except ProcessLookupError:
+  except (ProcessLookupError, OverflowError):   # none, or no process id at all
     return False
   except PermissionError:   # it exists, as another user's
     return True
