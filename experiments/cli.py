@@ -72,8 +72,8 @@ class Terminated(KeyboardInterrupt):
 
 def _swallowed_here(frame) -> bool:
   """Whether an exception raised in `frame` would be lost: inside a garbage-collector
-  callback (JAX registers one, which runs at any allocation) or a finalizer, Python
-  prints "Exception ignored" and carries on."""
+  callback (JAX registers one, which runs at any allocation) or a `__del__` method,
+  Python prints "Exception ignored" and carries on."""
   callbacks = {getattr(cb, "__code__", None) for cb in gc.callbacks}
   while frame is not None:
     if frame.f_code in callbacks or frame.f_code.co_name == "__del__":
