@@ -239,6 +239,10 @@ def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplo
     got = run_experiment(config, workdir)
   assert f"checkpoint {damaged} cannot be read" in caplog.text
   assert "trying the one before it" in caplog.text
+  # seed 0's readable step 40 is trained again, and the warning says so and how to keep
+  # it (seed 1's damaged one is no step it has)
+  assert ("later steps of seeds [0] (newest checkpoints at [40]) are trained again"
+          in caplog.text)
   for k in (0, 1):
     assert got[k]["final"] == want[k]["final"] and got[k]["steps"] == 40
     assert [r["step"] for r in writers.read_metrics(seed_dirs[k])] == [10, 20, 30, 40]
@@ -703,7 +707,7 @@ def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_pat
   workdir = str(tmp_path / "run")
   run_experiment(config, workdir)
   os.remove(os.path.join(workdir, runner.RESULT_FILE))
-  os.remove(checkpoint._path(workdir, 40))   # killed during the last chunk
+  os.remove(checkpoint.checkpoint_path(workdir, 40))   # killed during the last chunk
   (result,) = run_experiment(config, workdir).values()
   assert result["diverged"] is False and result["diverged_at_step"] is None
   rows = writers.read_metrics(workdir)

@@ -66,7 +66,8 @@ def available_steps(run_dir: str) -> list[int]:
   return sorted(steps)
 
 
-def _path(run_dir: str, step: int) -> str:
+def checkpoint_path(run_dir: str, step: int) -> str:
+  """The file of `step`'s checkpoint in `run_dir`."""
   return os.path.join(checkpoint_dir(run_dir), f"step_{step:09d}.eqx")
 
 
@@ -80,7 +81,7 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1")
   os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
-  path = _path(run_dir, step)
+  path = checkpoint_path(run_dir, step)
   try:
     with writers.atomic_file(path, "wb") as f:
       f.write(MAGIC)
@@ -99,7 +100,7 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
   kept = [s for s in steps if s <= step][-keep:]
   for old in steps:
     if old not in kept:
-      os.remove(_path(run_dir, old))
+      os.remove(checkpoint_path(run_dir, old))
   writers.remove_temporaries(checkpoint_dir(run_dir))   # partial files of killed writers
   return path
 
@@ -128,7 +129,7 @@ def load(run_dir: str, step: int, like: Any, host: bool = False) -> Any:
   """Reads the checkpoint of `step` into the structure (and leaf types) of `like`; with
   `host`, its arrays stay numpy arrays in host memory (a caller that shards them copies
   each device's part from there)."""
-  path = _path(run_dir, step)
+  path = checkpoint_path(run_dir, step)
   if not os.path.exists(path):
     raise FileNotFoundError(f"no checkpoint for step {step} in {checkpoint_dir(run_dir)}")
   try:

@@ -553,6 +553,16 @@ class _Group:
             f"{', '.join(damaged)}. Delete the checkpoint folder of each run directory to "
             "train from the start", damaged[-1])
       self.state, self.prior_wall = trainer.init(seeds), [0.0] * len(seeds)
+    newest = {k: max((s for s in checkpoint.available_steps(dirs[k])   # damaged ones aside
+                      if checkpoint.checkpoint_path(dirs[k], s) not in damaged), default=0)
+              for k in seeds}
+    ahead = {k: step for k, step in newest.items() if step > self.step}
+    if ahead and len(seeds) > 1:
+      _LOG.warning("seeds train together from the newest checkpoint step all of them have, "
+                   "%d, so the later steps of seeds %s (newest checkpoints at %s) are trained "
+                   "again; to keep them, run those seeds apart (--config.seed, "
+                   "--config.num_seeds) before the others", self.step, sorted(ahead),
+                   [ahead[k] for k in sorted(ahead)])
     self.writers = {}
     if self.main:
       for k in seeds:
