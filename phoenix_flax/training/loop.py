@@ -7,7 +7,9 @@ scanned step, nothing returns to the host until the chunk ends, and the state's 
 are donated. A step whose loss or gradient norm is not finite marks its seed diverged
 (with the step) and freezes that seed's parameters; other seeds train on. Several seeds
 train vmapped; they are initialised and evaluated one after another in one program, so
-that a seed's parameters and metrics equal those it would get alone.
+that a seed's initial parameters, and its metrics for given parameters, equal those it
+would get alone (its training steps, vmapped, round differently from one seed's program:
+docs/training.md, "A seed alone and a seed among others").
 """
 
 from __future__ import annotations
