@@ -454,7 +454,10 @@ HOW_TO_READ = "\n".join([
     "metrics are tagged `eval/<metric>` (`auc_mean` is `eval/auc_mean`; characters "
     "TensorBoard rejects become `_`: `recall@5` is `eval/recall_5`), the extra splits' "
     "`<split>/<metric>`, and probe and derived metrics keep their names, at each run's "
-    "last step; the HParams view groups each variant's seeds.",
+    "last step. The HParams view groups each variant's seeds (every `seed_<k>` folder on "
+    "disk, so also seeds a rerun with fewer left out of this report) and opens with five "
+    "metric columns in alphabetical order: tick the tags of the metrics above to compare "
+    "the variants on them.",
 ])
 
 

@@ -271,15 +271,23 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
 
 def test_the_sessions_of_a_group_log_the_groups_seeds():
   """HParams shows a session group with one session's hparams: every seed of a group logs
-  the group's first seed and seed count, so the row reads "seed 0, num_seeds 2", not the
-  seed of whichever session came first; a run of its own logs its config's."""
+  the group's first seed, so the row reads "seed 3", not the seed of whichever session
+  came first, and no seed count, which a later command adding seeds to the group would
+  leave stale (the table counts sessions); a run of its own logs its config's seed. A
+  retrieval run logs none of the ranking model's switches, and the reverse."""
   from experiments.configs import ranking as ranking_configs
+  from experiments.configs import retrieval as retrieval_configs
   config = ranking_configs.get_config("smoke")
   config.seed, config.num_seeds = 3, 2
   for k in (3, 4):
     hp = runner.session_hparams(config, schema.seed_config(config, k), "/w")
-    assert (hp["seed"], hp["num_seeds"]) == (3, 2)
+    assert hp["seed"] == 3 and "num_seeds" not in hp
   single = ranking_configs.get_config("smoke")
   single.seed = 5
   hp = runner.session_hparams(single, schema.seed_config(single, 5), "")
-  assert (hp["seed"], hp["num_seeds"]) == (5, 1)
+  assert hp["seed"] == 5 and "num_seeds" not in hp
+  assert "model.candidate_isolation" in hp and "model.enable_linear_proj" not in hp
+  retrieval = retrieval_configs.get_config("smoke")
+  hp = runner.session_hparams(retrieval, schema.seed_config(retrieval, 0), "")
+  assert "model.candidate_isolation" not in hp and "model.attention_impl" not in hp
+  assert "model.enable_linear_proj" in hp and "model.num_layers" in hp

@@ -502,13 +502,16 @@ def _hparams_group(run_dir: str, seed: int) -> str:
 def session_hparams(config: ml_collections.ConfigDict, seed_cfg: ml_collections.ConfigDict,
                     group: str) -> dict[str, Any]:
   """The hparams a run logs: its seed's config's, except that a run of a session group
-  (the seeds of one config) logs the group's `seed` (the first) and `num_seeds`, which
-  every session of the group shares. TensorBoard's HParams table shows a group with the
+  (the seeds of one config) logs the group's first `seed` and no `num_seeds`, so every
+  session of the group logs the same. TensorBoard's HParams table shows a group with the
   hparams of one of its sessions: per-seed values showed a row averaging seeds 0 and 1 as
-  "seed 1, num_seeds 1". A session's own seed is its run name (`seed_<k>`)."""
+  "seed 1, num_seeds 1", and a count would go stale when a later command adds seeds to
+  the group (the table counts its sessions). A session's own seed is its run name
+  (`seed_<k>`)."""
   out = hparams(seed_cfg)
+  out.pop("num_seeds", None)
   if group:
-    out["seed"], out["num_seeds"] = config.seed, config.num_seeds
+    out["seed"] = config.seed
   return out
 
 

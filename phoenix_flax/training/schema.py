@@ -286,7 +286,7 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
   # The other task's switches have no field here: one set away from its default would
   # change nothing (two variants differing only in it would train the same model).
   other_defaults = {f.name: field_default(f) for f in dataclasses.fields(other_cls)}
-  for k in sorted(set(m) & (_fields(other_cls) - _fields(cls) - tc_fields)):
+  for k in sorted(set(m) & _other_model_switches(c.task)):
     _check(m[k] == other_defaults[k], f"model.{k}", m[k],
            f"it is a switch of the {other_task} model only, and the {c.task} model has no "
            f"such setting, so it would change nothing; leave it at {other_defaults[k]!r}")
@@ -565,11 +565,21 @@ def seed_config(config: ml_collections.ConfigDict, seed: int) -> ml_collections.
   return single
 
 
+def _other_model_switches(task: str) -> set[str]:
+  """The model section's fields that only the other task's model has."""
+  own, other = ((PhoenixModelConfig, PhoenixRetrievalModelConfig) if task == "ranking"
+                else (PhoenixRetrievalModelConfig, PhoenixModelConfig))
+  return _fields(other) - _fields(own) - _fields(TransformerConfig)
+
+
 def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
   """The settings a run logs as its TensorBoard hparams: every leaf of the config but the
-  runtime sections and the other task's section, which the run never reads."""
+  runtime sections, the other task's section and the other task's model switches (a
+  retrieval run has no `candidate_isolation`), which the run never reads."""
   other = "retrieval" if config["task"] == "ranking" else "ranking"
-  return flatten(config, skip=RUNTIME_SECTIONS + (other,))
+  skip = {f"model.{k}" for k in _other_model_switches(config["task"])}
+  return {k: v for k, v in flatten(config, skip=RUNTIME_SECTIONS + (other,)).items()
+          if k not in skip}
 
 
 def paths_named(name: str) -> list[str]:
