@@ -434,7 +434,7 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
   (candidate, action) over all its batches (of the primary split only), `loss` the
   training loss (action weights included) over every valid candidate of them,
   `residual_rms/layer_i` layer i's RMS averaged over the batches and `max_attn_logit` the
-  maximum over batches and layers: checked against forwards of each evaluation batch run
+  maximum over batches and layers (`max_attn_logit/layer_i` over batches): checked against forwards of each evaluation batch run
   one by one."""
   cfg = ranking_configs.get_config("smoke")
   cfg.model.candidate_isolation = False     # companions move the scores
@@ -480,6 +480,8 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
     assert got[f"eval/residual_rms/layer_{layer}"] == pytest.approx(value, rel=1e-5)
   assert not any(k.startswith("eval/residual_rms/layer_2") for k in got)
   assert got["eval/max_attn_logit"] == pytest.approx(np.max(max_logit), rel=1e-5)
+  for layer, value in enumerate(np.max(max_logit, axis=0)):   # per layer, as train/ logs it
+    assert got[f"eval/max_attn_logit/layer_{layer}"] == pytest.approx(value, rel=1e-5)
 
 
 def test_bad_config_values_name_the_field():

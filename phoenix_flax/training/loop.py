@@ -224,10 +224,13 @@ def popularity_keys(config) -> Array:
 
 def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
   """Evaluation diagnostics from per-batch, per-layer values: the max |attention logit|
-  over every batch and layer, and each layer's mean residual RMS."""
-  out = {"max_attn_logit": jnp.max(max_logit_XL)}
+  over every batch, per layer and over the layers (as training logs it), and each
+  layer's mean residual RMS."""
+  max_L = jnp.max(max_logit_XL, axis=0)
+  out = {"max_attn_logit": jnp.max(max_L)}
   rms_L = jnp.mean(rms_XL, axis=0)
   for i in range(rms_L.shape[0]):
+    out[f"max_attn_logit/layer_{i}"] = max_L[i]
     out[f"residual_rms/layer_{i}"] = rms_L[i]
   return out
 
