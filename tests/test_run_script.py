@@ -240,8 +240,10 @@ def test_a_signal_during_a_garbage_collector_callback_still_stops(signum, status
   `exit_on_run_errors` sends such a signal again once the callback has returned, so the
   block still stops with the signal's status, also when it ends before that (`pass`)."""
   script = f"""
-import gc, os, sys, time
+import gc, os, signal, sys, time
 from experiments.cli import exit_on_run_errors
+# as in an interactive shell (pytest-xdist's workers, and so their children, ignore SIGINT)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def callback(phase, info):
   if phase == "start" and not sent:
     sent.append(1)
