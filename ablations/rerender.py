@@ -63,12 +63,16 @@ def _check_sweep(folder: str, results: dict) -> None:
     raise RerenderError(f"{path} is no sweep's results (no 'variants')")
   if not isinstance(metrics, list) or not metrics:
     raise RerenderError(f"{path} is no sweep's results (no 'metrics' list)")
+  if not isinstance(results.get("preset"), str):
+    raise RerenderError(f"{path} names no 'preset'")
   arms = results.get("arms") or list(variants)   # with conditions, the baseline is an arm
   if results.get("baseline") not in arms:
     raise RerenderError(f"{path}: its 'baseline' {results.get('baseline')!r} is none of "
                         f"its arms {sorted(arms)}")
   for name, variant in variants.items():
     summaries = variant.get("metrics") if isinstance(variant, dict) else None
+    if isinstance(variant, dict) and not all(k in variant for k in ("arm", "cell")):
+      raise RerenderError(f"{path}: variant {name!r} names no 'arm' and 'cell'")
     if not isinstance(summaries, dict) or not all(
         isinstance(s, dict) and isinstance(s.get("per_seed"), list) for s in summaries.values()):
       raise RerenderError(f"{path}: variant {name!r} has no per-seed values of its metrics "
@@ -92,8 +96,6 @@ def check(folder: str) -> None:
     inner = os.path.join(folder, name)
     found = _load(inner)
     _check_sweep(inner, found)
-    if not isinstance(found.get("preset"), str):
-      raise RerenderError(f"{inner}/results.json names no 'preset'")
     presets.add(found["preset"])
   if len(presets) != 1:
     raise RerenderError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")

@@ -133,14 +133,16 @@ def exit_on_run_errors(resume_hint: str = "", resumable: bool = True) -> Iterato
         previous[s] = signal.signal(s, _stop_on_signal)
   try:
     yield
-    deferred = _cancel_deferred()   # caught in a callback just before the block ended
+    # caught in a callback just before the block ended (only the main thread has handlers)
+    deferred = _cancel_deferred() if main_thread else None
     if deferred is not None:
       _interrupt(deferred)
   except RunInterrupted as e:
     sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
     sys.exit(128 + e.signum)
   except KeyboardInterrupt as e:
-    _cancel_deferred()
+    if main_thread:
+      _cancel_deferred()
     signum = getattr(e, "signum", signal.SIGINT)
     name = signal.Signals(signum).name
     if not resumable:
@@ -156,7 +158,8 @@ def exit_on_run_errors(resume_hint: str = "", resumable: bool = True) -> Iterato
   except RUN_ERRORS as e:
     usage_error(str(e), flags_hint=False)
   finally:
-    _cancel_deferred()
+    if main_thread:
+      _cancel_deferred()
     for s, handler in previous.items():
       signal.signal(s, signal.SIG_DFL if handler is None else handler)
 

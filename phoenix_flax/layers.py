@@ -166,7 +166,7 @@ class MultiHeadAttention(eqx.Module):
     raw = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BSKd).astype(jnp.float32)
     raw = raw * self.config.attn_output_multiplier
     T, S = q_BTKGd.shape[1], k_BSKd.shape[1]
-    if mask_B1TS.shape[-2:] != (T, S) or T != S:
+    if mask_B1TS.ndim != 4 or mask_B1TS.shape[-2:] != (T, S) or T != S:
       raise ValueError(f"mask of shape {mask_B1TS.shape} for {T} queries and {S} keys: "
                        "self-attention takes a [B, 1, T, T] mask")
     keep_B11TS = mask_B1TS[:, :, None].astype(bool)

@@ -287,11 +287,16 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
     ('{"ablation": "x"}', "no sweep's results (no 'variants')"),
     ('{"ablation": "x", "variants": {"a": {"metrics": {}}}}', "no 'metrics' list"),
     ('{"ablation": "x", "variants": {"a": {"metrics": {}}}, "metrics": ["m"]}',
-     "its 'baseline' None is none of its arms ['a']"),
-    ('{"ablation": "x", "variants": {"a": {"metrics": {"m": {}}}}, "metrics": ["m"], '
-     '"baseline": "a"}', "variant 'a' has no per-seed values"),
-    ('{"ablation": "x", "variants": {"a": {"metrics": {"m": {"per_seed": []}}}}, '
-     '"metrics": ["m"], "baseline": "a"}', "its 'primary_metric' None is none of its metrics"),
+     "names no 'preset'"),
+    ('{"ablation": "x", "variants": {"a": {"metrics": {}}}, "metrics": ["m"], '
+     '"preset": "cpu"}', "its 'baseline' None is none of its arms ['a']"),
+    ('{"ablation": "x", "variants": {"a": {"metrics": {}}}, "metrics": ["m"], '
+     '"preset": "cpu", "baseline": "a"}', "variant 'a' names no 'arm' and 'cell'"),
+    ('{"ablation": "x", "variants": {"a": {"arm": "a", "cell": "", "metrics": {"m": {}}}}, '
+     '"metrics": ["m"], "preset": "cpu", "baseline": "a"}', "variant 'a' has no per-seed values"),
+    ('{"ablation": "x", "variants": {"a": {"arm": "a", "cell": "", '
+     '"metrics": {"m": {"per_seed": []}}}}, "metrics": ["m"], "preset": "cpu", '
+     '"baseline": "a"}', "its 'primary_metric' None is none of its metrics"),
     ('{"one": {}}', "one holds no results.json"),   # a run_all folder: each sweep checked
 ])
 def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, message):

@@ -649,7 +649,9 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   # same way out, naming what it lacks, instead of a KeyError or a run counted as done.
   for text, lacks in (("{}", "'final', 'diverged', 'steps', 'wall_seconds'"),
                       ('{"final": {}, "diverged": false, "steps": true, "wall_seconds": 1}',
-                       "'steps'")):
+                       "'steps'"),
+                      ('{"final": {}, "diverged": false, "steps": 3, "wall_seconds": true}',
+                       "'wall_seconds'")):
     (tmp_path / "result.json").write_text(text)
     with pytest.raises(ConfigError, match=rf"result.json is not a finished run's result \(no "
                                           rf"valid {lacks}\); delete it and the run resumes"):
@@ -735,3 +737,35 @@ def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too
     train, throughput = runner._Group.logged_training(group)
     assert train == {0: {"train/loss": 1.0}}
     assert throughput == pytest.approx(want)
+
+
+def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path):
+  """`remove_temporaries(keep_live_writers=True)` (sweep folders, probed runs) keeps the
+  temporary file of a writer still running on this host and removes the rest, names with
+  numbers no process can have included; without it, every one goes."""
+  live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    names = [f".a.json.tmp.{live.pid}", ".b.json.tmp.0", f".c.json.tmp.{10 ** 30}",
+             f".d.json.tmp.{os.getpid()}", "e.json"]
+    for name in names:
+      (tmp_path / name).write_text("partial")
+    writers.remove_temporaries(str(tmp_path), keep_live_writers=True)
+    assert sorted(os.listdir(tmp_path)) == sorted([names[0], "e.json"])
+    writers.remove_temporaries(str(tmp_path))
+    assert os.listdir(tmp_path) == ["e.json"]
+  finally:
+    live.kill()
+    live.wait()
+
+
+def test_an_ignored_signal_stays_ignored_during_training():
+  """A background job ignores SIGINT; the training loop's stop handler leaves it so (and
+  still takes SIGTERM), restoring both on exit."""
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    with runner._StopRequests():
+      assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, previous)

@@ -190,3 +190,15 @@ def test_attention_outputs_forward_dtype_in_bfloat16():
   out16, _ = call(attn, x.astype(jnp.bfloat16), causal_mask(4, jnp.bfloat16), pos)
   assert out16.dtype == jnp.bfloat16 and attn.qkv.weight.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=0.1)
+
+
+def test_attention_refuses_a_mask_that_is_not_per_query():
+  """The max |logit| diagnostic reads which queries are valid off the mask's diagonal,
+  so a mask must be `[B, 1, T, T]`: a key-only `[B, 1, 1, T]` one is refused by name."""
+  cfg = transformer_config()
+  attn = attention(cfg, 6)
+  x = jnp.asarray(np.random.default_rng(10).standard_normal((2, 4, cfg.emb_size)), jnp.float32)
+  pos = jnp.tile(jnp.arange(4.0), (2, 1))
+  for mask in (jnp.ones((2, 1, 1, 4)), jnp.ones((4, 4))):
+    with pytest.raises(ValueError, match=r"self-attention takes a \[B, 1, T, T\] mask"):
+      attn(x, mask, pos)

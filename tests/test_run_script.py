@@ -265,6 +265,23 @@ time.sleep(0.2)   # a signal sent again after the block would land here
   assert "while no training chunk was running" in proc.stderr
 
 
+def test_a_script_that_resumes_nothing_says_so_when_stopped():
+  """`exit_on_run_errors(resumable=False)` (own_data) says a rerun starts over, not that
+  runs and checkpoints are kept."""
+  script = """
+import os, signal, time
+from experiments.cli import exit_on_run_errors
+with exit_on_run_errors(resumable=False):
+  os.kill(os.getpid(), signal.SIGTERM)
+  time.sleep(2)
+"""
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        cwd=REPO, env=subprocess_env(), timeout=120)
+  assert proc.returncode == 143, proc.stderr[-2000:]
+  assert proc.stderr.strip() == ("interrupted by SIGTERM; this command resumes nothing: run "
+                                 "it again to start over")
+
+
 def test_an_ignored_sigint_stays_ignored():
   """A job started in the background (`cmd &` in a script) ignores SIGINT; the block does
   not make it stop on one."""

@@ -137,6 +137,8 @@ class _StopRequests:
     if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
       for s in self.SIGNALS:
         previous = signal.getsignal(s)
+        if previous is signal.SIG_IGN:   # a background job's SIGINT: it stays ignored
+          continue
         self._previous[s] = signal.SIG_DFL if previous is None else previous
         signal.signal(s, self._handle)
     return self
@@ -561,11 +563,10 @@ class _Group:
               for k in seeds}
     ahead = {k: step for k, step in newest.items() if step > self.step}
     if ahead and len(seeds) > 1:
-      _LOG.warning("seeds train together from the newest checkpoint step all of them have, "
-                   "%d, so the later steps of seeds %s (newest checkpoints at %s) are trained "
-                   "again; to keep them, run those seeds apart (--config.seed, "
-                   "--config.num_seeds) before the others", self.step, sorted(ahead),
-                   [ahead[k] for k in sorted(ahead)])
+      _LOG.warning("seeds train together from the newest checkpoint step all of them have "
+                   "(%s), so the later steps of seeds %s (newest checkpoints at %s) are "
+                   "trained again", f"step {self.step}" if self.step else "none: the start",
+                   sorted(ahead), [ahead[k] for k in sorted(ahead)])
     self.writers = {}
     if self.main:
       for k in seeds:

@@ -98,7 +98,7 @@ def nearest_existing(path: str) -> str:
 
 def _running(pid: int) -> bool:
   """Whether another process with this id runs on this host."""
-  if pid == os.getpid():
+  if pid == os.getpid() or pid <= 1:   # no writer of ours is init, or a process group
     return False
   try:
     os.kill(pid, 0)
