@@ -769,3 +769,20 @@ def test_an_ignored_signal_stays_ignored_during_training():
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
   finally:
     signal.signal(signal.SIGINT, previous)
+
+
+def test_the_config_is_checked_again_under_the_lock(tmp_path, monkeypatch):
+  """A process of another config that trained the directory between `run_experiment`'s
+  check and the lock (simulated by skipping the first check) is caught under the lock,
+  before its checkpoints are resumed under this config."""
+  config = ranking_configs.get_config("smoke")
+  other = ranking_configs.get_config("smoke")
+  other.optim.learning_rate = 1e-4
+  run_dir = tmp_path / "run"
+  run_dir.mkdir()
+  (run_dir / "config.json").write_text(json.dumps(runner.jsonable(other.to_dict())))
+  monkeypatch.setattr(runner, "check_run_dirs", lambda config, workdir: None)
+  with pytest.raises(ConfigError, match=r"holds a run of another config \(differs in "
+                                        r"\['optim.learning_rate'\]"):
+    run_experiment(config, str(run_dir))
+  assert sorted(os.listdir(run_dir)) == [".lock", "config.json"]   # nothing written

@@ -538,6 +538,9 @@ class _Group:
     if self.main:
       for k in seeds:
         self.locks.append(lock_run_dir(dirs[k]))
+        # Checked again under the lock: another config's process may have trained here
+        # between `run_experiment`'s check and now.
+        _check_existing_config(dirs[k], seed_config(self.config, k).to_dict())
         remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
     self.step = 0
     damaged = []
