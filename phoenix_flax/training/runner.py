@@ -280,7 +280,9 @@ def read_result(path: str) -> dict:
   return found
 
 
-def _check_existing_config(run_dir: str, expected: dict) -> None:
+def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -> None:
+  """Raises `ConfigError` if `run_dir` holds a run of another config, or checkpoints or a
+  result without the config that made them; `locked`: this process holds its lock."""
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
     # A run writes config.json before its first checkpoint and its result: without it,
@@ -310,7 +312,7 @@ def _check_existing_config(run_dir: str, expected: dict) -> None:
   found[FPROP_KEY] = found.get(FPROP_KEY) or wanted[FPROP_KEY]
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
-    never = ("; another process is training it now" if _in_use(run_dir) else
+    never = ("; another process is training it now" if not locked and _in_use(run_dir) else
              "; it stopped before its first checkpoint, so deleting it loses nothing"
              if not checkpoint.available_steps(run_dir)
              and not os.path.exists(os.path.join(run_dir, RESULT_FILE)) else "")
@@ -540,7 +542,7 @@ class _Group:
         self.locks.append(lock_run_dir(dirs[k]))
         # Checked again under the lock: another config's process may have trained here
         # between `run_experiment`'s check and now.
-        _check_existing_config(dirs[k], seed_config(self.config, k).to_dict())
+        _check_existing_config(dirs[k], seed_config(self.config, k).to_dict(), locked=True)
         remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
     self.step = 0
     damaged = []
