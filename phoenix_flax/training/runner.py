@@ -7,7 +7,8 @@ that `model.fprop_dtype=None` resolved to), `events.out.tfevents.*`,
 `metrics.jsonl`, `checkpoint/` (the newest is the final model once finished) and, once
 finished, `result.json`:
 
-  {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...},
+  {"final": {<eval metric>: ..., "<split>/<metric>": ..., "train/loss": ...,
+             "train/grad_norm": ...},
    "diverged": bool, "diverged_at_step": int | null, "steps": int, "seed": int,
    "wall_seconds": float, "examples_per_second": float, "num_seeds_vmapped": int,
    "fprop_dtype": str, "num_devices": int, "code": str | null, "machine": str}
@@ -505,9 +506,9 @@ def _hparams_group(run_dir: str, seed: int) -> str:
 
 def session_hparams(config: ml_collections.ConfigDict, seed_cfg: ml_collections.ConfigDict,
                     group: str) -> dict[str, Any]:
-  """The hparams a run logs: its seed's config's, except that a run of a session group
-  (the seeds of one config) logs the group's first `seed` and no `num_seeds`, so every
-  session of the group logs the same. TensorBoard's HParams table shows a group with the
+  """The hparams a run logs: its seed's config's without `num_seeds`, and for a run of a
+  session group (the seeds of one config) the group's first `seed`, so every session of
+  the group logs the same. TensorBoard's HParams table shows a group with the
   hparams of one of its sessions: per-seed values showed a row averaging seeds 0 and 1 as
   "seed 1, num_seeds 1", and a count would go stale when a later command adds seeds to
   the group (the table counts its sessions). A session's own seed is its run name
