@@ -141,8 +141,6 @@ def exit_on_run_errors(resume_hint: str = "", resumable: bool = True) -> Iterato
     sys.stderr.write(f"{e}\n" + (f"{resume_hint}\n" if resume_hint else ""))
     sys.exit(128 + e.signum)
   except KeyboardInterrupt as e:
-    if main_thread:
-      _cancel_deferred()
     signum = getattr(e, "signum", signal.SIGINT)
     name = signal.Signals(signum).name
     if not resumable:

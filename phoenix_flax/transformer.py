@@ -231,13 +231,13 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
     keep_B1T1N = keep_B1T1N & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
     valid_B1T11 = ctx_mask_BN[:, None, :, None, None]
   else:
-    valid_B1T11 = candidates[2][:, None, :, None, None]
+    k_BTKd, v_BTKd, mask_BT = candidates
+    valid_B1T11 = mask_BT[:, None, :, None, None]
   logits_BKTGN, max_logit = masked_logits(raw_BKQN.reshape(B, KV, T, G, N) * mult,
                                           keep_B1T1N, cap, valid_B1T11)
   if candidates is not None:
     # The own-key term stays in token order ([B,T,KV,G]): only its small result moves
     # to heads-first, not a second copy of the queries.
-    k_BTKd, v_BTKd, mask_BT = candidates
     raw_self_BTKG = jnp.einsum("btkgd,btkd->btkg", q_BTKGd, k_BTKd).astype(jnp.float32) * mult
     own_BT11 = mask_BT[:, :, None, None]   # a candidate's own key: valid as a key and a query
     logits_self_BTKG, max_self = masked_logits(raw_self_BTKG, own_BT11, cap, own_BT11)

@@ -280,9 +280,8 @@ def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
                 num_actions=world.num_actions,
                 product_surface_vocab_size=world.product_surface_vocab_size,
                 fprop_dtype=m["fprop_dtype"] or default_fprop_dtype())
-  cls, other_cls, other_task = ((PhoenixModelConfig, PhoenixRetrievalModelConfig, "retrieval")
-                                if c.task == "ranking" else
-                                (PhoenixRetrievalModelConfig, PhoenixModelConfig, "ranking"))
+  cls, other_cls = _model_classes(c.task)
+  other_task = "retrieval" if c.task == "ranking" else "ranking"
   # The other task's switches have no field here: one set away from its default would
   # change nothing (two variants differing only in it would train the same model).
   other_defaults = {f.name: field_default(f) for f in dataclasses.fields(other_cls)}
@@ -565,10 +564,15 @@ def seed_config(config: ml_collections.ConfigDict, seed: int) -> ml_collections.
   return single
 
 
+def _model_classes(task: str) -> tuple[type, type]:
+  """(the task's model config class, the other task's)."""
+  return ((PhoenixModelConfig, PhoenixRetrievalModelConfig) if task == "ranking"
+          else (PhoenixRetrievalModelConfig, PhoenixModelConfig))
+
+
 def _other_model_switches(task: str) -> set[str]:
   """The model section's fields that only the other task's model has."""
-  own, other = ((PhoenixModelConfig, PhoenixRetrievalModelConfig) if task == "ranking"
-                else (PhoenixRetrievalModelConfig, PhoenixModelConfig))
+  own, other = _model_classes(task)
   return _fields(other) - _fields(own) - _fields(TransformerConfig)
 
 
