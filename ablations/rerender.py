@@ -17,14 +17,13 @@ folder, not one of its ablations, or the combined report keeps the old figures.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 from absl import app
 
 from ablations import analysis, report, stats, sweep
-from phoenix_flax.training import provenance
+from phoenix_flax.training import provenance, writers
 
 
 def _listed_plots(report_path: str, folder: str) -> list[str]:
@@ -46,8 +45,7 @@ def _load(folder: str) -> dict:
   if not os.path.isfile(path):
     raise RerenderError(f"{folder} holds no results.json: not a finished sweep")
   try:
-    with open(path, encoding="utf-8") as f:
-      found = json.load(f)
+    found = writers.read_json(path)
   except (OSError, ValueError) as e:
     raise RerenderError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
   if not isinstance(found, dict):
@@ -134,7 +132,10 @@ def rerender(folder: str, command: str = "") -> str:
   check(folder)   # every sweep it lists, before anything is rewritten
   path = os.path.join(folder, "REPORT.md")
   presets = {_load(os.path.join(folder, name))["preset"] for name in results}
-  old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+  old = ""
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      old = f.read()
   ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
   entries = [(name, rerender_sweep(os.path.join(folder, name), command)) for name in results]
   sweep.write_json(os.path.join(folder, "results.json"), dict(entries))

@@ -99,8 +99,8 @@ from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
 from phoenix_flax.training.sharding import initialize_from
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           finished_seeds, metric_names, read_result, seed_dir)
-from phoenix_flax.training.writers import (event_file_name, jsonable, remove_temporaries,
-                                           write_event_file)
+from phoenix_flax.training.writers import (event_file_name, jsonable, read_json,
+                                           remove_temporaries, write_event_file)
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 
@@ -377,8 +377,7 @@ def read_json_if_exists(path: str) -> Optional[dict]:
   """The JSON object in `path`, or None where there is no such file."""
   if not os.path.exists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  return read_json(path)
 
 
 def _result_if_finished(run_dir: str) -> Optional[dict]:

@@ -65,7 +65,8 @@ def _count(name: str, value: Any, low: int, high: Optional[int] = None, what: st
 
 @functools.lru_cache(maxsize=None)
 def _raw_key_shape(impl: str) -> tuple[int, ...]:
-  return jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
+  """The shape of a raw `uint32` key of PRNG implementation `impl`."""
+  return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
 def _check_key(owner: str, key: Any) -> None:
