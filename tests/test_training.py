@@ -168,6 +168,20 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   assert idx.tolist()[0] == 2 and has.tolist() == [True, False]
 
 
+def test_a_soft_label_is_a_positive_above_one_half_for_the_loss_and_the_metrics():
+  """Own data may carry soft labels in [0, 1]: the retrieval loss's positive and every
+  metric's agree on which count (above 0.5), so a 0.3 is no positive for either."""
+  labels = np.zeros((1, 3, 1), np.float32)
+  labels[0, :, 0] = [0.3, 0.7, 1.0]
+  mask = np.ones((1, 3), bool)
+  idx, has = first_positive(labels, mask, action=0)
+  assert idx.tolist() == [1] and has.tolist() == [True]
+  assert first_positive(np.minimum(labels, 0.5), mask, action=0)[1].tolist() == [False]
+  scores = np.array([3.0, 1.0, 2.0], np.float32)       # the 0.3 scored highest
+  assert float(metrics.roc_auc(scores, labels[0, :, 0], mask[0])[0]) == 0.0
+  assert float(metrics.recall_at_k(scores[None], labels[..., 0] > 0.5, mask, 1)) == 0.0
+
+
 # (name, task, config overrides): the smoke configs, and an idea with parameters of its own
 # switched on (README, "Adding an idea", step 6).
 GRADIENT_CASES = [
@@ -332,6 +346,26 @@ def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
   assert without > 0     # the check tells a mean over every user apart
   for k, values in per_user.items():
     assert float(got[f"eval/recall@{k}"][0]) == pytest.approx(np.mean(values), rel=1e-5), k
+
+
+def test_the_evaluations_references_are_computed_once_per_trainer():
+  """The oracle's and the popularity list's hits depend on the world and the fixed
+  evaluation batches alone: computed at the first evaluation, then reused by every
+  evaluation of every seed, with the same metrics as computed afresh."""
+  spec = parse_config(retrieval_configs.get_config("smoke"))
+  trainer = Trainer(spec)
+  calls = []
+  compute = trainer._references
+  trainer._references = lambda world: calls.append(1) or compute(world)
+  state = trainer.init([0, 1])
+  first = trainer.evaluate(state)
+  state, _ = trainer.train_chunk(state)
+  second = trainer.evaluate(state)
+  assert len(calls) == 1
+  fresh = Trainer(spec).evaluate(state)
+  for key in ("eval/bayes_recall@10", "eval/popularity_recall@10", "eval/recall@10"):
+    np.testing.assert_array_equal(second[key], fresh[key], err_msg=key)
+  np.testing.assert_array_equal(first["eval/bayes_recall@10"], second["eval/bayes_recall@10"])
 
 
 def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
@@ -895,7 +929,9 @@ def test_evaluation_programs_sum_nothing_by_scatter(configs):
   `calibration_error`, then binned with `segment_sum`, differed in its 7th digit between
   an uninterrupted run and a resumed one whose every other metric was equal."""
   trainer = Trainer(parse_config(configs.get_config("smoke")))
-  text = trainer._eval.lower(trainer.world, trainer.init([0]).params).as_text()
+  text = trainer._eval.lower(trainer.world, trainer.references(),
+                             trainer.init([0]).params).as_text()
+  text += trainer._references.lower(trainer.world).as_text()
   scatters = text.split('"stablehlo.scatter"')[1:]
   for scatter in scatters:
     combiner = scatter[:scatter.index("})")]     # the region that merges updates

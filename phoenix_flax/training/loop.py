@@ -29,7 +29,7 @@ from phoenix_flax.ranking import Diagnostics
 from phoenix_flax.synthetic import (SplitConfig, World, make_world, post_features,
                                     sample_batch, true_logits)
 from phoenix_flax.training import metrics
-from phoenix_flax.training.loss import (first_positive_rows, ranking_loss,
+from phoenix_flax.training.loss import (first_positive_rows, is_positive, ranking_loss,
                                         update_sampling_counts)
 from phoenix_flax.training.schema import ExperimentSpec, check_optim
 from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
@@ -203,7 +203,7 @@ def popularity_scores(world: World, split: SplitConfig, batch_size: int, action:
 
   def positives(key):
     sb = sample_batch(world, split, batch_size, key)
-    positive_BC = (sb.labels[..., action] > 0) & sb.candidate_mask
+    positive_BC = is_positive(sb.labels[..., action]) & sb.candidate_mask
     return jnp.where(positive_BC, sb.candidate_post_ids, N)   # N: not a positive
 
   # Counted by sorting, not by a scatter-add, which on GPU adds in a varying order (see
@@ -294,10 +294,13 @@ class Trainer:
         lambda keys: self.placement.constrain_state(init_seeds(keys), seed_axis=True))
     self._chunk = xla_options.filter_jit(_over_seeds(self._chunk_one),
                                          donate="all-except-first")
+    # What depends on the world alone (the evaluation's references) is computed once per
+    # trainer, not per seed or per evaluation; `_eval` takes it as an argument.
+    self._references = xla_options.filter_jit(self._world_references)
+    self._cached_references: Optional[dict] = None
     eval_seeds = _over_seeds(self._eval_one, in_turn=True)
-    # What depends on the world alone is computed once per evaluation, not per seed.
     self._eval = xla_options.filter_jit(
-        lambda world, params: eval_seeds((world, self._popularity(world)), params))
+        lambda world, references, params: eval_seeds((world, references), params))
 
   # -- state -------------------------------------------------------------------------
 
@@ -356,20 +359,6 @@ class Trainer:
                   "max_attn_logit": diag.max_abs_attn_logit,
                   "residual_rms": diag.residual_rms}
 
-  def _retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
-                      ) -> tuple[Array, Array]:
-    """In-batch softmax loss of the user and candidate vectors, and which users have a
-    positive."""
-    return self._in_batch_loss(system, sb.labels, sb.candidate_mask, sb.candidate_post_ids,
-                               user_BD, cand_BCD)
-
-  def _first_positive(self, labels_BCA: Array, mask_BC: Array
-                      ) -> tuple[tuple[Array, Array], Array]:
-    """The index `(rows_B, cols_B)` of each user's first positive candidate (it picks
-    that candidate out of any `[B, C, ...]` array), and which users have one: the
-    training loss's own choice (`RetrievalSystem.in_batch_loss`)."""
-    return first_positive_rows(labels_BCA, mask_BC, self.spec.config.retrieval.positive_action)
-
   def _ranking_loss(self, logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
     """The ranking loss with the config's options: the one definition that training
     (`train/loss`) and evaluation (`eval/loss`) share, so an option added here reaches
@@ -377,14 +366,16 @@ class Trainer:
     w = self.spec.action_weights
     return ranking_loss(logits_BCA, labels_BCA, mask_BC, None if w is None else jnp.asarray(w))
 
-  def _in_batch_loss(self, system: RetrievalSystem, labels_BCA: Array, mask_BC: Array,
-                     post_ids_BC: Array, user_BD: Array, cand_BCD: Array
-                     ) -> tuple[Array, Array]:
-    """The in-batch loss of candidate vectors already computed, and which users have a
-    positive."""
-    at, has_B = self._first_positive(labels_BCA, mask_BC)
-    return system.contrastive_loss(user_BD, cand_BCD[at], has_B, post_ids_BC[at],
-                                   self.spec.config.retrieval.temperature), has_B
+  def _retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
+                      ) -> tuple[Array, Array]:
+    """The in-batch loss of a batch whose user and candidate vectors are already computed
+    (evaluation scores every candidate anyway): the training loss's choice of positives
+    (`first_positive_rows`) and its `contrastive_loss`, as `RetrievalSystem.in_batch_loss`
+    has them, without the logQ correction; and which users have a positive."""
+    r = self.spec.config.retrieval
+    at, has_B = first_positive_rows(sb.labels, sb.candidate_mask, r.positive_action)
+    return system.contrastive_loss(user_BD, cand_BCD[at], has_B, sb.candidate_post_ids[at],
+                                   r.temperature), has_B
 
   def _eval_retrieval_loss(self, system: RetrievalSystem, sb, user_BD: Array, cand_BCD: Array
                            ) -> tuple[Array, Array]:
@@ -399,9 +390,8 @@ class Trainer:
       loss, has_B = self._retrieval_loss(system, sb, user_BD, cand_BCD)
       return loss, jnp.sum(has_B).astype(jnp.float32)
     split = lambda x: x.reshape((B // G, G) + x.shape[1:])
-    parts = jax.tree.map(split, (sb.labels, sb.candidate_mask, sb.candidate_post_ids,
-                                 user_BD, cand_BCD))
-    loss_g, has_gB = jax.vmap(functools.partial(self._in_batch_loss, system))(*parts)
+    parts = jax.tree.map(split, (sb, user_BD, cand_BCD))
+    loss_g, has_gB = jax.vmap(functools.partial(self._retrieval_loss, system))(*parts)
     count_g = jnp.sum(has_gB, axis=1).astype(jnp.float32)
     count = jnp.sum(count_g)
     return jnp.sum(loss_g * count_g) / jnp.maximum(count, 1.0), count
@@ -450,8 +440,8 @@ class Trainer:
 
   def compile_evaluation(self, state: TrainState) -> None:
     """Compiles `evaluate` for states shaped like `state`, as `compile_chunk` does
-    `train_chunk`."""
-    self._eval.lower(self.world, state.params).compile()
+    `train_chunk` (and computes the evaluation's references, once per trainer)."""
+    self._eval.lower(self.world, self.references(), state.params).compile()
 
   def train_chunk(self, state: TrainState) -> tuple[TrainState, dict]:
     """`steps_per_call` steps of every seed; `state` is donated. Stats are `[seeds, steps]`
@@ -494,38 +484,59 @@ class Trainer:
       out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)
     return out
 
-  def _popularity(self, world: World) -> Optional[Array]:
-    """The retrieval evaluation's `popularity_scores` `[N]` (None for ranking): the
-    positives of each post in training-split lists, the same for every seed and split."""
+  def _world_references(self, world: World) -> Optional[dict[str, Any]]:
+    """What the evaluation compares a model with that depends on the world and the fixed
+    evaluation keys alone, not on any parameters (None for ranking): for retrieval, what
+    the generator's oracle and a popularity list find of each evaluation batch's
+    positives, `{"<split>": (bayes_found [M, B, K], popular_found [M, B, K])}` over
+    the `eval_keys` batches (`bayes_corpus_hits`; `popularity_scores`, the positives of
+    each post in training-split lists)."""
     if self.spec.task != "retrieval":
       return None
-    return popularity_scores(world, self.spec.train_split,
-                             self.spec.config.train.eval_batch_size,
-                             self.spec.config.retrieval.positive_action,
-                             popularity_keys(self.spec.config))
+    rc = self.spec.config.retrieval
+    a, ks = rc.positive_action, tuple(rc.recall_k)
+    popular_N = popularity_scores(world, self.spec.train_split,
+                                  self.spec.config.train.eval_batch_size, a,
+                                  popularity_keys(self.spec.config))
+
+    def found(split: SplitConfig) -> tuple[Array, Array]:
+      def one(key):
+        sb = self._sample_eval(world, split, key)
+        positive_BC = is_positive(sb.labels[..., a]) & sb.candidate_mask
+        bayes_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
+                                        a, sb.candidate_post_ids, positive_BC, ks)
+        popular_BK, _ = metrics.corpus_hits(popular_N[None], sb.candidate_post_ids,
+                                            positive_BC, ks)
+        return bayes_BK, popular_BK
+      return jax.lax.map(one, self._eval_keys())
+
+    return {name: found(split) for name, split in self.spec.eval_splits.items()}
+
+  def references(self) -> Optional[dict[str, Any]]:
+    """`_world_references` of this trainer's world, computed on first use and kept."""
+    if self._cached_references is None:
+      self._cached_references = self._references(self.world)
+    return self._cached_references
 
   def _retrieval_eval(self, system: RetrievalSystem, world: World, split: SplitConfig,
-                      popular_N: Array) -> dict[str, Array]:
-    """`popular_N`: `_popularity`, what a list of the posts engaged with most in training
-    data finds (`popularity_recall@K`)."""
+                      references: tuple[Array, Array]) -> dict[str, Array]:
+    """`references`: the split's entry of `_world_references`, what the oracle and the
+    popularity list find (`bayes_recall@K`, `popularity_recall@K`)."""
     rc = self.spec.config.retrieval
     a, ks = rc.positive_action, tuple(rc.recall_k)
     N = self.spec.world.num_posts
     post_h, author_h, _ = post_features(world, jnp.arange(N))
     corpus_ND = system.corpus_representation(post_h, author_h)
 
-    def one(key):
+    def one(args):
+      key, bayes_found_BK, popular_found_BK = args
       sb = self._sample_eval(world, split, key)
       user_BD, diag = system.user_forward(sb.batch)
       cand_BCD, _ = system.candidate_representation(sb.batch)
       loss, loss_count = self._eval_retrieval_loss(system, sb, user_BD, cand_BCD)
-      positive_BC = (sb.labels[..., a] > 0) & sb.candidate_mask
+      positive_BC = is_positive(sb.labels[..., a]) & sb.candidate_mask
       found_BK, total_B = metrics.corpus_hits(system.model.scores(user_BD, corpus_ND),
                                               sb.candidate_post_ids, positive_BC, ks)
-      bayes_found_BK, _ = bayes_corpus_hits(world, sb.interest, world.user_bias_U[sb.user_ids],
-                                            a, sb.candidate_post_ids, positive_BC, ks)
-      popular_found_BK, _ = metrics.corpus_hits(popular_N[None], sb.candidate_post_ids,
-                                                positive_BC, ks)
       own_BC = jax.vmap(lambda u_D, c_CD: system.model.scores(u_D[None], c_CD)[0])
       res = dict(scores=own_BC(user_BD, cand_BCD),
                  labels=positive_BC, probs=sb.probs[..., a], mask=sb.candidate_mask,
@@ -536,7 +547,7 @@ class Trainer:
         res[f"popularity_found@{k}"] = popular_found_BK[:, j]
       return res
 
-    r = jax.lax.map(one, self._eval_keys())
+    r = jax.lax.map(one, (self._eval_keys(),) + tuple(references))
     flat = lambda x: x.reshape(-1)
     total, has = flat(r["total"]), flat(r["total"]) > 0
     per_user = lambda found: jnp.sum(jnp.where(has, flat(found) / jnp.maximum(total, 1), 0.0))
@@ -558,10 +569,10 @@ class Trainer:
     out.update(_diagnostics(r["max_logit"], r["rms"]))
     return out
 
-  def _eval_one(self, shared: tuple[World, Optional[Array]], params: PyTree
+  def _eval_one(self, shared: tuple[World, Optional[dict]], params: PyTree
                 ) -> dict[str, Array]:
-    """One seed's metrics; `shared` is the world and its `_popularity`."""
-    world, popular_N = shared
+    """One seed's metrics; `shared` is the world and its `_world_references`."""
+    world, references = shared
     system = self.system(params)
     out = {}
     for name, split in self.spec.eval_splits.items():
@@ -569,7 +580,7 @@ class Trainer:
         consistency = name == "eval" and self.spec.config.train.score_consistency
         res = self._ranking_eval(system, world, split, consistency)
       else:
-        res = self._retrieval_eval(system, world, split, popular_N)
+        res = self._retrieval_eval(system, world, split, references[name])
       out.update({f"{name}/{k}": v for k, v in res.items()})
     return out
 
@@ -577,7 +588,7 @@ class Trainer:
     """Metrics of every eval split (`"<split>/<metric>"`), each `[seeds]`, on the fixed
     evaluation batches (the same for every seed). Seeds are evaluated in turn: each one's
     metrics equal those of its parameters evaluated alone, bit for bit."""
-    return self._eval(self.world, state.params)
+    return self._eval(self.world, self.references(), state.params)
 
 
 def unstack(tree: Any, index: int) -> Any:

@@ -54,10 +54,17 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   return total / jnp.maximum(count * jnp.sum(w_A), 1e-9)
 
 
+def is_positive(labels: Array) -> Array:
+  """Which labels count as a positive: those above one half. The one threshold of the
+  retrieval loss's choice of positive and of every metric; a soft label in [0, 1] enters
+  the binary cross-entropy as it is."""
+  return jnp.asarray(labels) > 0.5
+
+
 def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Array, Array]:
-  """Index `[B]` of each user's first valid candidate with `labels[..., action] = 1`, and
-  whether one exists `[B]` (index 0 where none does)."""
-  engaged_BC = (labels_BCA[..., action] > 0) & mask_BC.astype(bool)
+  """Index `[B]` of each user's first valid candidate whose label of `action` is a
+  positive (`is_positive`), and whether one exists `[B]` (index 0 where none does)."""
+  engaged_BC = is_positive(labels_BCA[..., action]) & mask_BC.astype(bool)
   return jnp.argmax(engaged_BC, axis=1), jnp.any(engaged_BC, axis=1)
 
 

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from phoenix_flax.inference import ACTIONS
-from phoenix_flax.training.loss import binary_cross_entropy
+from phoenix_flax.inference import ACTIONS, PRIMARY_ACTION
+from phoenix_flax.training.loss import binary_cross_entropy, is_positive
 
 
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
@@ -31,8 +31,8 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   """
   scores_N = jnp.asarray(scores_N, jnp.float32)
   mask_N = jnp.asarray(mask_N, bool)
-  pos_N = mask_N & (labels_N > 0.5)
-  neg_N = mask_N & ~(labels_N > 0.5)
+  pos_N = mask_N & is_positive(labels_N)
+  neg_N = mask_N & ~is_positive(labels_N)
   n_pos, n_neg = jnp.sum(pos_N), jnp.sum(neg_N)
   sorted_neg_N = jnp.sort(jnp.where(neg_N, scores_N, jnp.inf))
   below_N = jnp.searchsorted(sorted_neg_N, scores_N, side="left")
@@ -221,7 +221,7 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   `list_auc` / `bayes_list_auc` (the favorite's AUC within each list, averaged over the
   lists with a favorited and a not-favorited candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
   probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
-  candidates (favorite label 1), for each `k` (an int or several; a k at or above a list's
+  candidates (favorite label a positive), for each `k` (an int or several; a k at or above a list's
   size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
   `bayes_auc/<action>` per action (NaN, null in JSON, where the action is not valid: no
   positive or no negative among the lists). Which actions are valid depends on the
@@ -231,6 +231,10 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   The AUCs but `list_auc` pool every valid candidate of every list given (the runner
   passes all its evaluation batches at once): a global AUC, which compares candidates
   across users; `list_auc` is the mean of per-list AUCs.
+
+  "The favorite" is action `PRIMARY_ACTION` (index 0, `favorite_score`, which orders the
+  release's ranking), whatever `action_names` calls it: put the action the list metrics
+  should rank by first. A label counts as a positive above one half (`is_positive`).
   """
   A = logits_BCA.shape[-1]
   names = action_names or (ACTIONS if A == len(ACTIONS) else
@@ -248,7 +252,8 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   has_probs = probs_BCA is not None
   auc_A, valid_A = per_action_auc(logits_BCA, labels_BCA, mask_BC)
   auc_mean = _mean_valid(auc_A, valid_A)
-  favorite_BC = labels_BCA[..., 0] > 0.5
+  F = PRIMARY_ACTION
+  favorite_BC = is_positive(labels_BCA[..., F])
   undefined = jnp.any(jnp.isnan(logits_BCA) & mask_BC[..., None])
   model = lambda x: jnp.where(undefined, jnp.nan, x)
   out = {"auc_mean": model(auc_mean)}
@@ -265,15 +270,15 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
     out["bayes_logloss"] = log_loss(bayes_logits_BCA, labels_BCA, mask_BC)
   out["calibration_error"] = model(calibration_error(jax.nn.sigmoid(logits_BCA), labels_BCA,
                                                      mask_BC))
-  gains_BC = probs_BCA[..., 0] if has_probs else favorite_BC
-  out["list_auc"] = model(list_auc(logits_BCA[..., 0], labels_BCA[..., 0], mask_BC))
+  gains_BC = probs_BCA[..., F] if has_probs else favorite_BC
+  out["list_auc"] = model(list_auc(logits_BCA[..., F], labels_BCA[..., F], mask_BC))
   if has_probs:
-    out["bayes_list_auc"] = list_auc(probs_BCA[..., 0], labels_BCA[..., 0], mask_BC)
+    out["bayes_list_auc"] = list_auc(probs_BCA[..., F], labels_BCA[..., F], mask_BC)
   for k in ks:
-    out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., 0], gains_BC, mask_BC, k))
-    out[f"recall@{k}"] = model(recall_at_k(logits_BCA[..., 0], favorite_BC, mask_BC, k))
+    out[f"ndcg@{k}"] = model(ndcg_at_k(logits_BCA[..., F], gains_BC, mask_BC, k))
+    out[f"recall@{k}"] = model(recall_at_k(logits_BCA[..., F], favorite_BC, mask_BC, k))
     if has_probs:
-      out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., 0], favorite_BC, mask_BC, k)
+      out[f"bayes_recall@{k}"] = recall_at_k(probs_BCA[..., F], favorite_BC, mask_BC, k)
   out["num_valid_actions"] = jnp.sum(valid_A).astype(jnp.float32)
   for i, name in enumerate(names):
     out[f"auc/{name}"] = model(auc_A[i])

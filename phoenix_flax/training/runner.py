@@ -420,7 +420,8 @@ def metric_names(spec: ExperimentSpec, logged: bool = True) -> MetricNames:
   world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
   trainer = Trainer(spec, world=world)
   state = eqx.filter_eval_shape(trainer._init, jax.random.PRNGKey(0)[None])
-  evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, state.params)
+  references = eqx.filter_eval_shape(trainer._references, trainer.world)
+  evaluated = eqx.filter_eval_shape(trainer._eval, trainer.world, references, state.params)
   final = {_final_key(key) for key in evaluated} | set(FINAL_TRAIN_METRICS)
   if not logged:
     return MetricNames(final, None)

@@ -137,8 +137,8 @@ class RetrievalSystem(eqx.Module):
                     post_ids_BC: Optional[Array], *, positive_action: int,
                     temperature: float, sampling_counts_KH: Optional[Array] = None
                     ) -> tuple[Array, Array, Diagnostics]:
-    """The retrieval training loss of a batch: each user's first valid candidate with
-    `labels[..., positive_action] = 1` (`first_positive`) is its positive and every other
+    """The retrieval training loss of a batch: each user's first valid candidate whose label
+    of `positive_action` is a positive (`first_positive`) is its positive and every other
     user's negative (`contrastive_loss`). `post_ids_BC` (optional; any integer per post,
     equal for the same post) keeps two users' shared positive from counting as a
     negative. `sampling_counts_KH` (optional; a count sketch that includes this batch's
@@ -148,7 +148,7 @@ class RetrievalSystem(eqx.Module):
     diagnostics."""
     user_BD, diag = self.user_forward(batch)
     at, has_B = first_positive_rows(labels_BCA, mask_BC, positive_action)
-    hashes_BK = jnp.asarray(batch.candidate_post_hashes)[at]     # = positive_hashes(...)
+    hashes_BK = jnp.asarray(batch.candidate_post_hashes)[at]
     positive_BD = self.corpus_representation(hashes_BK,
                                              jnp.asarray(batch.candidate_author_hashes)[at])
     ids_B = None if post_ids_BC is None else jnp.asarray(post_ids_BC)[at]
