@@ -4,7 +4,9 @@ Parameters are float32; computation runs in the dtype of the input (the forward 
 Linear weights are stored `[in, out]` as in the release. The attention projections q|k|v
 and the two GeGLU input branches are stored fused (one matmul each); `haiku_compat`
 splits them into the release's separate parameters and back. Rotary embedding has no
-parameters, so it is a pair of functions (`rope_table`, `rotate`) rather than a module.
+parameters, so it is functions rather than a module: `rope_phase` (the angles),
+`rope_table` (their cosines and sines; the transformer builds the same values once per
+forward pass, `transformer._shared_rope`) and `rotate`.
 """
 
 from __future__ import annotations
