@@ -53,7 +53,9 @@ results.json:
                      `analysis.interactions`; empty unless an axis has two levels or
                      more),
      "environment": {"python", "jax", "jaxlib", "numpy", "code", "machine",
-                     "run_codes": {code: number of runs it trained}}}
+                     "run_codes": {code: number of runs it trained}},
+     "rendered": {"code", "command"} (only once `python -m ablations.rerender` has
+                 recomputed the statistics: the code that did and its command)}
 
 Statistics: per variant, the mean, sample std and t-based 95% CI over seeds
 (`ablations.stats`); against the baseline, the per-condition, pooled and interaction tests
@@ -838,7 +840,7 @@ def hypothesis(doc: str) -> str:
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "smoke: a tiny world and model, for tests (a sweep still takes a "
-                  "few minutes on 2 CPU cores, mostly compilation); cpu: about 3-15 "
+                  "minute or two on 2 CPU cores, mostly compilation); cpu: about 3-15 "
                   "minutes an ablation on 2 CPU cores (sandwich_norm, 16 variants x 3 "
                   "seeds, the longest); full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -151,6 +152,7 @@ def main(argv: list[str], flag_values: dict) -> None:
   if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
   result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)
+  result["command"] = " ".join(["python -m experiments.train_throughput"] + sys.argv[1:])
   text = json.dumps(result, indent=2)
   print(text)
   if flag_values["out"].value:

@@ -1198,6 +1198,9 @@ def test_throughput_measures_both_loops(tmp_path, main):
       result["scanned_examples_per_second"]
       / result["plain_device_sampled_examples_per_second"])
   assert result["steps_per_round"] == 10 and result["batch_size"] == 8
+  assert result["command"] == ("python -m experiments.train_throughput "
+                               "--config=experiments/configs/ranking.py:smoke --rounds=1 "
+                               f"--chunks_per_round=1 --out={out}")
 
 
 def test_plain_loops_draw_from_their_own_samplers_and_train(monkeypatch):
