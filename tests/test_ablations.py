@@ -862,7 +862,8 @@ def test_sweep_refuses_ignored_overrides_and_runs_of_other_configs(tmp_path):
     json.dump(seed_config(sw.config(b_lo), 0).to_dict(), f)
   runner = fake_runner()
   with pytest.raises(ValueError, match=r"a_lo/seed_0 holds a run of another config \(differs "
-                                       r"in \['model.num_layers'\]\)"):
+                                       r"in \['model.num_layers'\]: model.num_layers 2 there, "
+                                       r"1 here\)"):
     sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner)
   assert runner.calls == []
 

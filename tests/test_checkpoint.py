@@ -174,7 +174,9 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
   stored["model"]["fprop_dtype"] = "float32"
   json.dump(stored, open(config_path, "w"))
   monkeypatch.setattr(runner, "default_fprop_dtype", lambda: "bfloat16")
-  with pytest.raises(ConfigError, match="model.fprop_dtype"):
+  with pytest.raises(ConfigError, match="model.fprop_dtype 'float32' there, 'bfloat16' here\\); "
+                                        "it computed in float32: pass "
+                                        "--config.model.fprop_dtype=float32 to resume it here"):
     run_experiment(ranking_configs.get_config("smoke"), killed)
 
 
@@ -624,7 +626,8 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
                                           rf"config).*{why}.*delete it"):
       runner.check_run_dirs(config, run_dir)
   path.write_text('{"model": 3}')   # a config, of another shape: every differing key counted
-  with pytest.raises(ConfigError, match=r"differs in \[.model., .*\] and \d+ more\)"):
+  with pytest.raises(ConfigError, match=r"differs in \[.model., .*\] and \d+ more: model 3 "
+                                        r"there, absent here; [^;]*; [^;]*\)"):
     runner.check_run_dirs(config, run_dir)
   # Another config, never checkpointed: deleting it loses nothing, and the error says so.
   other = ranking_configs.get_config("smoke")
@@ -783,7 +786,8 @@ def test_the_config_is_checked_again_under_the_lock(tmp_path, monkeypatch):
   (run_dir / "config.json").write_text(json.dumps(runner.jsonable(other.to_dict())))
   monkeypatch.setattr(runner, "check_run_dirs", lambda config, workdir: None)
   with pytest.raises(ConfigError, match=r"holds a run of another config \(differs in "
-                                        r"\['optim.learning_rate'\]\); .*stopped before "
+                                        r"\['optim.learning_rate'\]: optim.learning_rate "
+                                        r"0.0001 there, 0.01 here\); .*stopped before "
                                         r"its first checkpoint"):   # not "another process"
     run_experiment(config, str(run_dir))
   assert sorted(os.listdir(run_dir)) == [".lock", "config.json"]   # nothing written

@@ -318,8 +318,13 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
              if not checkpoint.available_steps(run_dir)
              and not os.path.exists(os.path.join(run_dir, RESULT_FILE)) else "")
     more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
-    raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}{more}); "
-                      f"use another workdir, or delete that run to start it again{never}")
+    shown = lambda values, k: repr(values[k]) if k in values else "absent"
+    values = "; ".join(f"{k} {shown(found, k)} there, {shown(wanted, k)} here" for k in diff[:3])
+    dtype = (f"; it computed in {found[FPROP_KEY]}: pass --config.model.fprop_dtype="
+             f"{found[FPROP_KEY]} to resume it here" if FPROP_KEY in diff else "")
+    raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}{more}: "
+                      f"{values}){dtype}; use another workdir, or delete that run to start "
+                      f"it again{never}")
 
 
 def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
