@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -389,3 +390,22 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
   certain = np.where(rng.random((B, C, A)) < 0.5, labels, 1.0 - labels)   # some wrong
   out = ranking_metrics_jit(logits, labels, certain.astype(np.float32), mask, k=k)
   assert np.isfinite(float(out["bayes_logloss"]))
+
+
+def test_rank_spans_count_what_comparing_every_pair_counts():
+  """`_rank_spans` counts by binary search in sorted lists; per valid candidate it gives
+  the counts of the pairwise definition (valid candidates strictly above, and tied with
+  it), with ties, padding, and valid scores of -inf and inf."""
+  rng = np.random.default_rng(0)
+  for trial in range(60):
+    B, C = rng.integers(1, 5), rng.integers(1, 30)
+    s = rng.integers(-3, 4, size=(B, C)).astype(np.float32)
+    s[rng.random((B, C)) < 0.15] = -np.inf
+    s[rng.random((B, C)) < 0.1] = np.inf
+    m = rng.random((B, C)) < 0.7
+    above, tied = metrics._rank_spans(jnp.asarray(s), jnp.asarray(m))
+    other = m[:, None, :]
+    want_above = ((s[:, None, :] > s[:, :, None]) & other).sum(-1)
+    want_tied = np.maximum(((s[:, None, :] == s[:, :, None]) & other).sum(-1), 1)
+    np.testing.assert_array_equal(np.asarray(above)[m], want_above[m], err_msg=str(trial))
+    np.testing.assert_array_equal(np.asarray(tied)[m], want_tied[m], err_msg=str(trial))
