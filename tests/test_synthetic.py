@@ -39,6 +39,8 @@ BAD_WORLD = [
     ("num_author_hashes", dict(num_author_hashes=0)),
     ("user_buckets", dict(user_buckets=1)), ("post_buckets", dict(post_buckets=1)),
     ("author_buckets", dict(author_buckets=1)),
+    ("post_buckets", dict(post_buckets=3_000_000_000)),   # beyond int32
+    ("num_users", dict(num_users=2**31)),
     ("product_surface_vocab_size", dict(product_surface_vocab_size=0)),
     ("num_actions", dict(num_actions=0)),
     ("recency_decay", dict(recency_decay=0.0)), ("interest_mix", dict(interest_mix=1.5)),

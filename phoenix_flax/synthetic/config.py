@@ -135,6 +135,11 @@ class WorldConfig:
       _positive_int(c, f, getattr(self, f))
       if getattr(self, f) < 2:
         _fail(c, f, getattr(self, f), "must be >= 2 (row 0 is reserved for padding)")
+    # Ids and hashes are int32 on the device.
+    for f in ("num_users", "num_posts", "num_authors", "user_buckets", "post_buckets",
+              "author_buckets"):
+      if getattr(self, f) > 2**31 - 1:
+        _fail(c, f, getattr(self, f), "must be <= 2**31 - 1 (ids and hashes are int32)")
     if not (_is_real(self.recency_decay) and 0 < self.recency_decay <= 1):
       _fail(c, "recency_decay", self.recency_decay, "must be in (0, 1]")
     for f in ("interest_mix", "topic_switch_prob", "explore_prob"):
