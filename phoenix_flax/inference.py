@@ -39,6 +39,21 @@ PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
 _NNX_HINT = "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
 
 
+def _check_float32_params(owner: str, model) -> None:
+  """A ValueError naming the first parameter that is not float32. The models store float32
+  and compute in `config.fprop_dtype`; the parts that stay float32 whatever it says (input
+  projections, head, candidate tower) follow their weights' dtype, so parameters cast to
+  bfloat16 would run them, and return logits, in bfloat16 under a float32 config."""
+  leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+  for path, leaf in leaves:
+    if (isinstance(leaf, (jax.Array, np.ndarray)) and jnp.issubdtype(leaf.dtype, jnp.floating)
+        and leaf.dtype != jnp.float32):
+      raise ValueError(
+          f"{owner}: parameter model{jax.tree_util.keystr(path)} is {leaf.dtype}; the "
+          "models keep float32 parameters and compute in config.fprop_dtype (set "
+          "fprop_dtype='bfloat16' for a bfloat16 forward pass, not the parameters' dtype)")
+
+
 def action_index(name: str) -> int:
   """Position of an action name in `ACTIONS`."""
   if name not in ACTIONS:
@@ -360,6 +375,7 @@ class RankingRunner:
     if not isinstance(model, PhoenixModel):
       raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}"
                       + _NNX_HINT * (type(model).__name__.startswith("NNX")))
+    _check_float32_params("RankingRunner", model)
     self.model = model
     self.trace_counts = collections.Counter()
     self._rank = _counted_jit(self.trace_counts, "rank", _rank)
@@ -449,7 +465,9 @@ class RankingRunner:
     and with `rank` of a model with `attention_impl="dense"`, up to float rounding, which
     also moves a little with the chunk size (products of other row counts round
     differently): under 1e-6 in float32 and about 2e-2 in bfloat16 in an audit's grid of
-    head splits, chunk sizes, paddings and position schemes.
+    head splits, chunk sizes, paddings and position schemes (the isolated and dense paths
+    up to about 4e-2 in bfloat16 where attention logits are large, near 250 before the
+    cap).
     """
     chunk_size = self._check_chunking(chunk_size)
     batch, _, _ = _accepted(self.config, batch, embeddings)
@@ -524,6 +542,7 @@ class RetrievalRunner:
     if not isinstance(model, PhoenixRetrievalModel):
       raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}"
                       + _NNX_HINT * (type(model).__name__.startswith("NNX")))
+    _check_float32_params("RetrievalRunner", model)
     self.model = model
     self.corpus_embeddings: Optional[Array] = None
     self.corpus_post_ids: Optional[Array] = None

@@ -408,6 +408,20 @@ def test_runners_check_the_model_type(ranker, retriever):
     RetrievalRunner(ranker.model)
 
 
+def test_runners_refuse_parameters_that_are_not_float32(ranker, retriever):
+  """Parameters cast to bfloat16 (to save memory) would run the parts that stay float32
+  whatever `fprop_dtype` says (input projections, head, candidate tower) in bfloat16 under
+  a float32 config: refused, naming the parameter; `fprop_dtype` is the switch."""
+  to_bf16 = lambda model, name: jax.tree_util.tree_map_with_path(
+      lambda path, x: x.astype(jnp.bfloat16) if name in jax.tree_util.keystr(path) else x,
+      model)
+  with pytest.raises(ValueError, match=r"RankingRunner: parameter model\.unembeddings is "
+                                       r"bfloat16; .*fprop_dtype='bfloat16'"):
+    RankingRunner(to_bf16(ranker.model, "unembeddings"))
+  with pytest.raises(ValueError, match=r"RetrievalRunner: parameter model\..*projection_1"):
+    RetrievalRunner(to_bf16(retriever.model, "projection_1"))
+
+
 # ---------------------------------------------------------------------------- retrieval
 
 
