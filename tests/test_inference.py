@@ -14,6 +14,8 @@ from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingRunner, Re
                                     validate_inputs, weighted_score)
 from phoenix_flax.transformer import ContextCache
 
+from conftest import max_abs_diff
+
 TRANSFORMER = TransformerConfig(emb_size=32, key_size=16, num_q_heads=2, num_kv_heads=1,
                                 num_layers=1, widening_factor=2.0, attn_output_multiplier=0.25)
 RANKING = PhoenixModelConfig(model=TRANSFORMER, emb_size=32, history_seq_len=8,
@@ -590,3 +592,27 @@ def test_score_candidates_rejects_a_cache_of_other_users_or_another_dtype(ranker
     ranker.score_candidates(cache._replace(padding_mask=None), batch, emb, 4)
   np.testing.assert_allclose(ranker.score_candidates(cache, batch, emb, 4).scores,
                              ranker.rank(batch, emb).scores, atol=1e-5, rtol=0)
+
+
+
+def test_bfloat16_paths_agree_to_bfloat16_rounding():
+  """In bfloat16 (the accelerators' default) the fast path, the dense reference and chunked
+  scoring agree to bfloat16 rounding: about 2e-2 in probability (docs/models.md), under
+  the 5e-2 checked here (float32: 1e-5, in the tests above)."""
+  config = dataclasses.replace(RANKING, fprop_dtype="bfloat16", model=dataclasses.replace(
+      TRANSFORMER, num_layers=2))
+  fast = RankingRunner.from_config(config, key=jax.random.key(0))
+  dense = RankingRunner.from_config(dataclasses.replace(config, attention_impl="dense"),
+                                    key=jax.random.key(0))
+  for a, b in zip(jax.tree.leaves(fast.model), jax.tree.leaves(dense.model)):
+    np.testing.assert_array_equal(a, b)          # the same parameters
+  batch, emb = _batch(config, batch_size=4, num_candidates=40, history_lengths=[8, 3, 0, 5])
+  want = fast.rank(batch, emb)
+  assert want.scores.dtype == jnp.float32
+  assert max_abs_diff(dense.rank(batch, emb).scores, want.scores) <= 5e-2
+  for chunk_size in (1, 16):
+    assert max_abs_diff(fast.rank_chunked(batch, emb, chunk_size).scores, want.scores) <= 5e-2
+  # The bound means something: bfloat16 is not float32 here.
+  f32 = RankingRunner.from_config(dataclasses.replace(config, fprop_dtype="float32"),
+                                  key=jax.random.key(0))
+  assert max_abs_diff(f32.rank(batch, emb).scores, want.scores) > 1e-4
