@@ -33,6 +33,17 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
   is missing (0) or the post is newer than the impression. int32."""
   # (a negative one clipped every bucket to a negative id, which embeds as zeros)
   _count("granularity_mins", granularity_mins, 1)
+  for name, ts in (("impression_ts", impression_ts), ("post_ts", post_ts)):
+    # Without 64-bit mode JAX would wrap or clip an int64 value beyond int32 (milliseconds
+    # since the epoch) with a warning: refused while the values are known.
+    if not isinstance(ts, jax.core.Tracer):
+      host = np.asarray(ts)
+      int32 = np.iinfo(np.int32)
+      if np.issubdtype(host.dtype, np.integer) and host.size and (
+          host.min() < int32.min or host.max() > int32.max):
+        raise ValueError(f"{name} holds {host.max() if host.max() > int32.max else host.min()}"
+                         ", beyond int32: timestamps are seconds since the epoch (from "
+                         "milliseconds, divide by 1000)")
   impression_ts, post_ts = jnp.asarray(impression_ts), jnp.asarray(post_ts)
   for name, ts in (("impression_ts", impression_ts), ("post_ts", post_ts)):
     if not jnp.issubdtype(ts.dtype, jnp.integer):   # (float32 rounds epoch seconds to 128 s)

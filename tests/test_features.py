@@ -44,6 +44,16 @@ def test_post_age_bucket_rejects_bad_granularity(granularity):
     pf.compute_post_age_bucket(NOW, NOW - 3600, granularity)
 
 
+def test_post_age_bucket_refuses_timestamps_beyond_int32():
+  """Millisecond timestamps would wrap to int32 (a post 10 minutes old landed in the oldest
+  bucket): refused, naming the field and the unit."""
+  ms = np.array([1_700_000_000_000], np.int64)
+  with pytest.raises(ValueError, match=r"impression_ts holds 1700000000000, beyond int32: "
+                                       r"timestamps are seconds"):
+    pf.compute_post_age_bucket(ms, ms - 600_000, 1)
+  assert int(pf.compute_post_age_bucket(ms // 1000, (ms - 600_000) // 1000, 1)[0]) == 11
+
+
 def test_post_age_bucket_and_normalization_refuse_wrong_dtypes():
   """Timestamps are integer seconds: float32 would round today's epoch seconds to 128 s
   (1_700_000_059.0 reads as 1_700_000_000), so float and bool arrays are refused by name."""
