@@ -284,14 +284,12 @@ def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings
           embeddings._replace(**dict.fromkeys(CANDIDATE_EMBEDDING_FIELDS)))
 
 
-def _counted_jit(counts: collections.Counter, name: str, fn: Callable,
-                 **jit_kwargs) -> Callable:
-  """`xla_options.filter_jit(fn, **jit_kwargs)` that adds one to `counts[name]` each time
-  it is traced."""
+def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callable:
+  """`xla_options.filter_jit(fn)` that adds one to `counts[name]` each time it is traced."""
   def traced(*args):
     counts[name] += 1
     return fn(*args)
-  return xla_options.filter_jit(traced, **jit_kwargs)
+  return xla_options.filter_jit(traced)
 
 
 def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
