@@ -54,6 +54,14 @@ def _is_int(value: Any) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+INT32 = np.iinfo(np.int32)
+
+
+def _beyond_int32(a: np.ndarray) -> np.ndarray:
+  """Where integers `a` do not fit int32, the dtype the model computes in."""
+  return (a > INT32.max) | (a < INT32.min)
+
+
 def _count(name: str, value: Any, low: int, high: Optional[int] = None, what: str = "") -> int:
   """`value` as a Python int in `[low, high]` (NumPy integers accepted, bools not), else a
   ValueError naming `name`: the argument check of the public functions and runners."""

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig, _count
+from phoenix_flax.config import POST_AGE_MAX_MINUTES, NormConfig, _beyond_int32, _count
 
 
 def action_embedding(actions_BSA: Array, action_projection_AD: Array) -> Array:
@@ -38,12 +38,11 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
     # since the epoch) with a warning: refused while the values are known.
     if not isinstance(ts, jax.core.Tracer):
       host = np.asarray(ts)
-      int32 = np.iinfo(np.int32)
-      if np.issubdtype(host.dtype, np.integer) and host.size and (
-          host.min() < int32.min or host.max() > int32.max):
-        raise ValueError(f"{name} holds {host.max() if host.max() > int32.max else host.min()}"
-                         ", beyond int32: timestamps are seconds since the epoch (from "
-                         "milliseconds, divide by 1000)")
+      if np.issubdtype(host.dtype, np.integer):
+        beyond = _beyond_int32(host)
+        if beyond.any():
+          raise ValueError(f"{name} holds {host[beyond][0]}, beyond int32: timestamps are "
+                           "seconds since the epoch (from milliseconds, divide by 1000)")
   impression_ts, post_ts = jnp.asarray(impression_ts), jnp.asarray(post_ts)
   for name, ts in (("impression_ts", impression_ts), ("post_ts", post_ts)):
     if not jnp.issubdtype(ts.dtype, jnp.integer):   # (float32 rounds epoch seconds to 128 s)

@@ -19,7 +19,8 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from phoenix_flax import xla_options
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig, _count
+from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig,
+                                 _beyond_int32, _count)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 from phoenix_flax.transformer import ContextCache
@@ -123,14 +124,6 @@ def _field(prefix: str, name: str, x, shape: tuple[int, ...], dims: str, kind: s
     raise ValueError(f"{label} has dtype {dtype}, expected integers")
   if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"{label} has dtype {dtype}, expected floats")
-
-
-INT32 = np.iinfo(np.int32)
-
-
-def _beyond_int32(a: np.ndarray) -> np.ndarray:
-  """Where integers `a` do not fit int32, the dtype the model computes in."""
-  return (a > INT32.max) | (a < INT32.min)
 
 
 def _check_values(name: str, a: np.ndarray, bad: np.ndarray, rule: str,

@@ -11,7 +11,8 @@ from typing import Optional
 
 import numpy as np
 
-from phoenix_flax.config import _fail, _int_at_least, _is_int, _is_real, _positive_int
+from phoenix_flax.config import (_beyond_int32, _fail, _int_at_least, _is_int, _is_real,
+                                 _positive_int)
 
 HISTORY_DISTS = ("uniform", "log_uniform")
 CANDIDATE_ORDERS = ("random", "relevance", "grouped")
@@ -138,7 +139,7 @@ class WorldConfig:
     # Ids and hashes are int32 on the device.
     for f in ("num_users", "num_posts", "num_authors", "user_buckets", "post_buckets",
               "author_buckets"):
-      if getattr(self, f) > 2**31 - 1:
+      if _beyond_int32(getattr(self, f)):
         _fail(c, f, getattr(self, f), "must be <= 2**31 - 1 (ids and hashes are int32)")
     if not (_is_real(self.recency_decay) and 0 < self.recency_decay <= 1):
       _fail(c, "recency_decay", self.recency_decay, "must be in (0, 1]")
