@@ -24,7 +24,7 @@ from phoenix_flax.synthetic import make_world, post_features, sample_batch
 from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSystem, Trainer,
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
-from phoenix_flax.training import checkpoint, metrics, provenance, schema
+from phoenix_flax.training import checkpoint, metrics, provenance, runner, schema
 from phoenix_flax.training.loss import binary_cross_entropy
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         popularity_keys, popularity_scores, unstack)
@@ -537,6 +537,51 @@ def test_bad_config_values_name_the_field():
     c[section][field] = value
     with pytest.raises(ConfigError, match=match):
       parse_config(c)
+
+
+def test_a_training_state_beyond_memory_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch):
+  """A hash table of 2e9 rows (357.6 GiB with its AdamW moments) failed in XLA's
+  allocator with an out-of-memory error that named no field, after the run directory was
+  made; now it is refused first, naming the field. The accounting is exact: parameters,
+  both AdamW moments and the world, per seed, a sharded table split over the mesh."""
+  c = smoke_config()
+  c.world.post_buckets = 2_000_000_000
+  with pytest.raises(ConfigError, match=r"needs at least 357\.6 GiB, more than this host's "
+                                        r"memory .*config\.world\.post_buckets=2000000000 "
+                                        r"rows of 16 floats"):
+    pf.training.run_experiment(c, str(tmp_path / "run"))
+  assert not os.path.exists(tmp_path / "run")
+
+  c.world.post_buckets = 2**14   # the largest part, as a table the size of a real one's
+  spec = parse_config(c)
+  world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
+  shaped = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+  leaves = lambda tree: sum(x.size * x.dtype.itemsize
+                            for x in jax.tree.leaves(tree, is_leaf=shaped) if shaped(x))
+  params = eqx.filter_eval_shape(make_system, spec, jax.random.PRNGKey(0))
+  # The parameters and AdamW's two moments; the step counters, key and flags add < 64 B.
+  tables = [3 * leaves(t) for t in (params.tables.user_table, params.tables.post_table,
+                                    params.tables.author_table)]
+  state = leaves(world) + 3 * leaves(params)
+  assert tables[1] > state / 2
+  placement = lambda n, shard: type("P", (), {"num_devices": n, "shard_hash_tables": shard})
+  limit = lambda b: monkeypatch.setattr(runner, "_memory_of_a_device", lambda: (b, "RAM"))
+  limit(state + 64)
+  runner.check_memory(spec, placement(1, False))
+  limit(state - 1)
+  with pytest.raises(ConfigError, match="more than RAM .* the largest part is the post table"):
+    runner.check_memory(spec, placement(1, False))
+  sharded = state - sum(tables) + sum(t // 8 for t in tables)   # on each of 8 devices
+  limit(sharded + 64)
+  runner.check_memory(spec, placement(8, True))
+  with pytest.raises(ConfigError, match="shard the tables over the mesh"):
+    runner.check_memory(spec, placement(8, False))
+  limit(sharded - 1)
+  with pytest.raises(ConfigError, match="lower the world's bucket counts$"):
+    runner.check_memory(spec, placement(8, True))
+  limit(None)   # a backend that does not say: nothing is refused
+  runner.check_memory(spec, placement(1, False))
 
 
 def test_unknown_and_missing_config_paths_are_refused():

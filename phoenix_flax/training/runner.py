@@ -77,7 +77,7 @@ from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
                                           check_config, default_fprop_dtype, flatten, hparams,
                                           parse_config, seed_config, with_defaults)
-from phoenix_flax.training.sharding import (Placement, initialize_from,
+from phoenix_flax.training.sharding import (TABLE_FIELDS, Placement, initialize_from,
                                             make_placement, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
                                            read_metrics, remove_temporaries, write_json)
@@ -345,6 +345,96 @@ def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
       if getattr(w, f) % n:
         raise ConfigError(f"config.world.{f}={getattr(w, f)} is invalid: sharding the hash "
                           f"tables needs a multiple of the {n} devices")
+  check_memory(spec, placement)
+
+
+def _bytes(tree: Any) -> int:
+  return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _memory_of_a_device() -> tuple[Optional[int], str]:
+  """Bytes one device of this process can hold, and what they are; (None, "") when the
+  backend does not say. CPU devices share the host's memory (each holds its own copy)."""
+  device = jax.local_devices()[0]
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:   # a backend without memory statistics
+    limit = None
+  if limit:
+    return int(limit), f"a {device.device_kind}'s memory"
+  if device.platform == "cpu" and hasattr(os, "sysconf"):
+    try:
+      return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
+    except (ValueError, OSError):
+      pass
+  return None, ""
+
+
+def check_memory(spec: ExperimentSpec, placement: Placement) -> None:
+  """Raises `ConfigError` when the training state alone (parameters, AdamW moments and the
+  synthetic world, for every vmapped seed) cannot fit in memory, naming the largest part
+  and its config field: without it, the run would fail on allocating it with an XLA
+  out-of-memory error that names no field. Only what is certainly needed is counted
+  (gradients and activations come on top), so a config it passes may still not fit."""
+  limit, what = _memory_of_a_device()
+  if limit is None:
+    return
+  world = eqx.filter_eval_shape(make_world, spec.world, jax.random.PRNGKey(0))
+  one = eqx.filter_eval_shape(Trainer(spec, world=world)._init_one, jax.random.PRNGKey(0))
+  n, seeds, w = placement.num_devices, spec.config.num_seeds, spec.world
+  # Per device: a sharded table's rows (and moments) split over the mesh; the rest whole.
+  tables = {f: 0 for f in TABLE_FIELDS}
+  model = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(one)[0]:
+    size = seeds * _bytes(x)
+    table = next((f for f in TABLE_FIELDS
+                  if any(getattr(k, "name", None) == f for k in path)), None)
+    if table is None:
+      model += size
+    else:
+      tables[table] += size // n if placement.shard_hash_tables else size
+  world_bytes = _bytes(world)
+  per_device = world_bytes + model + sum(tables.values())
+  # CPU devices (several only when simulated) all hold their copies in the host's memory.
+  cpu = jax.local_devices()[0].platform == "cpu"
+  copies = min(n, jax.local_device_count()) if cpu else 1
+  if per_device * copies <= limit:
+    return
+  gib = lambda b: f"{b / 2**30:.1f} GiB"
+  each = " on each device" if n > 1 else ""
+  table = max(tables, key=tables.get)
+  field = table.replace("_table", "_buckets")
+  largest = max((tables[table], "table"), (world_bytes, "world"), (model, "model"))[1]
+  remedies = []
+  if largest == "table":
+    what_it_is = (f"the {table.replace('_', ' ')}: config.world.{field}="
+                  f"{getattr(w, field)} rows of {spec.model.emb_size} floats, "
+                  f"{gib(tables[table])}{each} with its AdamW moments"
+                  + (f" for {seeds} seeds" if seeds > 1 else ""))
+    remedies.append("lower the world's bucket counts")
+    if n > 1 and not placement.shard_hash_tables:
+      remedies.append("shard the tables over the mesh (mesh.shard_hash_tables=True)")
+    elif n == 1 and jax.device_count() > 1 and not cpu:   # (one host memory on CPU)
+      remedies.append("shard the tables over several devices (mesh.num_devices, "
+                      "mesh.shard_hash_tables=True)")
+  elif largest == "world":
+    what_it_is = (f"the synthetic world, {gib(world_bytes)}{each}: latent vectors and hashes "
+                  f"of config.world.num_users={w.num_users}, num_posts={w.num_posts} and "
+                  f"num_authors={w.num_authors}")
+    remedies.append("lower the world's entity counts")
+  else:
+    what_it_is = (f"the model and its AdamW moments, {gib(model)}{each}"
+                  + (f" for {seeds} seeds" if seeds > 1 else ""))
+    remedies.append("make the model smaller")
+  if seeds > 1 and largest != "world":
+    remedies.append("train fewer seeds at once (num_seeds)")
+  raise ConfigError(
+      f"the config's training state (parameters, AdamW moments and the synthetic world) "
+      f"needs at least {gib(per_device * copies)}"
+      + (f" ({gib(per_device)} on each of the mesh's {copies} CPU devices)" if copies > 1
+         else "")
+      + f", more than {what} ({gib(limit)}); the largest part is {what_it_is}. To fit: "
+      + ", or ".join(remedies))
 
 
 def check_placement(spec: ExperimentSpec) -> None:
