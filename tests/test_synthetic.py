@@ -109,6 +109,9 @@ def test_config_checks_across_fields_and_numpy_scalars():
   assert fraction == 0.25 and type(fraction) is float
   with pytest.raises(ValueError, match="batch_size"):
     sample(world(), SplitConfig(), True, jax.random.PRNGKey(0))
+  # A NumPy integer batch size (from a config or an array's shape) is a batch size.
+  numpy_sized = sample(world(), SplitConfig(), np.int64(3), jax.random.PRNGKey(0))
+  assert numpy_sized.batch.user_hashes.shape[0] == 3
   with pytest.raises(ValueError, match="max_history"):
     SplitConfig(max_history=SMALL.history_len + 1).resolve(SMALL)
   # an unset max_history is the world's S, and the message says so
