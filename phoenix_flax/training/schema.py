@@ -37,7 +37,9 @@ command line as `--config.<section>.<field>=value`):
                       `b2`, `eps`; `grad_clip_norm` (global norm, None = off).
   train.*             `num_steps`, `batch_size` (per seed, global over devices),
                       `steps_per_call` (steps scanned per host call; divides num_steps,
-                      eval_every and checkpoint_every), `eval_every` (0 = at the end only),
+                      eval_every and checkpoint_every; changes no step's result, only the
+                      window that logged `train/*` scalars average over), `eval_every`
+                      (0 = at the end only),
                       `checkpoint_every` (0 = none on the way: the final state, and a
                       run stopped by SIGINT/SIGTERM, are still checkpointed),
                       `eval_batch_size`, `eval_batches`
