@@ -16,8 +16,7 @@ finished, `result.json`:
 `final` holds the primary eval split's metrics under their own names and the extra
 splits' as "<split>/<metric>" (NaN/inf are written as null); its `train/loss` and
 `train/grad_norm` are the means over the last host call's steps, so they change with
-`train.steps_per_call` (40 smoke steps: train/loss 0.3464 at 10 per call, 0.3642 at 20),
-which changes no evaluation metric. `fprop_dtype` is the forward
+`train.steps_per_call`, which changes no evaluation metric. `fprop_dtype` is the forward
 dtype the run used (the config's None resolves to bfloat16 on GPU/TPU, float32 on CPU)
 and `num_devices` the size of the last call's mesh. `code` is the git state of the code
 that finished the run (`provenance.running_code_version`: the commit when the process
