@@ -497,6 +497,39 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
     run_experiment(config, os.path.join(run_dir, "result.json", "sub"))
 
 
+def test_a_refused_process_is_told_which_process_holds_the_run(tmp_path):
+  """The refusal names the holder's process id and host, so the user can find the first
+  launch; a holder killed with SIGKILL leaves its line in `.lock` but not its lock: the next
+  process takes the directory and writes its own line."""
+  run_dir = str(tmp_path / "run")
+  lock_path = os.path.join(run_dir, runner.LOCK_FILE)
+  os.makedirs(run_dir)
+  holder = subprocess.Popen(   # another process: flock, its note as the runner writes it
+      [sys.executable, "-c",
+       "import fcntl, os, sys, time\n"
+       f"fd = os.open({lock_path!r}, os.O_CREAT | os.O_RDWR)\n"
+       "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+       "os.write(fd, b'pid %d on elsewhere since then\\n' % os.getpid())\n"
+       "print('held', flush=True)\n"
+       "time.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(RunInUseError, match=rf"another process \(pid {holder.pid} on "
+                                            r"elsewhere since then; it holds "):
+      runner.lock_run_dir(run_dir)
+  finally:
+    holder.kill()   # SIGKILL: no cleanup of its own
+    holder.wait()
+  fd = runner.lock_run_dir(run_dir)   # a stale note does not block
+  try:
+    with open(lock_path) as f:
+      assert f.read().startswith(f"pid {os.getpid()} on ")
+    with pytest.raises(RunInUseError, match=rf"\(pid {os.getpid()} on .* since "):
+      runner.lock_run_dir(run_dir)
+  finally:
+    os.close(fd)
+
+
 def _stop_at(step_signals: dict):
   """A progress callback that sends this process the given signals after those steps."""
   def progress(p):

@@ -48,8 +48,8 @@ program has compiled (setup, compiling) signals keep their previous handlers: Ct
 raises `KeyboardInterrupt`, once the compiler returns if it comes while compiling (a
 compile cannot be cut short), and no checkpoint is written.
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
-`flock`, released when the process ends, however it ends); a second process refuses that
-directory with `RunInUseError`. The TensorBoard events are flushed before every checkpoint
+`flock`, released when the process ends, however it ends, with its process id and host
+written in it); a second process refuses that directory with `RunInUseError`, naming them. The TensorBoard events are flushed before every checkpoint
 and closed before `result.json` is written, so what a resumed or skipped run keeps of them
 is complete.
 """
@@ -62,6 +62,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional
@@ -174,15 +175,34 @@ def lock_run_dir(run_dir: str) -> Optional[int]:
   os.makedirs(run_dir, exist_ok=True)
   if fcntl is None:
     return None
-  fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_CREAT | os.O_RDWR, 0o644)
+  path = os.path.join(run_dir, LOCK_FILE)
+  fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
+    holder = _lock_holder(fd)
     os.close(fd)
-    raise RunInUseError(f"{run_dir} is being trained by another process (it holds "
-                        f"{os.path.join(run_dir, LOCK_FILE)}); wait for it to end, or use "
-                        "another workdir") from None
+    raise RunInUseError(f"{run_dir} is being trained by another process ({holder}it holds "
+                        f"{path}); wait for it to end, or use another workdir") from None
+  # Who holds it, for the message of a process refused; a killed holder's line stays in
+  # the file, but its lock went with it, and the next holder writes its own.
+  try:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+  except OSError:   # the lock holds without the note
+    pass
   return fd
+
+
+def _lock_holder(fd: int) -> str:
+  """What the holder of a run directory's lock wrote in it ("pid <n> on <host> since
+  <time>; "), or "" (a holder that has not written it yet, or from before it did)."""
+  try:
+    line = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+  except OSError:
+    return ""
+  return f"{line}; " if line.startswith("pid ") and "\n" not in line else ""
 
 
 def _in_use(run_dir: str) -> bool:
