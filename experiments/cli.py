@@ -17,7 +17,8 @@ from typing import Iterator, NoReturn, Optional
 from absl import app, flags
 import ml_collections
 
-from phoenix_flax.training import ConfigError, RunInterrupted, RunInUseError, writers
+from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError,
+                                   RunOutputError, writers)
 from phoenix_flax.training.checkpoint import CheckpointError
 from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
 from phoenix_flax.training.writers import nearest_existing
@@ -25,10 +26,10 @@ from phoenix_flax.training.writers import nearest_existing
 EXIT_BAD_INPUT = 2
 
 # What runs raise for a reason the user can act on (a bad config, another process on a run
-# directory, a damaged or foreign file there, a workdir that cannot be written): reported
-# as one line, where any other exception is a bug and keeps its traceback.
+# directory, a damaged or foreign file there, a workdir or outputs that cannot be written):
+# reported as one line, where any other exception is a bug and keeps its traceback.
 RUN_ERRORS = (ConfigError, RunInUseError, CheckpointError, NotADirectoryError,
-              PermissionError)
+              PermissionError, RunOutputError)
 
 
 def usage_error(message: str, flags_hint: bool = True) -> NoReturn:

@@ -734,6 +734,34 @@ def test_checkpoint_io_errors_name_the_file(tmp_path, monkeypatch):
     checkpoint.load(run_dir, 40, tree)
 
 
+def test_a_disk_that_fills_while_logging_stops_the_run_with_a_resumable_error(tmp_path,
+                                                                              monkeypatch):
+  """A full disk when a chunk's TensorBoard events are written (tensorboardX's bare
+  OSError, no file named) stops the run with `RunOutputError`, one of the errors the
+  scripts report as one line: it names the run directory, the system's reason and the
+  checkpoints to resume from, and the same command then resumes from them."""
+  from experiments.cli import RUN_ERRORS
+  config = ranking_configs.get_config("smoke")
+  config.train.update(num_steps=30, eval_every=30, checkpoint_every=10)
+  run_dir = str(tmp_path / "run")
+  write_event = writers.EventsWriter.write_event
+
+  def full_at_step_20(self, event):
+    if event.step == 20 and event.HasField("summary"):
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return write_event(self, event)
+
+  with monkeypatch.context() as m:
+    m.setattr(writers.EventsWriter, "write_event", full_at_step_20)
+    with pytest.raises(OSError, match=rf"outputs in {run_dir} cannot be written \(.*No "
+                                      r"space left on device\).*resumes from the newest "
+                                      r"checkpoint on disk \(steps \[10\]\)") as e:
+      run_experiment(config, run_dir)
+  assert isinstance(e.value, RUN_ERRORS) and e.value.errno == errno.ENOSPC
+  assert run_experiment(config, run_dir)[0]["steps"] == 30   # the lock went with the error
+  assert [r["step"] for r in writers.read_metrics(run_dir)] == [10, 20, 30]
+
+
 def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):
   """A run resumed with one chunk to go runs only the chunk that compiles: its row logs
   that time as perf/first_call_seconds (as every first call does, not a rate), and

@@ -6,7 +6,7 @@ from phoenix_flax.training.loss import (binary_cross_entropy, first_positive,
                                         in_batch_softmax_loss, is_positive, ranking_loss,
                                         sampling_log_q, update_sampling_counts)
 from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, RunInUseError,
-                                          check_run_dirs, load_checkpoint, load_run, run_dirs,
+                                          RunOutputError, check_run_dirs, load_checkpoint, load_run, run_dirs,
                                           run_experiment)
 from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
                                           parse_config, split_config, world_config)
@@ -17,6 +17,7 @@ from phoenix_flax.training.system import (HashEmbeddingTables, RankingSystem, Re
 __all__ = [
     "ConfigError", "ExperimentSpec", "HashEmbeddingTables", "LoadedRun", "Placement",
     "Progress", "RankingSystem", "RetrievalSystem", "RunInUseError", "RunInterrupted",
+    "RunOutputError",
     "TrainState", "Trainer",
     "base_config", "binary_cross_entropy", "check_run_dirs", "first_positive",
     "in_batch_softmax_loss", "is_positive", "load_checkpoint", "load_run", "make_optimizer",

@@ -49,13 +49,15 @@ raises `KeyboardInterrupt`, once the compiler returns if it comes while compilin
 compile cannot be cut short), and no checkpoint is written.
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
 `flock`, released when the process ends, however it ends, with its process id and host
-written in it); a second process refuses that directory with `RunInUseError`, naming them. The TensorBoard events are flushed before every checkpoint
+written in it); a second process refuses that directory with `RunInUseError`, naming them. An `OSError` while writing a run's outputs
+(a full disk) stops it with `RunOutputError`, which says what to resume from. The TensorBoard events are flushed before every checkpoint
 and closed before `result.json` is written, so what a resumed or skipped run keeps of them
 is complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -65,7 +67,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import equinox as eqx
 import jax
@@ -100,6 +102,32 @@ LOCK_FILE = ".lock"
 
 class RunInUseError(RuntimeError):
   """Another process is training this run directory (it holds the directory's lock)."""
+
+
+class RunOutputError(OSError):
+  """A run's outputs (metrics.jsonl, TensorBoard events, config.json, result.json) could not
+  be written (a full disk, a lost mount); the message names the run directory, the system's
+  reason and the checkpoints the same command resumes from. `errno` is the cause's."""
+
+
+@contextlib.contextmanager
+def _writing_outputs(run_dir: str) -> Iterator[None]:
+  """Turns an `OSError` of writing `run_dir`'s outputs into a `RunOutputError` that says
+  what to do (tensorboardX's errors name no file)."""
+  try:
+    yield
+  except RunOutputError:
+    raise
+  except OSError as e:
+    where = f"{e.filename}: " if e.filename else ""
+    steps = checkpoint.available_steps(run_dir)
+    resume = (f"it resumes from the newest checkpoint on disk (steps {steps})" if steps
+              else "no checkpoint was written yet, so it starts over")
+    error = RunOutputError(f"the run's outputs in {run_dir} cannot be written ({where}"
+                           f"{e.strerror or e}); the run stopped. Fix that and run the same "
+                           f"command again: {resume}")
+    error.errno = e.errno
+    raise error from e
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -696,10 +724,11 @@ class _Group:
       for k in seeds:
         cfg_k = seed_config(self.config, k)
         cfg_k.model.fprop_dtype = trainer.spec.model.fprop_dtype   # None resolved
-        write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
-        group = _hparams_group(dirs[k], k)
-        self.writers[k] = RunWriter(dirs[k], session_hparams(self.config, cfg_k, group),
-                                    self.step or None, group)
+        with _writing_outputs(dirs[k]):
+          write_json(os.path.join(dirs[k], CONFIG_FILE), cfg_k.to_dict())
+          group = _hparams_group(dirs[k], k)
+          self.writers[k] = RunWriter(dirs[k], session_hparams(self.config, cfg_k, group),
+                                      self.step or None, group)
 
   def release(self) -> None:
     """Releases the run directories' locks."""
@@ -721,8 +750,9 @@ class _Group:
   def save(self) -> None:
     host = to_host(self.state)
     if self.main:
-      for writer in self.writers.values():
-        writer.flush()   # every event up to this step on disk before the checkpoint says so
+      for k, writer in self.writers.items():
+        with _writing_outputs(self.dirs[k]):
+          writer.flush()   # every event up to this step on disk before the checkpoint says so
       for i, k in enumerate(self.seeds):
         checkpoint.save(self.dirs[k], self.step, _payload(unstack(host, i), self.wall(i)),
                         keep=self.config.output.keep_checkpoints)
@@ -730,7 +760,8 @@ class _Group:
   def log(self, rows: dict[int, dict]) -> None:
     if self.main:
       for i, k in enumerate(self.seeds):
-        self.writers[k].log(self.step, rows[i], self.wall(i))
+        with _writing_outputs(self.dirs[k]):
+          self.writers[k].log(self.step, rows[i], self.wall(i))
 
   def logged_training(self) -> tuple[dict[int, dict], float]:
     """The last logged train scalars of each seed and the logged chunks' throughput (the
@@ -771,8 +802,9 @@ class _Group:
           "machine": machine,
       })
       if self.main:   # result.json last: a run that has it is skipped, never repaired
-        self.writers[k].close(finished=True)
-        write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
+        with _writing_outputs(self.dirs[k]):
+          self.writers[k].close(finished=True)
+          write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
     return results
 
 
