@@ -676,6 +676,8 @@ OUT_OF_RANGE = [
     ("ranking", {"optim.learning_rate": 0.0}, "optim.learning_rate=0.0 is invalid"),
     ("ranking", {"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1 is invalid"),
     ("ranking", {"train.num_steps": 0}, "train.num_steps=0 is invalid"),
+    ("ranking", {"train.num_steps": 2_147_483_800},   # 200 x 10,737,419: past int32
+     "train.num_steps=2147483800 is invalid: must be at most 2147483647"),
     ("ranking", {"train.steps_per_call": 0}, "train.steps_per_call=0 is invalid"),
     ("ranking", {"train.eval_batches": 0}, "train.eval_batches=0 is invalid"),
     ("retrieval", {"retrieval.temperature": 0.0}, "retrieval.temperature=0.0 is invalid"),

@@ -35,7 +35,8 @@ command line as `--config.<section>.<field>=value`):
                       cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
                       `weight_decay` (matrices only; not norms, not the hash tables), `b1`,
                       `b2`, `eps`; `grad_clip_norm` (global norm, None = off).
-  train.*             `num_steps`, `batch_size` (per seed, global over devices),
+  train.*             `num_steps` (at most 2**31 - 1: an int32 count), `batch_size` (per
+                      seed, global over devices),
                       `steps_per_call` (steps scanned per host call; divides num_steps,
                       eval_every and checkpoint_every; changes no step's result, only the
                       window that logged `train/*` scalars average over), `eval_every`
@@ -90,8 +91,8 @@ import jax
 import ml_collections
 from ml_collections import config_dict
 
-from phoenix_flax.config import (HashConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
-                                 TransformerConfig, field_default)
+from phoenix_flax.config import (INT32, HashConfig, PhoenixModelConfig,
+                                 PhoenixRetrievalModelConfig, TransformerConfig, field_default)
 from phoenix_flax.synthetic import SplitConfig, WorldConfig
 
 TASKS = ("ranking", "retrieval")
@@ -390,7 +391,15 @@ def check_optim(o: ml_collections.ConfigDict, num_steps: int) -> None:
   _check_optim(o)
   _check(_is_int(num_steps) and num_steps >= 1, "train.num_steps", num_steps,
          "must be an integer >= 1")
+  _check_step_count(num_steps)
   _check_warmup(o, num_steps)
+
+
+def _check_step_count(num_steps: int) -> None:
+  """The train state counts steps in int32: past its range the count wraps negative,
+  where the schedule gives a learning rate of 0 and the data keys repeat."""
+  _check(num_steps <= INT32.max, "train.num_steps", num_steps,
+         f"must be at most {INT32.max}: the training step is counted in int32")
 
 
 def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[tuple]:
@@ -398,6 +407,7 @@ def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[t
   t, o = c.train, c.optim
   for f in ("num_steps", "batch_size", "steps_per_call", "eval_batch_size", "eval_batches"):
     _check(_is_int(t[f]) and t[f] >= 1, f"train.{f}", t[f], "must be an integer >= 1")
+  _check_step_count(t.num_steps)
   _check(t.num_steps % t.steps_per_call == 0, "train.steps_per_call", t.steps_per_call,
          f"must divide train.num_steps={t.num_steps}")
   _check_warmup(o, t.num_steps)
