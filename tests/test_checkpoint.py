@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError, c
 from phoenix_flax.training import loop, provenance, runner
 from phoenix_flax.training.loop import unstack
 from phoenix_flax.training.runner import load_run
-from phoenix_flax.training.schema import parse_config
+from phoenix_flax.training.schema import parse_config, seed_config
 from phoenix_flax.training.sharding import DATA_AXIS, Placement, make_placement
 
 
@@ -528,6 +529,30 @@ def test_a_refused_process_is_told_which_process_holds_the_run(tmp_path):
       runner.lock_run_dir(run_dir)
   finally:
     os.close(fd)
+
+
+def test_a_run_finished_by_another_process_before_the_lock_is_reused(tmp_path, monkeypatch):
+  """A second launch that looked for result.json before the first process finished, and
+  took the lock after, reuses the result (as a launch after it would) instead of
+  evaluating the final checkpoint again and rewriting result.json and the events."""
+  config = ranking_configs.get_config("smoke")
+  config.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
+  run_dir = str(tmp_path / "run")
+  theirs = {"final": {"auc_mean": 0.5}, "diverged": False, "steps": 10, "wall_seconds": 1.0}
+  lock = runner.lock_run_dir
+
+  def the_other_process_finishes_first(path):
+    monkeypatch.setattr(runner, "lock_run_dir", lock)
+    os.makedirs(path, exist_ok=True)
+    writers.write_json(os.path.join(path, runner.CONFIG_FILE),
+                       seed_config(config, 0).to_dict())
+    writers.write_json(os.path.join(path, runner.RESULT_FILE), theirs)
+    return lock(path)
+
+  monkeypatch.setattr(runner, "lock_run_dir", the_other_process_finishes_first)
+  assert run_experiment(config, run_dir) == {0: theirs}
+  assert writers.read_json(os.path.join(run_dir, runner.RESULT_FILE)) == theirs
+  assert not glob.glob(os.path.join(run_dir, "events.out.tfevents.*"))
 
 
 def _stop_at(step_signals: dict):

@@ -130,6 +130,11 @@ def _writing_outputs(run_dir: str) -> Iterator[None]:
     raise error from e
 
 
+class _FinishedMeanwhile(Exception):
+  """Another process finished these seeds' runs between `run_experiment`'s look for
+  result.json and this one's lock: `run_experiment` looks again."""
+
+
 class RunInterrupted(KeyboardInterrupt):
   """Training stopped on SIGINT or SIGTERM (`signum`) at the end of a chunk, after writing a
   checkpoint of `step`; running the same config again resumes from it. With `finished`,
@@ -613,16 +618,22 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   check_workdir(workdir)
   check_run_dirs(config, workdir)
   dirs = run_dirs(config, workdir)
-  done = finished_seeds(config, workdir)
-  results = {k: read_result(os.path.join(dirs[k], RESULT_FILE)) for k in done}
-  if done:
-    _warn_if_other_code(results, dirs)
-  pending = [k for k in dirs if k not in done]
-  if not pending:
-    return results
-  results.update(_train(_trainer(spec), spec.config, pending, {k: dirs[k] for k in pending},
-                        progress, on_start))
-  return dict(sorted(results.items()))
+  while True:
+    done = finished_seeds(config, workdir)
+    results = {k: read_result(os.path.join(dirs[k], RESULT_FILE)) for k in done}
+    if done:
+      _warn_if_other_code(results, dirs)
+    pending = [k for k in dirs if k not in done]
+    if not pending:
+      return results
+    try:
+      results.update(_train(_trainer(spec), spec.config, pending,
+                            {k: dirs[k] for k in pending}, progress, on_start))
+    except _FinishedMeanwhile as e:   # by a process that held the lock before this one
+      _LOG.warning("another process finished %s meanwhile: reused as it is",
+                   ", ".join(dirs[k] for k in e.args[0]))
+      continue
+    return dict(sorted(results.items()))
 
 
 def _warn_if_other_code(results: dict[int, dict], dirs: dict[int, str]) -> None:
@@ -691,6 +702,12 @@ class _Group:
         # between `run_experiment`'s check and now.
         _check_existing_config(dirs[k], seed_config(self.config, k).to_dict(), locked=True)
         remove_temporaries(dirs[k])   # partial files of a killed writer (we hold the lock)
+      # ... and so may this config's: a run finished meanwhile is reused, not finished
+      # again (evaluated, its result.json rewritten). (One process: every process of a
+      # multi-process run must train the same seeds.)
+      finished = [k for k in seeds if os.path.exists(os.path.join(dirs[k], RESULT_FILE))]
+      if finished and jax.process_count() == 1:
+        raise _FinishedMeanwhile(finished)
     self.step = 0
     damaged = []
     for step in _resume_steps(list(dirs.values())):
