@@ -1006,8 +1006,10 @@ def test_a_misnamed_metric_or_curve_is_refused_before_training(tmp_path):
 def test_a_run_error_ends_the_sweep_with_its_message(capsys):
   """What a user can act on (a run directory in use, a damaged file) is one line and
   status 2; anything else keeps its traceback."""
-  from phoenix_flax.training import ConfigError, RunInUseError
+  from phoenix_flax.training import ConfigError, RunInUseError, RunOutputError
   for error in (RunInUseError("/w/a is being trained by another process"),
+                RunOutputError("the run's outputs in /w/a cannot be written (No space left "
+                               "on device)"),
                 ConfigError("/w/a/config.json cannot be read"),
                 sweep.SweepError("toy: metrics 'x' are in no run's result.json")):
     with pytest.raises(SystemExit) as e:
