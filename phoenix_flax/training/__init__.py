@@ -6,8 +6,8 @@ from phoenix_flax.training.loss import (binary_cross_entropy, first_positive,
                                         in_batch_softmax_loss, is_positive, ranking_loss,
                                         sampling_log_q, update_sampling_counts)
 from phoenix_flax.training.runner import (LoadedRun, Progress, RunInterrupted, RunInUseError,
-                                          RunOutputError, check_run_dirs, load_checkpoint, load_run, run_dirs,
-                                          run_experiment)
+                                          RunOutputError, check_run_dirs, load_checkpoint,
+                                          load_run, run_dirs, run_experiment)
 from phoenix_flax.training.schema import (ConfigError, ExperimentSpec, base_config,
                                           parse_config, split_config, world_config)
 from phoenix_flax.training.sharding import Placement, make_placement

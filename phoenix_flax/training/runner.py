@@ -49,9 +49,10 @@ raises `KeyboardInterrupt`, once the compiler returns if it comes while compilin
 compile cannot be cut short), and no checkpoint is written.
 While a process trains a run directory it holds a lock on its `.lock` file (POSIX
 `flock`, released when the process ends, however it ends, with its process id and host
-written in it); a second process refuses that directory with `RunInUseError`, naming them. An `OSError` while writing a run's outputs
-(a full disk) stops it with `RunOutputError`, which says what to resume from. The TensorBoard events are flushed before every checkpoint
-and closed before `result.json` is written, so what a resumed or skipped run keeps of them
+written in it); a second process refuses that directory with `RunInUseError`, naming
+them. An `OSError` while writing a run's outputs (a full disk) stops it with
+`RunOutputError`, which says what to resume from. The TensorBoard events are flushed
+before every checkpoint and closed before `result.json` is written, so what a resumed or skipped run keeps of them
 is complete.
 """
 
