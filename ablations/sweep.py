@@ -554,7 +554,8 @@ class Sweep:
 
   def run(self) -> dict:
     """Trains what is missing, probes, writes results.json, REPORT.md and the plots."""
-    runner = self._runner or functools.partial(run_experiment, progress=_log_evaluation)
+    runner = self._runner or functools.partial(run_experiment, progress=_log_evaluation,
+                                               on_start=_log_start)
     os.makedirs(self.workdir, exist_ok=True)
     start = time.time()
     for i, variant in enumerate(self.variants):
@@ -872,6 +873,14 @@ def expose_flags() -> None:
   """Lists the sweep flags in the running script's `--help`."""
   for name in SWEEP_FLAGS:
     FLAGS.register_key_flag_for_module(sys.argv[0], FLAGS[name])
+
+
+def _log_start(seeds: list[int], step: int) -> None:
+  """A line when a variant's seeds start training: from the start, or resumed from the
+  checkpoint of a killed earlier sweep."""
+  logging.info("  seeds %s: %s", seeds,
+               f"resumed from the checkpoint of step {step}" if step else
+               "training from the start (compiling first)")
 
 
 def _log_evaluation(p) -> None:

@@ -547,9 +547,9 @@ def test_mean_and_interval_show_the_same_decimals():
   assert report.fmt_pm(2.7e-6, 3.4e-6) == "2.70e-06 ± 3.4e-06"     # tiny: scientific
 
 
-def test_training_variants_log_each_evaluation(caplog):
+def test_training_variants_log_each_evaluation(caplog, tmp_path, monkeypatch):
   """A sweep that trains passes run_experiment a progress callback logging a line per
-  evaluation (none for chunks without one)."""
+  evaluation (none for chunks without one), and an on_start one."""
   from phoenix_flax.training import Progress
   caplog.set_level("INFO")
   sweep._log_evaluation(Progress(10, 40, 5.0, 1.0, (0.5, 0.6), 0, {}))
@@ -559,6 +559,23 @@ def test_training_variants_log_each_evaluation(caplog):
   lines = [r.getMessage() for r in caplog.records]
   assert lines == ["  step 20/40 | train loss 0.4000 0.4500 | eval/auc_mean 0.6100 0.6200 | "
                    "eval/loss 0.3000 0.3100"]
+  # ... and one when its seeds start, which says whether a killed sweep's run resumed.
+  caplog.clear()
+  sweep._log_start([0, 1], 0)
+  sweep._log_start([1], 1000)
+  assert [r.getMessage() for r in caplog.records] == [
+      "  seeds [0, 1]: training from the start (compiling first)",
+      "  seeds [1]: resumed from the checkpoint of step 1000"]
+  passed = []
+  def run_experiment(config, workdir, **callbacks):
+    passed.append(callbacks)
+    return fake_runner()(config, workdir)
+  monkeypatch.setattr(sweep, "run_experiment", run_experiment)
+  sw = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=2, runner=fake_runner())
+  sw._runner = None   # (a runner given skips the metric-name check that traces real runs)
+  sw.run()
+  assert passed and all(c == {"progress": sweep._log_evaluation, "on_start": sweep._log_start}
+                        for c in passed)
 
 
 def test_small_effect_reads_not_significant(tmp_path):
