@@ -17,8 +17,9 @@ from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax.config import _is_int
 from phoenix_flax.synthetic.config import SplitConfig
-from phoenix_flax.synthetic.world import (World, history_weights, ids_in_topic, mix_interest,
-                                          random_blocks, true_logits, user_interest)
+from phoenix_flax.synthetic.world import (World, _float32, history_weights, ids_in_topic,
+                                          mix_interest, random_blocks, true_logits,
+                                          user_interest)
 from phoenix_flax.types import RecsysBatch
 
 IMPRESSION_EPOCH_S = 1_700_000_000
@@ -73,6 +74,11 @@ def _history_lengths(split: SplitConfig, max_history: int, u_B: Array) -> Array:
   return jnp.clip(jnp.floor(jnp.exp(log_len)).astype(jnp.int32) - 1, lo, hi)
 
 
+def _hours(age_s: Array) -> Array:
+  """Whole-second ages in float32 hours (divided in float32 with `jax_enable_x64` on too)."""
+  return age_s.astype(jnp.float32) / 3600.0
+
+
 def _ages_s(world: World, u: Array) -> Array:
   """Post ages in whole seconds: exponential, clipped to [1 minute, 4800 minutes]."""
   age = _exponential(u) * world.cfg.mean_post_age_hours * 3600.0
@@ -105,7 +111,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   V, A = c.product_surface_vocab_size, c.num_actions
   # As in `make_world`: a new random quantity takes a key of its own, so that the batches
   # of existing configs stay as they are.
-  u = random_blocks(key, jax.random.uniform, uniform_shapes(B, S, C, A))
+  u = random_blocks(key, _float32(jax.random.uniform), uniform_shapes(B, S, C, A))
 
   user_ids_B = _randint(u["user"], 0, c.num_users)
   topic_logits_BT = world.user_topic_logits_UT[user_ids_B]
@@ -130,7 +136,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
                               world.post_vecs_PL[hist_post_BS][:, None, :, :])
   hist_surface_BS = _randint(u["hist_surface"], 0, V)
   hist_logits_BSA = true_logits(world, interest_BSL, hist_post_BS, hist_surface_BS,
-                                _ages_s(world, u["hist_age"]) / 3600.0, bias_B[:, None])
+                                _hours(_ages_s(world, u["hist_age"])), bias_B[:, None])
   hist_actions_BSA = ((u["hist_action"] < jax.nn.sigmoid(hist_logits_BSA))
                       & hist_valid_BS[..., None])
   dwell_BS = jnp.where(hist_actions_BSA[..., -1], 10.0 + 30.0 * _exponential(u["dwell"]),
@@ -151,7 +157,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   impression_ts_B = IMPRESSION_EPOCH_S + _randint(u["impression"], 0, IMPRESSION_SPAN_S)
   age_s_BC = _ages_s(world, u["age"])
   logits_BCA = true_logits(world, interest_BL[:, None, :], post_BC, surface_BC,
-                           age_s_BC / 3600.0, bias_B[:, None])
+                           _hours(age_s_BC), bias_B[:, None])
   probs_BCA = jax.nn.sigmoid(logits_BCA)
   labels_BCA = u["label"] < probs_BCA
 

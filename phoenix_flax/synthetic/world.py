@@ -51,6 +51,12 @@ def ids_in_topic(topic: Array, num_ids: int, num_topics: int, u: Array) -> Array
   return (topic + num_topics * j).astype(jnp.int32)
 
 
+def _float32(sampler):
+  """`sampler` drawing float32 whatever `jax_enable_x64` says (its default dtype follows
+  the flag, and a float64 draw is another world, not a wider copy of this one)."""
+  return functools.partial(sampler, dtype=jnp.float32)
+
+
 def random_blocks(key: PRNGKeyArray, sampler, shapes: dict) -> dict:
   """One draw of `sampler` cut into named blocks (each random call costs compile time)."""
   sizes = [math.prod(shape) for shape in shapes.values()]
@@ -69,10 +75,10 @@ def _make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
   # block added to these draws would change every existing world, and every result
   # trained on it, while the runs' configs stay the same (guarded by
   # tests/test_synthetic.py::test_the_default_world_and_its_batches_are_unchanged).
-  z = random_blocks(k_normal, jax.random.normal, {
+  z = random_blocks(k_normal, _float32(jax.random.normal), {
       "topic": (T, L), "author": (W, L), "post": (P, L), "quality": (P,), "taste": (U, T),
       "bias": (U,), "surface": (V, A)})
-  u = random_blocks(k_uniform, jax.random.uniform, {
+  u = random_blocks(k_uniform, _float32(jax.random.uniform), {
       "author_of_post": (P,), "affinity": (A,), "quality": (A,),
       "user_hashes": (U, cfg.num_user_hashes), "post_hashes": (P, cfg.num_item_hashes),
       "author_hashes": (W, cfg.num_author_hashes)})
