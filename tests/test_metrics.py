@@ -409,3 +409,28 @@ def test_rank_spans_count_what_comparing_every_pair_counts():
     want_tied = np.maximum(((s[:, None, :] == s[:, :, None]) & other).sum(-1), 1)
     np.testing.assert_array_equal(np.asarray(above)[m], want_above[m], err_msg=str(trial))
     np.testing.assert_array_equal(np.asarray(tied)[m], want_tied[m], err_msg=str(trial))
+
+
+def test_metrics_are_float32_and_the_same_with_x64_on():
+  """Integer counts mixed with Python floats make the default float type: with
+  `jax_enable_x64` on, AUCs, NDCG, recall and corpus hits came out float64 (and rounded
+  otherwise). They are float32, bit for bit those of x64 off."""
+  rng = np.random.default_rng(0)
+  B, C, A, N = 6, 5, 19, 40
+  logits = np.round(rng.normal(size=(B, C, A)), 1).astype(np.float32)   # ties too
+  labels = (rng.random((B, C, A)) < 0.4).astype(np.float32)
+  probs = rng.random((B, C, A)).astype(np.float32)
+  mask = rng.random((B, C)) < 0.8
+  scores = np.round(rng.normal(size=(B, N)), 1).astype(np.float32)
+  ids = rng.integers(0, N, (B, C)).astype(np.int32)
+  def run():
+    out = dict(metrics.ranking_metrics(logits, labels, probs, mask, k=(2, 3)))
+    out["hits"], _ = metrics.corpus_hits(scores, ids, labels[..., 0] > 0, (3, 10))
+    return jax.device_get(out)
+  narrow = run()
+  with jax.enable_x64(True):
+    wide = run()
+  assert set(wide) == set(narrow)
+  for name, v in narrow.items():
+    assert wide[name].dtype == v.dtype == np.float32, (name, wide[name].dtype)
+    np.testing.assert_array_equal(wide[name], v, err_msg=name)

@@ -37,7 +37,10 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   sorted_neg_N = jnp.sort(jnp.where(neg_N, scores_N, jnp.inf))
   below_N = jnp.searchsorted(sorted_neg_N, scores_N, side="left")
   at_or_below_N = jnp.minimum(jnp.searchsorted(sorted_neg_N, scores_N, side="right"), n_neg)
-  wins_N = (below_N + 0.5 * (at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
+  # Counts in float32 before the arithmetic: Python floats with integer arrays make the
+  # default float type, float64 with `jax_enable_x64` on.
+  f32 = lambda x: x.astype(jnp.float32)
+  wins_N = (f32(below_N) + 0.5 * f32(at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
   valid = (n_pos > 0) & (n_neg > 0)
   auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
   defined = valid & ~jnp.any(mask_N & jnp.isnan(scores_N))
@@ -129,10 +132,10 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
   discount of its rank."""
   C = scores_BC.shape[-1]
   above_BC, tied_BC = _rank_spans(scores_BC, mask_BC)
-  chance_BC = jnp.clip(k - above_BC, 0, tied_BC) / tied_BC
+  chance_BC = jnp.clip(k - above_BC, 0, tied_BC).astype(jnp.float32) / tied_BC
   rank_R = jnp.arange(C, dtype=jnp.float32)
   discount_R = jnp.where(rank_R < k, 1.0 / jnp.log2(rank_R + 2.0), 0.0)
-  cumulative_R = jnp.concatenate([jnp.zeros(1), jnp.cumsum(discount_R)])   # [C + 1]
+  cumulative_R = jnp.concatenate([jnp.zeros(1, jnp.float32), jnp.cumsum(discount_R)])   # [C + 1]
   span_BC = cumulative_R[above_BC + tied_BC] - cumulative_R[above_BC]
   valid_BC = jnp.asarray(mask_BC, bool)
   return (jnp.where(valid_BC, chance_BC, 0.0),
@@ -199,7 +202,8 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
     kth_B1 = kth_BK[:, j, None]
     above_B1 = jnp.sum(scores_BN > kth_B1, axis=1, keepdims=True)
     tied_B1 = jnp.sum(scores_BN == kth_B1, axis=1, keepdims=True)
-    share_B1 = jnp.clip(k - above_B1, 0, tied_B1) / jnp.maximum(tied_B1, 1)
+    share_B1 = (jnp.clip(k - above_B1, 0, tied_B1).astype(jnp.float32)
+                / jnp.maximum(tied_B1, 1))
     in_top_BC = jnp.where(own_BC > kth_B1, 1.0, jnp.where(own_BC == kth_B1, share_B1, 0.0))
     in_top_BC = jnp.where(undefined_B1, jnp.nan, in_top_BC)
     found.append(jnp.sum(jnp.where(counted_BC, in_top_BC, 0.0), axis=1))
