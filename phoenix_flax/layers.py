@@ -29,7 +29,8 @@ def variance_scaling(key: PRNGKeyArray, shape: tuple[int, ...], fan_in: int) -> 
   """Truncated normal (cut at 2 std) rescaled to an actual std of 1/sqrt(fan_in): Haiku's
   `VarianceScaling(1.0, "fan_in", "truncated_normal")`. (`hk.Linear`'s default,
   `TruncatedNormal(1/sqrt(fan_in))`, skips the rescaling and has ~0.88 of that std.)"""
-  stddev = 1.0 / jnp.sqrt(fan_in) / 0.87962566103423978
+  # In float32 whatever `jax_enable_x64` says (float64 rounds the std differently).
+  stddev = 1.0 / jnp.sqrt(jnp.float32(fan_in)) / 0.87962566103423978
   return stddev * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
 
 

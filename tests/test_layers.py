@@ -202,3 +202,16 @@ def test_attention_refuses_a_mask_that_is_not_per_query():
   for mask in (jnp.ones((2, 1, 1, 4)), jnp.ones((4, 4))):
     with pytest.raises(ValueError, match=r"self-attention takes a \[B, 1, T, T\] mask"):
       attn(x, mask, pos)
+
+
+def test_variance_scaling_is_the_same_with_x64_on():
+  """The init std was computed in float64 with `jax_enable_x64` on, then rounded into the
+  float32 draw: other initial parameters (a smoke run's first losses differed)."""
+  from phoenix_flax.layers import variance_scaling
+  key = jax.random.PRNGKey(0)
+  narrow = [np.asarray(variance_scaling(key, (4, 8), n)) for n in (3, 16, 19, 1000)]
+  with jax.enable_x64(True):
+    wide = [np.asarray(variance_scaling(key, (4, 8), n)) for n in (3, 16, 19, 1000)]
+  for a, b in zip(narrow, wide):
+    assert b.dtype == np.float32
+    np.testing.assert_array_equal(b, a)
