@@ -1387,3 +1387,23 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
   assert len(gain) > 4000
   assert gain.mean() > 3 * gain.std(ddof=1) / np.sqrt(len(gain)), (
       np.mean(oracle), np.mean(draw_aware), len(gain))
+
+
+def test_training_loop_makes_no_implicit_transfer(tmp_path, monkeypatch):
+  """Once its programs are compiled, the run's loop (scanned chunks, evaluations,
+  checkpoints, logs) sends nothing to the device implicitly: `jax_transfer_guard`
+  "disallow", which a careful user may switch on, lets the run finish. (On CPU the guard
+  sees host-to-device transfers only; reading device arrays back is not guarded there.)"""
+  from phoenix_flax.training import runner
+  loop_of = runner._train_group
+
+  def guarded(*args, **kwargs):
+    with jax.transfer_guard("disallow"):
+      return loop_of(*args, **kwargs)
+
+  monkeypatch.setattr(runner, "_train_group", guarded)
+  config = smoke_config(num_steps=20, eval_every=10, checkpoint_every=10)
+  assert runner.run_experiment(config, str(tmp_path / "run"))[0]["steps"] == 20
+  with pytest.raises(Exception, match="Disallowed host-to-device"):   # the guard works
+    with jax.transfer_guard("disallow"):
+      jnp.asarray(np.ones(3))
