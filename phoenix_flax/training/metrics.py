@@ -135,7 +135,8 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
   chance_BC = jnp.clip(k - above_BC, 0, tied_BC).astype(jnp.float32) / tied_BC
   rank_R = jnp.arange(C, dtype=jnp.float32)
   discount_R = jnp.where(rank_R < k, 1.0 / jnp.log2(rank_R + 2.0), 0.0)
-  cumulative_R = jnp.concatenate([jnp.zeros(1, jnp.float32), jnp.cumsum(discount_R)])   # [C + 1]
+  cumulative_R = jnp.concatenate([jnp.zeros(1, jnp.float32),   # [C + 1]
+                                  jnp.cumsum(discount_R)])
   span_BC = cumulative_R[above_BC + tied_BC] - cumulative_R[above_BC]
   valid_BC = jnp.asarray(mask_BC, bool)
   return (jnp.where(valid_BC, chance_BC, 0.0),

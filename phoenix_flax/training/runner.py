@@ -52,8 +52,8 @@ While a process trains a run directory it holds a lock on its `.lock` file (POSI
 written in it); a second process refuses that directory with `RunInUseError`, naming
 them. An `OSError` while writing a run's outputs (a full disk) stops it with
 `RunOutputError`, which says what to resume from. The TensorBoard events are flushed
-before every checkpoint and closed before `result.json` is written, so what a resumed or skipped run keeps of them
-is complete.
+before every checkpoint and closed before `result.json` is written, so what a resumed or
+skipped run keeps of them is complete.
 """
 
 from __future__ import annotations
