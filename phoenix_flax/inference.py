@@ -140,6 +140,13 @@ def _all_finite(x: Array) -> Array:
   return jnp.all(jnp.isfinite(x))
 
 
+@jax.jit
+def _mask_summary(mask: Array) -> tuple[Array, Array]:
+  """Whether a corpus mask holds only 0/1, and the items it keeps per row."""
+  rows = jnp.atleast_2d(mask)
+  return jnp.all((rows == 0) | (rows == 1)), jnp.count_nonzero(rows, axis=-1)
+
+
 def _check_finite(prefix: str, name: str, x) -> None:
   """Floats must be finite: one NaN embedding makes every score it reaches NaN (and a
   NaN corpus row tops every retrieval). A device array is reduced where it lives, so only
@@ -608,21 +615,30 @@ class RetrievalRunner:
     """Top-k corpus items per user by dot product. `corpus_mask` False excludes an item,
     `[N]` for every user or `[B, N]` per user (the posts each has seen, say): `top_k` may
     not exceed the items it keeps for any user (the model itself would fill the rest with
-    masked items at score -1e12, as the release does)."""
+    masked items at score -1e12, as the release does). A mask already on the device (a
+    `jax.Array`) is checked there and used as it is: only its per-user counts are read
+    back, where a host copy of a `[B, N]` mask would cross to the host and back each call."""
     if self.corpus_embeddings is None:
       raise ValueError("corpus is not set: call set_corpus(embeddings, post_ids) first")
     N = self.corpus_embeddings.shape[0]
     top_k = _count("top_k", top_k, 1, N, " (corpus size)")
     batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     if corpus_mask is not None:
-      mask = np.asarray(corpus_mask)
+      # A device mask ([B, N] can be large) is checked where it lives and stays there;
+      # only its per-user counts come to the host.
+      on_device = isinstance(corpus_mask, jax.Array)
+      mask = corpus_mask if on_device else np.asarray(corpus_mask)
       B = np.shape(batch.user_hashes)[0]
       if mask.shape not in ((N,), (B, N)):
         raise ValueError(f"corpus_mask has shape {mask.shape}, expected ({N},) or ({B}, {N}): "
                          "the corpus items, for every user or per user")
-      if mask.dtype != bool and not np.isin(mask, (0, 1)).all():
+      if on_device:
+        binary, kept_B = jax.device_get(_mask_summary(mask))
+      else:
+        binary = mask.dtype == bool or np.isin(mask, (0, 1)).all()
+        kept_B = np.count_nonzero(np.atleast_2d(mask), axis=-1)
+      if not binary:
         raise ValueError("corpus_mask must be boolean or 0/1")
-      kept_B = np.count_nonzero(np.atleast_2d(mask), axis=-1)
       if top_k > kept_B.min():
         who = "" if mask.ndim == 1 else f" for user {int(np.argmin(kept_B))}"
         raise ValueError(f"top_k={top_k} exceeds the {int(kept_B.min())} corpus items "

@@ -465,6 +465,16 @@ def test_retrieval_runner_retrieve(retriever, corpus):
   np.testing.assert_array_equal(masked.top_k_post_ids, np.asarray(ids_N)[masked.top_k_indices])
   as_ints = retriever.retrieve(batch, emb, top_k=10, corpus_mask=mask.astype(np.int32))
   np.testing.assert_array_equal(as_ints.top_k_indices, masked.top_k_indices)
+  # A device mask is checked on the device and goes to the model as it is, not copied.
+  sent = []
+  retrieve = retriever._retrieve
+  retriever._retrieve = lambda *args: sent.append(args[-1]) or retrieve(*args)
+  device_masks = (jnp.asarray(mask), jnp.asarray(mask, jnp.int32))
+  for device_mask in device_masks:
+    on_device = retriever.retrieve(batch, emb, top_k=10, corpus_mask=device_mask)
+    np.testing.assert_array_equal(on_device.top_k_indices, masked.top_k_indices)
+  assert sent[0] is device_masks[0] and isinstance(sent[1], jax.Array)
+  retriever._retrieve = retrieve
   # Per user: each user leaves out its own top 3.
   mask_BN = np.ones((3, 100), bool)
   mask_BN[np.arange(3)[:, None], idx[:, :3]] = False
@@ -536,13 +546,17 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
       runner.retrieve(batch, emb, top_k=5, corpus_mask=np.ones(shape, bool))
   few = np.zeros(100, bool)
   few[[4, 9]] = True
-  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps$"):
-    runner.retrieve(batch, emb, top_k=3, corpus_mask=few)
   per_user = np.ones((B, 100), bool)
   per_user[1, 2:] = False
-  with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask keeps "
-                                       "for user 1"):
-    runner.retrieve(batch, emb, top_k=3, corpus_mask=per_user)
+  for where in (np.asarray, jnp.asarray):   # a host mask, and one checked on the device
+    with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask "
+                                         "keeps$"):
+      runner.retrieve(batch, emb, top_k=3, corpus_mask=where(few))
+    with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask "
+                                         "keeps for user 1"):
+      runner.retrieve(batch, emb, top_k=3, corpus_mask=where(per_user))
+    with pytest.raises(ValueError, match="corpus_mask must be boolean or 0/1"):
+      runner.retrieve(batch, emb, top_k=3, corpus_mask=where(np.full(100, 2, np.int32)))
   with pytest.raises(ValueError, match=r"author_embeddings has shape \(4, 2, 32\), expected "
                      r"\[N >= 1, 2, 32\] \(N = 3"):
     runner.encode_corpus(np.zeros((3, 2, 32), np.float32), np.zeros((4, 2, 32), np.float32))
