@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig, _count
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings
 
 NUM_HASH_BUCKETS = 100_000
@@ -53,15 +53,16 @@ def example_batch(config: Config, batch_size: int, key: PRNGKeyArray, *,
   `num_candidates` of them (default `config.candidate_seq_len`). Timestamps and dwell
   times are filled when the config's post-age or dwell-time feature needs them. Hashes,
   surfaces, actions and timestamps are int32; the same key gives the same batch.
+  `batch_size` and `num_candidates` are integers >= 1 (NumPy integers too); raises
+  TypeError for another config type and ValueError for a bad size or `history_lengths`.
   """
   if not isinstance(config, (PhoenixModelConfig, PhoenixRetrievalModelConfig)):
     raise TypeError("config must be a PhoenixModelConfig or PhoenixRetrievalModelConfig, "
                     f"got {type(config).__name__}")
-  C = config.candidate_seq_len if num_candidates is None else num_candidates
-  if not isinstance(C, int) or C < 1:
-    raise ValueError(f"num_candidates={num_candidates!r} must be an integer >= 1")
-  if not isinstance(batch_size, int) or batch_size < 1:
-    raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1")
+  # (NumPy integers accepted, bools refused, as by the other public functions)
+  C = (config.candidate_seq_len if num_candidates is None
+       else _count("num_candidates", num_candidates, 1))
+  batch_size = _count("batch_size", batch_size, 1)
   rng = _rng(key)
   hc, B, S, D = config.hash_config, batch_size, config.history_seq_len, config.emb_size
   U, I, Au, A = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes, config.num_actions
@@ -100,11 +101,9 @@ def example_batch(config: Config, batch_size: int, key: PRNGKeyArray, *,
 
 
 def example_corpus(num_items: int, emb_size: int, key: PRNGKeyArray) -> tuple[Array, Array]:
-  """Unit-norm corpus embeddings `[N, D]` and distinct, shuffled int32 post ids `[N]`."""
-  if not isinstance(num_items, int) or num_items < 1:
-    raise ValueError(f"num_items={num_items!r} must be an integer >= 1")
-  if not isinstance(emb_size, int) or emb_size < 1:
-    raise ValueError(f"emb_size={emb_size!r} must be an integer >= 1")
+  """Unit-norm corpus embeddings `[N, D]` and distinct, shuffled int32 post ids `[N]`
+  (`N = num_items`, `D = emb_size`, integers >= 1, else ValueError)."""
+  num_items, emb_size = _count("num_items", num_items, 1), _count("emb_size", emb_size, 1)
   rng = _rng(key)
   emb_ND = rng.standard_normal((num_items, emb_size), np.float32)
   emb_ND /= np.linalg.norm(emb_ND, axis=-1, keepdims=True)

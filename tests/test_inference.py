@@ -117,6 +117,19 @@ def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):
   assert len(set(np.asarray(ids).tolist())) == 100
 
 
+def test_example_data_takes_numpy_integer_sizes_and_refuses_bools():
+  """Sizes hinted `int` accept NumPy integers (a sweep over `np.arange`), as the other
+  public functions do, and refuse a bool with a ValueError naming the argument."""
+  batch, _ = example_batch(RANKING, np.int64(2), jax.random.key(0), num_candidates=np.int32(3))
+  assert batch.candidate_post_hashes.shape[:2] == (2, 3)
+  emb, ids = example_corpus(np.int64(4), np.int32(8), jax.random.key(0))
+  assert emb.shape == (4, 8) and ids.shape == (4,)
+  with pytest.raises(ValueError, match="batch_size=True"):
+    example_batch(RANKING, True, jax.random.key(0))
+  with pytest.raises(ValueError, match="num_items=True"):
+    example_corpus(True, 8, jax.random.key(0))
+
+
 # ---------------------------------------------------------------------------- ranking
 
 
