@@ -54,6 +54,15 @@ def test_hash_tables_padding_is_zero_and_gets_no_gradient():
     HashEmbeddingTables(5, 1, 3, 4, key=jax.random.PRNGKey(0))
 
 
+def test_hash_tables_take_numpy_integer_sizes_and_refuse_an_empty_embedding():
+  """Bucket counts hinted `int` accept NumPy integers (as `hash_ids` does); a zero
+  `emb_size` built `[N, 0]` tables that looked up empty vectors without an error."""
+  tables = HashEmbeddingTables(np.int64(5), 7, np.int32(3), 4, key=jax.random.PRNGKey(0))
+  assert tables.user_table.shape == (5, 4) and tables.author_table.shape == (3, 4)
+  with pytest.raises(ValueError, match="emb_size=0"):
+    HashEmbeddingTables(5, 7, 3, 0, key=jax.random.PRNGKey(0))
+
+
 def test_retrieval_system_user_tower_needs_no_candidates():
   """The user tower reads no candidate field, so a context-only batch (as
   `RetrievalRunner.encode_user` sends) gives the same user vectors."""

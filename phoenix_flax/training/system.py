@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
-from phoenix_flax.config import PhoenixModelConfig, PhoenixRetrievalModelConfig
+from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig, _count,
+                                 _is_int)
 from phoenix_flax.features import lookup_hash_embeddings
 from phoenix_flax.inference import (_check_values, _field, check_left_aligned,
                                     validate_batch)
@@ -29,7 +30,11 @@ from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput
 
 
 class HashEmbeddingTables(eqx.Module):
-  """One `[buckets, D]` table per entity type; every hash function shares its type's table."""
+  """One `[buckets, D]` table per entity type; every hash function shares its type's table.
+
+  `*_buckets` are integers >= 2 (row 0 is padding, zero and never trained), `emb_size`
+  is D >= 1 and the rows are `N(0, init_scale**2)` float32; a bad value raises ValueError.
+  """
 
   user_table: Array
   post_table: Array
@@ -39,9 +44,10 @@ class HashEmbeddingTables(eqx.Module):
                emb_size: int, *, key: PRNGKeyArray, init_scale: float = 1.0):
     for name, n in (("user_buckets", user_buckets), ("post_buckets", post_buckets),
                     ("author_buckets", author_buckets)):
-      if not isinstance(n, int) or n < 2:
+      if not _is_int(n) or n < 2:   # (NumPy integers accepted, as `hash_ids` takes them)
         raise ValueError(f"{name}={n!r}: a table needs row 0 (padding) plus at least one "
                          "bucket")
+    emb_size = _count("emb_size", emb_size, 1)
     if not init_scale > 0:
       raise ValueError(f"init_scale={init_scale!r} must be > 0")
     ku, kp, ka = jax.random.split(key, 3)
