@@ -376,6 +376,9 @@ def test_make_placement_uses_the_visible_devices(caplog):
   assert make_placement(n, False).num_devices == n
   with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} devices"):
     make_placement(n + 1, False)
+  for bad in (0, -2, True, 1.0):   # (0 and -2 built a mesh over no or too few devices)
+    with pytest.raises(ConfigError, match=f"num_devices={bad!r} is invalid: must be -1"):
+      make_placement(bad, False)
 
 
 def test_a_multi_process_mesh_holds_every_device(monkeypatch):

@@ -21,6 +21,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from phoenix_flax.config import _is_int
 from phoenix_flax.training.schema import ConfigError
 
 DATA_AXIS = "data"
@@ -172,7 +173,14 @@ class Placement:
 
 
 def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
-  """A data-parallel mesh over the first `num_devices` devices (-1 = all; 1 = no mesh)."""
+  """A data-parallel mesh over the first `num_devices` devices (-1 = all; 1 = no mesh).
+
+  Raises `ConfigError` for a count that is not -1 or an integer >= 1, one above the
+  visible devices, or, with several processes, one that leaves out some of them."""
+  if not _is_int(num_devices) or not (num_devices >= 1 or num_devices == -1):
+    # (0 or -2 built a mesh over no devices, or over all but the last two)
+    raise ConfigError(f"config.mesh.num_devices={num_devices!r} is invalid: must be -1 (all "
+                      "devices) or an integer >= 1")
   devices = jax.devices()
   n = len(devices) if num_devices == -1 else num_devices
   if n > len(devices):
