@@ -62,11 +62,19 @@ CANDIDATE_EMBEDDING_FIELDS = tuple(f for f in RecsysEmbeddings._fields
 
 
 class RecsysModelOutput(NamedTuple):
+  """The ranking model's output: `logits` `[B, C, A]` per candidate and action (sigmoid
+  for probabilities; float32, the head's dtype, whatever `fprop_dtype` says) and, when
+  `num_continuous_actions` K > 0, `continuous` `[B, C, K]` in (0, 1) (else None)."""
+
   logits: Array                     # [B, C, A]
   continuous: Optional[Array] = None  # [B, C, K] in (0, 1), when the head is enabled
 
 
 class RetrievalOutput(NamedTuple):
+  """The retrieval model's output: unit-norm `user_representation` `[B, D]`, and per user
+  the `top_k_indices` `[B, K]` (int32 rows of the corpus) with their `top_k_scores`
+  `[B, K]` (dot products, best first; a masked item scores -1e12)."""
+
   user_representation: Array        # [B, D], unit norm
   top_k_indices: Array              # [B, K] int32 in [0, N)
   top_k_scores: Array               # [B, K], sorted descending
