@@ -192,6 +192,7 @@ class TransformerConfig:
 
   @property
   def ffn_size(self) -> int:
+    """`ffn_size(emb_size, widening_factor)`: the GeGLU block's hidden width."""
     return ffn_size(self.emb_size, self.widening_factor)
 
   def kv_cache_bytes(self, context_len: int, dtype: str = "float32") -> int:
@@ -317,6 +318,7 @@ class PhoenixModelConfig:
 
   @property
   def candidate_start_offset(self) -> int:
+    """Index of the first candidate in the sequence `[user | history | candidates]`."""
     return 1 + self.history_seq_len
 
   @property
@@ -339,6 +341,8 @@ class PhoenixModelConfig:
 
   @property
   def num_post_age_buckets(self) -> int:
+    """Rows of the post-age table, `4800 // post_age_granularity_mins + 2` (only with
+    the post-age feature on: a TypeError when `post_age_granularity_mins` is None)."""
     return POST_AGE_MAX_MINUTES // self.post_age_granularity_mins + 2
 
 

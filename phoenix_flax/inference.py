@@ -383,10 +383,12 @@ class RankingRunner:
 
   @classmethod
   def from_config(cls, config: PhoenixModelConfig, *, key: PRNGKeyArray) -> "RankingRunner":
+    """A runner of a freshly initialised `PhoenixModel(config, key=key)`."""
     return cls(PhoenixModel(config, key=key))
 
   @property
   def config(self) -> PhoenixModelConfig:
+    """The model's config."""
     return self.model.config
 
   def rank(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> RankingOutput:
@@ -555,10 +557,12 @@ class RetrievalRunner:
   @classmethod
   def from_config(cls, config: PhoenixRetrievalModelConfig, *, key: PRNGKeyArray
                   ) -> "RetrievalRunner":
+    """A runner of a freshly initialised `PhoenixRetrievalModel(config, key=key)`."""
     return cls(PhoenixRetrievalModel(config, key=key))
 
   @property
   def config(self) -> PhoenixRetrievalModelConfig:
+    """The model's config."""
     return self.model.config
 
   def encode_user(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> Array:

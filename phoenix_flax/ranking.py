@@ -208,6 +208,8 @@ class PhoenixModel(eqx.Module):
             jnp.concatenate([ctx_mask_BN, cand_mask_BC], axis=1), ctx_BND.shape[1])
 
   def context_positions(self, context_mask_BN: Array) -> Optional[Array]:
+    """RoPE positions `[B, 1+S]` of the context with `right_anchored_rope` (see
+    `right_anchored_rope_positions`); None otherwise (the sequence index)."""
     if not self.config.right_anchored_rope:
       return None
     return right_anchored_rope_positions(context_mask_BN, self.config.history_seq_len, 1)

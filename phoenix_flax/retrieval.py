@@ -53,6 +53,9 @@ class CandidateTower(eqx.Module):
       self.projection_1 = self.projection_2 = None
 
   def __call__(self, hash_embeddings_BCHD: Array) -> Array:
+    """Unit vectors `[B, C, D]` (float32) of float hash embeddings `[B, C, hashes, D]`;
+    `AssertionError` (chex) for another rank or an integer dtype, ValueError for
+    another D or, in MLP mode, another number of hashes than it was built for."""
     chex.assert_rank(hash_embeddings_BCHD, 4,
                      custom_message="CandidateTower input must be [B, C, hashes, D]")
     chex.assert_type(hash_embeddings_BCHD, float,

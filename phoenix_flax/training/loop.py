@@ -305,6 +305,8 @@ class Trainer:
   # -- state -------------------------------------------------------------------------
 
   def system(self, params: PyTree) -> System:
+    """The spec's system with `params` as its arrays (`TrainState.params`: one seed's
+    for a system of one model, stacked over seeds for a stack of them)."""
     return eqx.combine(params, self.static)
 
   def _init_one(self, seed_key: Array) -> TrainState:

@@ -31,6 +31,11 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   is the mean BCE per (candidate, action), the same scale as the log-loss metric. Padded
   candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
   their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
+
+  `action_weights_A` must be >= 0 with a positive sum (as `train.action_weights` is
+  checked): an action weighted below 0 is dropped from the sum like a 0 one but still
+  counts in `sum_a w_a`, so the formula above does not hold for it. Shapes are checked
+  with chex (an `AssertionError` naming the argument).
   """
   # Broadcasting would hide a wrong shape: a [B, 1] mask or a [1] weight vector gave a
   # loss on another scale (x C, x A) without an error.

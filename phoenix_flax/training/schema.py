@@ -187,10 +187,12 @@ class ExperimentSpec:
 
   @property
   def task(self) -> str:
+    """`config.task`: "ranking" or "retrieval"."""
     return self.config.task
 
   @property
   def seeds(self) -> tuple[int, ...]:
+    """The seeds trained: `config.num_seeds` of them from `config.seed` on."""
     return tuple(range(self.config.seed, self.config.seed + self.config.num_seeds))
 
 

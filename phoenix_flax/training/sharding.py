@@ -117,6 +117,7 @@ class Placement:
 
   @property
   def num_devices(self) -> int:
+    """Devices of the mesh (1 without one)."""
     return 1 if self.mesh is None else self.mesh.size
 
   def _state_sharding(self, path, leaf, seed_axis: bool) -> NamedSharding:
@@ -143,6 +144,7 @@ class Placement:
     return jax.tree_util.tree_map_with_path(place, tree)
 
   def replicate(self, tree: Any) -> Any:
+    """`tree` copied whole to every device of the mesh (unchanged without one)."""
     if self.mesh is None:
       return tree
     return jax.device_put(tree, NamedSharding(self.mesh, P()))

@@ -96,6 +96,7 @@ class RankingSystem(eqx.Module):
     return self.model.forward(batch, self.tables(batch))
 
   def __call__(self, batch: RecsysBatch) -> Array:
+    """Logits `[B, C, A]` of the batch's candidates (`forward` without diagnostics)."""
     return self.forward(batch)[0].logits
 
 
