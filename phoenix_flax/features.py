@@ -30,7 +30,10 @@ def single_hot_embedding(ids: Array, table_VD: Array) -> Array:
 def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
                             granularity_mins: int = 60) -> Array:
   """Age bucket `minutes // g + 1`, clipped to `[0, 4800 // g + 1]`; 0 when a timestamp
-  is missing (0) or the post is newer than the impression. int32."""
+  is missing (0) or the post is newer than the impression. int32, of the broadcast shape
+  of the two timestamp arrays (integer seconds since the epoch, e.g. `[B, 1]` and
+  `[B, C]`). Raises ValueError for float timestamps, concrete ones beyond int32
+  (milliseconds) or a `granularity_mins` that is not an integer >= 1."""
   # (a negative one clipped every bucket to a negative id, which embeds as zeros)
   _count("granularity_mins", granularity_mins, 1)
   for name, ts in (("impression_ts", impression_ts), ("post_ts", post_ts)):
