@@ -452,7 +452,7 @@ def test_retrieval_runner_encode_user(retriever):
   np.testing.assert_allclose(np.linalg.norm(user, axis=-1), 1.0, rtol=1e-5)
 
 
-def test_retrieval_runner_retrieve(retriever, corpus):
+def test_retrieval_runner_retrieve(retriever, corpus, monkeypatch):
   corpus_ND, ids_N = corpus
   batch, emb = _batch(RETRIEVAL, batch_size=3)
   retriever.set_corpus(corpus_ND, ids_N)
@@ -481,13 +481,13 @@ def test_retrieval_runner_retrieve(retriever, corpus):
   # A device mask is checked on the device and goes to the model as it is, not copied.
   sent = []
   retrieve = retriever._retrieve
-  retriever._retrieve = lambda *args: sent.append(args[-1]) or retrieve(*args)
   device_masks = (jnp.asarray(mask), jnp.asarray(mask, jnp.int32))
-  for device_mask in device_masks:
-    on_device = retriever.retrieve(batch, emb, top_k=10, corpus_mask=device_mask)
-    np.testing.assert_array_equal(on_device.top_k_indices, masked.top_k_indices)
+  with monkeypatch.context() as m:   # the fixture is shared: undone even if a check fails
+    m.setattr(retriever, "_retrieve", lambda *args: sent.append(args[-1]) or retrieve(*args))
+    for device_mask in device_masks:
+      on_device = retriever.retrieve(batch, emb, top_k=10, corpus_mask=device_mask)
+      np.testing.assert_array_equal(on_device.top_k_indices, masked.top_k_indices)
   assert sent[0] is device_masks[0] and isinstance(sent[1], jax.Array)
-  retriever._retrieve = retrieve
   # Per user: each user leaves out its own top 3.
   mask_BN = np.ones((3, 100), bool)
   mask_BN[np.arange(3)[:, None], idx[:, :3]] = False
