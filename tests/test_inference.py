@@ -456,6 +456,7 @@ def test_retrieval_runner_retrieve(retriever, corpus, monkeypatch):
   corpus_ND, ids_N = corpus
   batch, emb = _batch(RETRIEVAL, batch_size=3)
   retriever.set_corpus(corpus_ND, ids_N)
+  traces = retriever.trace_counts["retrieve"]   # the fixture is shared with other tests
   out = retriever.retrieve(batch, emb, top_k=10)
   assert out.user_representation.shape == (3, 32)
   assert out.top_k_indices.shape == out.top_k_scores.shape == out.top_k_post_ids.shape == (3, 10)
@@ -465,8 +466,10 @@ def test_retrieval_runner_retrieve(retriever, corpus, monkeypatch):
   np.testing.assert_array_equal(out.top_k_post_ids, np.asarray(ids_N)[idx])
   all_scores = np.asarray(out.user_representation) @ np.asarray(corpus_ND).T
   np.testing.assert_allclose(scores, np.sort(all_scores, axis=1)[:, ::-1][:, :10], atol=1e-5)
+  traced = retriever.trace_counts["retrieve"]
+  assert traced <= traces + 1                    # at most one trace for this shape ...
   retriever.retrieve(batch, emb, top_k=10)
-  assert retriever.trace_counts["retrieve"] == 1
+  assert retriever.trace_counts["retrieve"] == traced   # ... and none when called again
 
   found = retriever.retrieve(batch, emb, top_k=np.int64(10))
   np.testing.assert_array_equal(found.top_k_indices, out.top_k_indices)
