@@ -84,7 +84,7 @@ from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, Experim
                                           check_config, default_fprop_dtype, flatten, hparams,
                                           parse_config, seed_config, with_defaults)
 from phoenix_flax.training.sharding import (TABLE_FIELDS, Placement, initialize_from,
-                                            make_placement, to_host)
+                                            make_placement, table_of, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
                                            read_metrics, remove_temporaries, write_json)
 
@@ -443,8 +443,7 @@ def check_memory(spec: ExperimentSpec, placement: Placement) -> None:
   model = 0
   for path, x in jax.tree_util.tree_flatten_with_path(one)[0]:
     size = seeds * _bytes(x)
-    table = next((f for f in TABLE_FIELDS
-                  if any(getattr(k, "name", None) == f for k in path)), None)
+    table = table_of(path)
     if table is None:
       model += size
     else:

@@ -104,8 +104,10 @@ def _signals_end_the_process() -> Iterator[None]:
       signal.signal(s, handler)
 
 
-def _is_table(path) -> bool:
-  return any(getattr(k, "name", None) in TABLE_FIELDS for k in path)
+def table_of(path) -> Optional[str]:
+  """The hash table (a `TABLE_FIELDS` name) a state leaf's path belongs to (the table
+  itself or one of its optimizer moments), or None."""
+  return next((k.name for k in path if getattr(k, "name", None) in TABLE_FIELDS), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Placement:
   def _state_sharding(self, path, leaf, seed_axis: bool) -> NamedSharding:
     """A state leaf's layout: replicated, or a table sharded by rows (after the seed axis
     of a seed-stacked state)."""
-    if self.shard_hash_tables and _is_table(path) and getattr(leaf, "ndim", 0) >= 2:
+    if self.shard_hash_tables and table_of(path) and getattr(leaf, "ndim", 0) >= 2:
       return NamedSharding(self.mesh, P(None, DATA_AXIS) if seed_axis else P(DATA_AXIS))
     return NamedSharding(self.mesh, P())
 
