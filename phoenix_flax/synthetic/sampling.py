@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from phoenix_flax.config import _is_int
+from phoenix_flax.config import _count
 from phoenix_flax.synthetic.config import SplitConfig
 from phoenix_flax.synthetic.world import (World, _float32, history_weights, ids_in_topic,
                                           mix_interest, random_blocks, true_logits,
@@ -103,11 +103,10 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   bit for bit between jitted calls (an eager call rounds a few values differently)."""
   if not isinstance(split, SplitConfig):
     raise TypeError(f"split must be a SplitConfig, got {type(split).__name__}")
-  if not _is_int(batch_size) or batch_size < 1:
-    raise ValueError(f"batch_size={batch_size!r} is invalid: must be an integer >= 1")
+  batch_size = _count("batch_size", batch_size, 1)
   c = world.cfg
   max_history, C = split.resolve(c)
-  B, S, T, P = int(batch_size), c.history_len, c.num_topics, c.num_posts
+  B, S, T, P = batch_size, c.history_len, c.num_topics, c.num_posts
   V, A = c.product_surface_vocab_size, c.num_actions
   # As in `make_world`: a new random quantity takes a key of its own, so that the batches
   # of existing configs stay as they are.

@@ -31,8 +31,8 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   """
   scores_N = jnp.asarray(scores_N, jnp.float32)
   mask_N = jnp.asarray(mask_N, bool)
-  pos_N = mask_N & is_positive(labels_N)
-  neg_N = mask_N & ~is_positive(labels_N)
+  positive_N = is_positive(labels_N)
+  pos_N, neg_N = mask_N & positive_N, mask_N & ~positive_N
   n_pos, n_neg = jnp.sum(pos_N), jnp.sum(neg_N)
   sorted_neg_N = jnp.sort(jnp.where(neg_N, scores_N, jnp.inf))
   below_N = jnp.searchsorted(sorted_neg_N, scores_N, side="left")
