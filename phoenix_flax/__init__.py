@@ -16,3 +16,14 @@ from phoenix_flax.transformer import ContextCache, Transformer
 from phoenix_flax.types import RecsysBatch, RecsysEmbeddings, RecsysModelOutput, RetrievalOutput
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ACTIONS", "CandidateTower", "ContextCache", "HashConfig", "NEGATIVE_ACTIONS", "NormConfig",
+    "PhoenixModel", "PhoenixModelConfig", "PhoenixRetrievalModel",
+    "PhoenixRetrievalModelConfig", "RankingOutput", "RankingRunner", "RecsysBatch",
+    "RecsysEmbeddings", "RecsysModelOutput", "RetrievalOutput", "RetrievalResult",
+    "RetrievalRunner", "Transformer", "TransformerConfig",
+    "compute_post_age_bucket", "example_batch", "example_corpus", "ffn_size", "haiku_compat",
+    "hash_ids", "lookup_hash_embeddings", "make_recsys_attn_mask", "normalize_continuous_value",
+    "right_anchored_rope_positions", "validate_batch", "weighted_score",
+]
