@@ -82,6 +82,41 @@ def test_links_in_the_readme_and_docs_resolve():
       assert (ROOT / named).exists(), f"{page.relative_to(ROOT)} names {named}"
 
 
+def _headings(page: pathlib.Path) -> set[str]:
+  """The heading texts of a Markdown page (a `#` line inside a fenced block is code)."""
+  found, fenced = set(), False
+  for line in page.read_text(encoding="utf-8").splitlines():
+    fenced = fenced != line.startswith("```")
+    if not fenced and re.match(r"#+ ", line):
+      found.add(line.lstrip("#").strip())
+  return found
+
+
+def test_sections_named_beside_a_page_exist():
+  """A reference to a section of another page, `[page](page.md), "Section"`,
+  `docs/page.md, "Section"` or `"Section" in [page](page.md)` (README: `README,
+  "Section"`), names a heading that page has, so renaming a section cannot leave the
+  pages pointing at nothing."""
+  pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+  page_ref = r"(?:\]\(([\w./-]+\.md)\)|\b((?:[\w]+/)*[\w]+\.md|README)\b)"
+  checked = 0
+  for page in pages:
+    text = re.sub(r"\s*\n\s*", " ", page.read_text(encoding="utf-8"))
+    refs = [(m.group(1) or m.group(2), m.group(3))
+            for m in re.finditer(page_ref + r",? \"([^\"]+)\"", text)]
+    refs += [(m.group(2) or m.group(3), m.group(1))
+             for m in re.finditer(r"\"([^\"]+)\" in \[?" + page_ref, text)]
+    for target, section in refs:
+      path = next((p for p in (ROOT / "README.md" if target == "README" else None,
+                               page.parent / target, ROOT / target, ROOT / "docs" / target)
+                   if p is not None and p.is_file()), None)
+      where = f"{page.relative_to(ROOT)} names {target}, \"{section}\""
+      assert path is not None, where + ", a page that does not exist"
+      assert section in _headings(path), where + ", a section that page does not have"
+      checked += 1
+  assert checked >= 20, checked
+
+
 def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
   """The Training section's snippet, on the smoke run its commands train into runs/smoke."""
   section = _section("## Training on the synthetic world")
