@@ -117,6 +117,53 @@ def test_sections_named_beside_a_page_exist():
   assert checked >= 20, checked
 
 
+_ABSL_FLAGS = {"help", "helpfull", "helpshort", "helpxml", "flagfile", "undefok", "verbosity",
+               "logtostderr", "alsologtostderr", "log_dir", "only_check_args"}
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+  """Every `python -m experiments.<m>` / `ablations.<m>` command of README.md and
+  docs/*.md, as (page, command): the lines of code blocks, and backquoted spans of the
+  prose (which may wrap)."""
+  found = []
+  for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    text = page.read_text(encoding="utf-8")
+    blocks = re.findall(r"```[a-z]*\n(.*?)```", text, re.S)
+    prose = re.sub(r"\s*\n\s*", " ", re.sub(r"```[a-z]*\n.*?```", "", text, flags=re.S))
+    for part in [line for block in blocks for line in block.splitlines()] + re.findall(
+        r"`([^`]+)`", prose):
+      found += [(page.name, command) for command in re.findall(
+          r"python -m ((?:experiments|ablations)\.(?:\w+|<name>)(?:(?! \| | && |;)[^`])*)",
+          part)]
+  return found
+
+
+def test_documented_commands_use_flags_their_module_defines():
+  """Each flag of a documented `python -m experiments.<m>` or `ablations.<m>` command
+  (`--config.<path>` overrides aside) is defined by that module or by a module of this
+  repository it imports (`ablations/sweep.py` for the ablation scripts), so a renamed or
+  removed flag cannot stay in the docs."""
+  commands = _documented_commands()
+  assert len(commands) >= 30, commands
+  for page, command in commands:
+    module, *args = command.split()
+    path = ROOT / (module.replace(".", "/") + ".py")
+    if "<" in module:
+      path = ROOT / "ablations" / "sweep.py"
+    assert path.is_file(), f"{page}: `python -m {module}`: no {path.relative_to(ROOT)}"
+    source = path.read_text(encoding="utf-8")
+    for local in re.findall(r"^from ((?:experiments|ablations)[\w.]*) import ([\w, ]+)",
+                            source, re.M):
+      for name in [local[0].replace(".", "/")] + [
+          f"{local[0]}/{n.strip()}".replace(".", "/") for n in local[1].split(",")]:
+        if (ROOT / f"{name}.py").is_file():
+          source += (ROOT / f"{name}.py").read_text(encoding="utf-8")
+    defined = set(re.findall(r"DEFINE_\w+\(\s*\"(\w+)\"", source)) | _ABSL_FLAGS
+    for flag in re.findall(r"(?<![\w-])--(\w+)(?![.\w])", " ".join(args)):
+      assert flag in defined or (flag.startswith("no") and flag[2:] in defined), (
+          f"{page}: `python -m {module}` is given --{flag}, which it does not define")
+
+
 def test_loading_a_trained_run_works_as_written(tmp_path, monkeypatch):
   """The Training section's snippet, on the smoke run its commands train into runs/smoke."""
   section = _section("## Training on the synthetic world")
