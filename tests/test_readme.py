@@ -1,6 +1,6 @@
 """The README's usage examples (and its snippet that loads a trained run) and the
 quickstart demo run as written, and its Performance table reads the committed benchmark
-JSON."""
+JSON; the links, section names and command flags of README.md and docs/*.md exist."""
 
 import ast
 import contextlib
