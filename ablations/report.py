@@ -12,9 +12,15 @@ import math
 import os
 from typing import Callable, Mapping, Optional, Sequence
 
-import matplotlib
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+try:
+  import matplotlib
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import MaxNLocator
+except ImportError as e:  # matplotlib comes with the [ablations] extra, not the core
+  _missing = isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "matplotlib"
+  raise ImportError(
+      "the ablation scripts need matplotlib (REPORT.md's plots): pip install -e '.[ablations]'"
+      + ("" if _missing else f"; importing the installed matplotlib failed: {e}")) from e
 
 from phoenix_flax.training.runner import seed_dir
 from phoenix_flax.training.writers import atomic_file, read_metrics

@@ -1131,3 +1131,19 @@ def test_sweep_files_are_written_by_process_zero_only(tmp_path, monkeypatch):
   monkeypatch.setattr(jax, "process_index", lambda *args, **kwargs: 0)
   sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3, runner=fake_runner()).run()
   assert {"results.json", "REPORT.md"} <= set(os.listdir(tmp_path))
+
+
+def test_ablations_without_matplotlib_name_the_extra():
+  """A core install (`pip install phoenix_flax` or `-e .`, no `[ablations]`) running an
+  ablation script gets an ImportError naming the extra, not a bare ModuleNotFoundError."""
+  code = ("import sys\n"
+          "sys.modules['matplotlib'] = None\n"
+          "try:\n"
+          "  import ablations.candidate_isolation\n"
+          "except ImportError as e:\n"
+          "  print('ImportError:', e)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("ImportError: the ablation scripts need matplotlib (REPORT.md's plots): "
+          "pip install -e '.[ablations]'") in proc.stdout, proc.stdout
