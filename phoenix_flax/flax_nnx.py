@@ -58,7 +58,7 @@ except ImportError as e:  # flax is an optional extra
       + ("" if _missing else f"; importing the installed flax failed: {e}")) from e
 if not hasattr(nnx.Variable, "get_value"):   # the Variable API of flax 0.12.8
   raise ImportError(f"phoenix_flax.flax_nnx needs flax>=0.12.8, found {flax.__version__}: "
-                    "pip install -U -e '.[flax]'")
+                    "pip install -U -e '.[flax]' (or pip install -U 'phoenix_flax[flax]')")
 
 import functools
 import inspect
