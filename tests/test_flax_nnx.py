@@ -369,7 +369,6 @@ def test_import_error_names_the_extra_and_core_import_needs_no_flax():
           "(or pip install 'phoenix_flax[flax]')") in proc.stdout
 
 
-
 def test_import_error_for_an_old_flax_names_both_install_commands():
   """An installed flax without the 0.12.8 Variable API: the error says how to upgrade from
   a clone and from an installed package (no clone to run `-e .` in)."""
@@ -388,6 +387,7 @@ def test_import_error_for_an_old_flax_names_both_install_commands():
   assert ("ImportError: phoenix_flax.flax_nnx needs flax>=0.12.8, found 0.10.0: "
           "pip install -U -e '.[flax]' (or pip install -U 'phoenix_flax[flax]')"
           in proc.stdout), proc.stdout
+
 
 class _Scaler(eqx.Module):
   """A module with no named wrapper: a float weight and an integer table."""
