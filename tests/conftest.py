@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Optional, Sequence
@@ -46,14 +47,40 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
+_KNOWN_QUICK_ENV = "PHOENIX_FLAX_TEST_QUICK_FLAGS"
+
+
+def _xla_starts_with(flags: Sequence[str]) -> bool:
+  """Whether a CPU backend starts in a fresh process with XLA_FLAGS set to `flags`."""
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        timeout=300).returncode == 0
+
+
+def known_quick_flags() -> list[str]:
+  """The quick-compile flags this jaxlib's XLA knows. XLA ends the process when a backend
+  starts with an unknown XLA_FLAGS entry, and jaxlib 0.12 no longer knows
+  `--xla_cpu_use_fusion_emitters`: with it the session died at collection with no message
+  (the fatal log went to pytest's captured stderr). Each flag is tried in a subprocess the
+  first time; the answer goes into the environment, where workers and subprocesses find
+  it."""
+  if _KNOWN_QUICK_ENV not in os.environ:
+    known = (list(_QUICK_FLAGS) if _xla_starts_with(_QUICK_FLAGS)
+             else [flag for flag in _QUICK_FLAGS if _xla_starts_with([flag])])
+    os.environ[_KNOWN_QUICK_ENV] = " ".join(known)
+  return os.environ[_KNOWN_QUICK_ENV].split()
+
+
 def quick_xla_flags(*flags: str) -> str:
   """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, the quick-compile
-  flags it does not set already (unless PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
+  flags that this jaxlib knows and it does not set already (unless
+  PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
   current = os.environ.get("XLA_FLAGS", "")
   quick = []
   if os.environ.get(OPTIMIZED_ENV) != "1":
     named = {flag.split("=", 1)[0] for flag in current.split()}
-    quick = [flag for flag in _QUICK_FLAGS if flag.split("=", 1)[0] not in named]
+    quick = [flag for flag in known_quick_flags() if flag.split("=", 1)[0] not in named]
   return " ".join(filter(None, [current, *quick, *flags]))
 
 
@@ -116,7 +143,8 @@ def pytest_configure(config):
     raise pytest.UsageError("tests/conftest.py: a JAX backend started before the session "
                             "set XLA_FLAGS")
   config.phoenix_flax_saved_env = {name: os.environ.get(name) for name in
-                                   ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", *_CACHE_ENV)}
+                                   ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
+                                    _KNOWN_QUICK_ENV, *_CACHE_ENV)}
   os.environ["XLA_FLAGS"] = quick_xla_flags()
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return

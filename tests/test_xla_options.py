@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import conftest
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax import xla_options
 from phoenix_flax.training import Trainer, parse_config
@@ -79,3 +80,19 @@ def test_filter_jit_runs_nested_under_other_traces(clean_env):
   trainer = Trainer(parse_config(ranking_configs.get_config("smoke")))
   shapes = jax.eval_shape(trainer.init, [0])       # as ablations/sweep.py's load_systems does
   assert shapes.step.shape == (1,)
+
+
+def test_session_passes_only_the_quick_compile_flags_this_jaxlib_knows(monkeypatch):
+  """An unknown XLA_FLAGS entry ends the process when a backend starts (jaxlib 0.12 dropped
+  `--xla_cpu_use_fusion_emitters`, one of the test session's quick-compile flags), so
+  tests/conftest.py passes only the flags its subprocess probe found known."""
+  unknown = "--xla_phoenix_flax_no_such_flag=true"
+  monkeypatch.setattr(conftest, "_QUICK_FLAGS", (*conftest._QUICK_FLAGS, unknown))
+  monkeypatch.delenv(conftest._KNOWN_QUICK_ENV, raising=False)
+  monkeypatch.delenv(conftest.OPTIMIZED_ENV, raising=False)
+  monkeypatch.setenv("XLA_FLAGS", "")
+  flags = conftest.quick_xla_flags().split()
+  assert unknown not in flags
+  assert "--xla_backend_optimization_level=0" in flags     # known to every jaxlib >= 0.6
+  assert conftest._xla_starts_with(flags)
+  assert not conftest._xla_starts_with([unknown])
