@@ -212,7 +212,11 @@ def test_isolated_path_matches_dense_and_chunks():
   np.testing.assert_allclose(jnp.where(valid[:, :OFFSET], ctx.embeddings, 0),
                              jnp.where(valid[:, :OFFSET], dense[:, :OFFSET], 0), atol=1e-5)
   np.testing.assert_allclose(whole.embeddings, dense[:, OFFSET:], atol=1e-5)
-  np.testing.assert_allclose(chunked, whole.embeddings, atol=rounding(1e-6))
+  # Chunks are other matmul shapes, which may round differently: equal on jaxlib 0.10.2,
+  # 1.7e-6 apart on jaxlib 0.12's XLA:CPU (2.3 float32 ulps of the largest |embedding|,
+  # past the former atol=1e-6); tests/test_ranking.py allows 16 such ulps.
+  ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(whole.embeddings))))
+  assert max_abs_diff(chunked, whole.embeddings) <= 16 * ulp
 
 
 def test_softmax_skips_the_row_max_only_where_the_cap_allows():
