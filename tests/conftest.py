@@ -93,6 +93,18 @@ def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
 
 
+def import_error(module: str, prelude: str = "") -> str:
+  """Run `prelude` (which hides or fakes a dependency), then `import module`, in a fresh
+  interpreter at the repository root on CPU; the stdout, with the ImportError, if one was
+  raised, printed as `ImportError: <message>`."""
+  code = (f"{prelude}try:\n  import {module}\n"
+          "except ImportError as e:\n  print('ImportError:', e)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
 def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 300,
                 stop_on_failure: bool = False) -> list[tuple[int, str]]:
   """Runs the commands at once from the repository and returns each one's (return code,

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
 from ablations import analysis, report, run_all, stats, sweep
-from conftest import REPO
+from conftest import REPO, import_error
 from phoenix_flax.training import provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
@@ -1136,14 +1136,7 @@ def test_sweep_files_are_written_by_process_zero_only(tmp_path, monkeypatch):
 def test_ablations_without_matplotlib_name_the_extra():
   """A core install (`pip install phoenix_flax` or `-e .`, no `[ablations]`) running an
   ablation script gets an ImportError naming the extra, not a bare ModuleNotFoundError."""
-  code = ("import sys\n"
-          "sys.modules['matplotlib'] = None\n"
-          "try:\n"
-          "  import ablations.candidate_isolation\n"
-          "except ImportError as e:\n"
-          "  print('ImportError:', e)\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = import_error("ablations.candidate_isolation",
+                     "import sys\nsys.modules['matplotlib'] = None\n")
   assert ("ImportError: the ablation scripts need matplotlib (REPORT.md's plots): "
-          "pip install -e '.[ablations]'") in proc.stdout, proc.stdout
+          "pip install -e '.[ablations]'") in out, out

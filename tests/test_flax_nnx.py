@@ -5,9 +5,6 @@ ImportError that names the `flax` extra."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -15,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import forward, ranking_config, retrieval_config, transformer_config
+from conftest import forward, import_error, ranking_config, retrieval_config, transformer_config
 
 import phoenix_flax as pf
 from experiments.configs import ranking as ranking_configs
@@ -32,7 +29,6 @@ except ImportError:  # the core install: only the ImportError test runs
   nnx = None
 
 needs_flax = pytest.mark.skipif(nnx is None, reason="needs the flax extra")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Non-default switches: right-anchored RoPE, no cap, pre-norm, GQA 4:1, causal candidates
 # (dense path); and cap 10, post-norm, 4:4 heads, isolation (fast path), bfloat16, with
@@ -350,43 +346,28 @@ def test_orbax_restores_model_and_optimizer_exactly(spec, trained, tmp_path):
 
 
 def test_import_error_names_the_extra_and_core_import_needs_no_flax():
-  code = (
+  out = import_error("phoenix_flax.flax_nnx", (
       "import sys\n"
       "import phoenix_flax, phoenix_flax.training\n"
       "print('flax imported:', any(m == 'flax' or m.startswith('flax.') for m in sys.modules))\n"
       "print('flax_nnx imported:', 'phoenix_flax.flax_nnx' in sys.modules)\n"
-      "sys.modules['flax'] = None\n"
-      "try:\n"
-      "  import phoenix_flax.flax_nnx\n"
-      "except ImportError as e:\n"
-      "  print('ImportError:', e)\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "flax imported: False" in proc.stdout
-  assert "flax_nnx imported: False" in proc.stdout
+      "sys.modules['flax'] = None\n"))
+  assert "flax imported: False" in out
+  assert "flax_nnx imported: False" in out
   assert ("ImportError: phoenix_flax.flax_nnx needs Flax: pip install -e '.[flax]' "
-          "(or pip install 'phoenix_flax[flax]')") in proc.stdout
+          "(or pip install 'phoenix_flax[flax]')") in out
 
 
 def test_import_error_for_an_old_flax_names_both_install_commands():
   """An installed flax without the 0.12.8 Variable API: the error says how to upgrade from
   a clone and from an installed package (no clone to run `-e .` in)."""
-  code = (
+  out = import_error("phoenix_flax.flax_nnx", (
       "import sys, types\n"
       "flax = types.ModuleType('flax'); flax.__version__ = '0.10.0'\n"
       "flax.nnx = types.ModuleType('flax.nnx'); flax.nnx.Variable = type('Variable', (), {})\n"
-      "sys.modules['flax'] = flax; sys.modules['flax.nnx'] = flax.nnx\n"
-      "try:\n"
-      "  import phoenix_flax.flax_nnx\n"
-      "except ImportError as e:\n"
-      "  print('ImportError:', e)\n")
-  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                        text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  assert proc.returncode == 0, proc.stderr[-3000:]
+      "sys.modules['flax'] = flax; sys.modules['flax.nnx'] = flax.nnx\n"))
   assert ("ImportError: phoenix_flax.flax_nnx needs flax>=0.12.8, found 0.10.0: "
-          "pip install -U -e '.[flax]' (or pip install -U 'phoenix_flax[flax]')"
-          in proc.stdout), proc.stdout
+          "pip install -U -e '.[flax]' (or pip install -U 'phoenix_flax[flax]')" in out), out
 
 
 class _Scaler(eqx.Module):
