@@ -19,14 +19,19 @@ from phoenix_flax import haiku_compat
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _lines(page: pathlib.Path):
+  """Each line of a Markdown page (newline kept) and whether it is a heading: a `#` line
+  inside a fenced code block is code, not a heading."""
+  fenced = False
+  for line in page.read_text(encoding="utf-8").splitlines(keepends=True):
+    fenced = fenced != line.startswith("```")
+    yield line, not fenced and re.match(r"#+ ", line) is not None
+
+
 def _section(title: str) -> str:
-  """The README's text under the heading `title`, up to the next heading of any level
-  (a `#` line inside a fenced code block is code, not a heading)."""
-  lines, found, fenced = [], False, False
-  for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines(keepends=True):
-    if line.startswith("```"):
-      fenced = not fenced
-    heading = not fenced and re.match(r"#+ ", line)
+  """The README's text under the heading `title`, up to the next heading of any level."""
+  lines, found = [], False
+  for line, heading in _lines(ROOT / "README.md"):
     if found and heading:
       break
     if found:
@@ -83,13 +88,8 @@ def test_links_in_the_readme_and_docs_resolve():
 
 
 def _headings(page: pathlib.Path) -> set[str]:
-  """The heading texts of a Markdown page (a `#` line inside a fenced block is code)."""
-  found, fenced = set(), False
-  for line in page.read_text(encoding="utf-8").splitlines():
-    fenced = fenced != line.startswith("```")
-    if not fenced and re.match(r"#+ ", line):
-      found.add(line.lstrip("#").strip())
-  return found
+  """The heading texts of a Markdown page."""
+  return {line.lstrip("#").strip() for line, heading in _lines(page) if heading}
 
 
 def test_sections_named_beside_a_page_exist():
