@@ -22,14 +22,11 @@ setup(
     # and numpy 2, which flax 0.12.8 requires. Below these floors matplotlib needs
     # numpy < 2, tensorboard's stub uses `np.string_` (gone in numpy 2), dm-haiku uses
     # `jax.lib.xla_extension` and orbax `jax.experimental.layout.DeviceLocalLayout`.
-    # The ceiling: with jax/jaxlib 0.11.2 and 0.12.0.1 (Python 3.13; jax 0.11 and later
-    # need Python >= 3.12, so 3.11 resolves 0.10.2) every full run of the suite lost an
-    # xdist worker to a crash inside XLA:CPU (segmentation fault or abort while compiling,
-    # or reading or writing the compilation cache), with or without the persistent cache
-    # and with XLA's default compile options; 0.10.2 passes on Python 3.11 and 3.13.
-    # docs/testing.md, "Newer Pythons and jax", has the runs.
+    # No ceiling: jax 0.11 and 0.12 (Python >= 3.12) pass the suite since 80716d6, whose
+    # fix of the test session (not of the package) docs/testing.md, "Newer Pythons and
+    # jax", explains.
     install_requires=[
-        "jax>=0.6.0,<0.11",
+        "jax>=0.6.0",
         "equinox>=0.11.11",
         "jaxtyping>=0.2.34",
         "optax>=0.2.5",
