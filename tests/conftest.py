@@ -188,25 +188,25 @@ def _release_compiled_programs():
   default: a process that kept the whole suite's programs would reach that, and jaxlib then
   crashes (a segmentation fault or abort while compiling or (de)serialising a program). Each
   of the two xdist workers held about 51,000 mappings at the end of a full run before this
-  fixture, and a single process running most of the suite crashed at 64,935. A program
-  needed again in another file is loaded from the session's persistent cache.
+  fixture, and a single process running most of the suite reached 64,935 and crashed. A
+  program needed again in another file is loaded from the session's persistent cache.
 
-  A file whose own programs take over `MAPPINGS_SHARE` of the limit fails here, naming
+  A file whose own programs take over `_MAPPINGS_SHARE` of the limit fails here, naming
   itself, before a growing file crashes a worker with no message."""
   yield
-  held, limit = memory_mappings()
+  held, limit = _memory_mappings()
   jax.clear_caches()
-  if limit and held > MAPPINGS_SHARE * limit:
+  if limit and held > _MAPPINGS_SHARE * limit:
     pytest.fail(f"this test file left the process holding {held:,} memory mappings, over "
-                f"{MAPPINGS_SHARE:.0%} of vm.max_map_count ({limit:,}), at which jaxlib "
+                f"{_MAPPINGS_SHARE:.0%} of vm.max_map_count ({limit:,}), at which jaxlib "
                 "crashes: split the file, or call jax.clear_caches() within it",
                 pytrace=False)
 
 
-MAPPINGS_SHARE = 0.75
+_MAPPINGS_SHARE = 0.75
 
 
-def memory_mappings() -> tuple[int, Optional[int]]:
+def _memory_mappings() -> tuple[int, Optional[int]]:
   """(mappings this process holds, vm.max_map_count); (0, None) where /proc has neither."""
   try:
     with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
