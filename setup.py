@@ -22,9 +22,9 @@ setup(
     # and numpy 2, which flax 0.12.8 requires. Below these floors matplotlib needs
     # numpy < 2, tensorboard's stub uses `np.string_` (gone in numpy 2), dm-haiku uses
     # `jax.lib.xla_extension` and orbax `jax.experimental.layout.DeviceLocalLayout`.
-    # No ceiling: jax 0.12.0.1 (Python 3.13) passes the suite since 80716d6, whose fix of
-    # the test session (not of the package) docs/testing.md, "Newer Pythons and jax",
-    # explains.
+    # No ceiling: since 80716d6 the suite passes on jax 0.11.2 (Python 3.12) and 0.12.0.1
+    # (Python 3.12 and 3.13); docs/testing.md, "Newer Pythons and jax", explains that fix
+    # of the test session (not of the package).
     install_requires=[
         "jax>=0.6.0",
         "equinox>=0.11.11",
