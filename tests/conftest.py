@@ -3,6 +3,7 @@ test session's XLA settings."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -91,6 +92,21 @@ def subprocess_env(*xla_flags: str, **variables: str) -> dict:
   and `variables`."""
   path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH", "")]))
   return dict(os.environ, PYTHONPATH=path, XLA_FLAGS=quick_xla_flags(*xla_flags), **variables)
+
+
+def _flax_extra_installed() -> bool:
+  try:
+    return importlib.util.find_spec("flax") is not None and (
+        importlib.util.find_spec("orbax.checkpoint") is not None)
+  except ModuleNotFoundError:   # find_spec of a submodule imports its package
+    return False
+
+
+# The `[flax]` extra's tests: `[test]` installs flax and orbax-checkpoint, so they run
+# there; an install without them (a core install, or the floors of setup.py, below
+# flax's own jax floor) skips them.
+needs_flax = pytest.mark.skipif(not _flax_extra_installed(),
+                                reason="needs the flax extra (flax, orbax-checkpoint)")
 
 
 def import_error(module: str, prelude: str = "") -> str:

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import forward, import_error, ranking_config, retrieval_config, transformer_config
+from conftest import (forward, import_error, needs_flax, ranking_config, retrieval_config,
+                      transformer_config)
 
 import phoenix_flax as pf
 from experiments.configs import ranking as ranking_configs
@@ -28,7 +29,6 @@ try:
 except ImportError:  # the core install: only the ImportError test runs
   nnx = None
 
-needs_flax = pytest.mark.skipif(nnx is None, reason="needs the flax extra")
 
 # Non-default switches: right-anchored RoPE, no cap, pre-norm, GQA 4:1, causal candidates
 # (dense path); and cap 10, post-norm, 4:4 heads, isolation (fast path), bfloat16, with

@@ -12,6 +12,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from conftest import needs_flax
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 NAMES = ("compare_variants", "inside_phoenix", "new_idea", "flax_nnx")
@@ -73,7 +75,8 @@ def test_smoke_sweep_shows_the_isolation_property(sweep_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=needs_flax) if n == "flax_nnx" else n for n in NAMES])
 def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
   # Relative to the clone's root, as a user running from there writes them; the kernel
   # runs in notebooks/ and new_idea's sweep in a scratch copy.

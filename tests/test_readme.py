@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import ablations
-from conftest import subprocess_env
+from conftest import needs_flax, subprocess_env
 from phoenix_flax import haiku_compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -59,6 +59,7 @@ def test_readme_usage_runs_as_written():
     assert stdout.getvalue().strip().splitlines()[-1] == last, stdout.getvalue()
 
 
+@needs_flax
 def test_readme_flax_nnx_example_runs_as_written(tmp_path, monkeypatch):
   """The Flax NNX section's example: train a step with nnx.Optimizer, save and restore with
   orbax, score with the Equinox runner."""
