@@ -11,23 +11,26 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
     # Every floor is the oldest version the test suite passed with, each set installed
-    # at its floors in a fresh venv. Core: jax 0.6.0, equinox 0.11.11, ml_collections
-    # 1.0.0, numpy 1.26.4 and the rest as listed (flax tests aside; that venv had dm-haiku
-    # 0.0.14, which the [test] floor set later for jax 0.10.2, 0.0.15, now excludes).
-    # Older jax lacks `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
-    # collectives by default (< 0.5.1), and its jaxlib crashed on reading the persistent
-    # compilation cache (< 0.6.0); equinox < 0.11.11 fails to import on jax >= 0.6;
-    # ml_collections < 1.0.0 cannot override the schema's nullable fields from the
-    # command line; tensorboardX 2.6.2 is yanked. Extras: the whole suite on jax 0.10.2
-    # and numpy 2, which flax 0.12.8 requires. Below these floors matplotlib needs
-    # numpy < 2, tensorboard's stub uses `np.string_` (gone in numpy 2), dm-haiku uses
-    # `jax.lib.xla_extension` and orbax `jax.experimental.layout.DeviceLocalLayout`.
+    # at its floors in a fresh venv (docs/testing.md, "The floors", has the commands).
+    # Core: jax 0.8.0, equinox 0.12.2, ml_collections 1.0.0, numpy 1.26.4 and the rest as
+    # listed, with the [test] floors but no flax (its floor needs a newer jax; its tests
+    # skip). Older jax fails the suite: 0.7.0 and 0.7.2 lack `jax.enable_x64`; 0.6.0 also
+    # refuses the package's explicit transfers under `jax.transfer_guard` and
+    # reloads a checkpoint's int32 leaf as int64; 0.5.1 also crashed in a killed run's
+    # process; below that, `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
+    # collectives (< 0.5.1) are missing. equinox < 0.12.2 fails to import on jax >= 0.7
+    # (`jaxlib.xla_extension` is gone); ml_collections < 1.0.0 cannot override the
+    # schema's nullable fields from the command line; tensorboardX 2.6.2 is yanked.
+    # Extras: the whole suite on jax 0.10.2 and numpy 2, which flax 0.12.8 requires.
+    # Below these floors matplotlib needs numpy < 2, tensorboard's stub uses `np.string_`
+    # (gone in numpy 2), dm-haiku uses `jax.lib.xla_extension` and orbax
+    # `jax.experimental.layout.DeviceLocalLayout`.
     # No ceiling: since 80716d6 the suite passes on jax 0.11.2 (Python 3.12) and 0.12.0.1
     # (Python 3.12 and 3.13); docs/testing.md, "Newer Pythons and jax", explains that fix
     # of the test session (not of the package).
     install_requires=[
-        "jax>=0.6.0",
-        "equinox>=0.11.11",
+        "jax>=0.8.0",
+        "equinox>=0.12.2",
         "jaxtyping>=0.2.34",
         "optax>=0.2.5",
         "chex>=0.1.87",

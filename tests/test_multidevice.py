@@ -74,7 +74,7 @@ made = mesh_trainer._init(keys)
 init_hlo = mesh_trainer._init.lower(keys).lowered.compile().as_text()
 out["init_whole_table"] = "512,16]" in init_hlo
 out["init_shard_rows"] = "64,16]" in init_hlo
-out["init_table_spec"] = str(made.params.tables.post_table.sharding.spec)
+out["init_table_spec"] = list(made.params.tables.post_table.sharding.spec)
 # The same values as one device's (up to float rounding: two programs, two fusions).
 out["init_table_diff"] = float(np.max(np.abs(
     np.asarray(made.params.tables.post_table)
@@ -85,7 +85,7 @@ loaded, _ = runner.load_checkpoint(mesh_trainer, f"{sys.argv[1]}/seed_0", cfg.tr
 out["loaded_on_host"] = all(isinstance(x, np.ndarray) for x in jax.tree.leaves(loaded))
 host = jax.tree.map(lambda *xs: np.stack(xs), loaded, loaded)
 placed = mesh_trainer.placement.place_state(host)
-out["placed_table_spec"] = str(placed.params.tables.post_table.sharding.spec)
+out["placed_table_spec"] = list(placed.params.tables.post_table.sharding.spec)
 out["placed_equal"] = all(np.array_equal(np.asarray(a), b)
                           for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(host)))
 table = mesh_trainer.init([0, 1]).params.tables.post_table
@@ -137,10 +137,10 @@ def test_eight_devices_match_one_device(tmp_path):
   np.testing.assert_allclose(out["mesh_auc"], out["auc"], atol=2e-3)
   assert out["mesh_devices"] == 8 and out["table_devices"] == 8
   assert out["table_shard_shape"] == [2, 512 // 8, 16]
-  assert out["init_table_spec"] == "P(None, 'data')" and out["init_table_diff"] < 1e-6
+  assert out["init_table_spec"] == [None, "data"] and out["init_table_diff"] < 1e-6
   assert out["init_shard_rows"] and not out["init_whole_table"]
   assert out["loaded_on_host"] and out["placed_equal"]
-  assert out["placed_table_spec"] == "P(None, 'data')"
+  assert out["placed_table_spec"] == [None, "data"]
   assert os.path.exists(tmp_path / "run" / "seed_1" / "result.json")
   # Retrieval: its softmax at temperature 0.05 magnifies float reassociation, and 20 steps
   # of training compound it: the first step (the same parameters) to float rounding, every
@@ -250,7 +250,8 @@ def _join_a_missing_peer(workdir, timeout_s: int) -> subprocess.Popen:
 
 def test_a_process_whose_peer_never_joins_stops_at_its_timeout(tmp_path):
   """`mesh.initialization_timeout` bounds the wait for the other processes (JAX's
-  runtime then aborts the process), and the log says first what it waits for."""
+  runtime then aborts the process; jaxlib 0.8 and 0.9 raised DEADLINE_EXCEEDED instead,
+  exit status 1), and the log says first what it waits for."""
   import signal
   import time
   started = time.monotonic()
@@ -259,7 +260,7 @@ def test_a_process_whose_peer_never_joins_stops_at_its_timeout(tmp_path):
     _, err = proc.communicate(timeout=120)
   finally:
     proc.kill()
-  assert proc.returncode == -signal.SIGABRT, (proc.returncode, err[-3000:])
+  assert proc.returncode in (-signal.SIGABRT, 1), (proc.returncode, err[-3000:])
   assert time.monotonic() - started < 60
   assert "waiting up to 2 s (mesh.initialization_timeout) for 2 processes" in err, err[-3000:]
   assert not os.path.exists(tmp_path / "run" / "result.json")

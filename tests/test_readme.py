@@ -28,16 +28,17 @@ def _lines(page: pathlib.Path):
     yield line, not fenced and re.match(r"#+ ", line) is not None
 
 
-def _section(title: str) -> str:
-  """The README's text under the heading `title`, up to the next heading of any level."""
+def _section(title: str, page: str = "README.md") -> str:
+  """The text of `page` (the README unless named) under the heading `title`, up to the
+  next heading of any level."""
   lines, found = [], False
-  for line, heading in _lines(ROOT / "README.md"):
+  for line, heading in _lines(ROOT / page):
     if found and heading:
       break
     if found:
       lines.append(line)
     found = found or (heading and line.rstrip("\n") == title)
-  assert found, f"README.md has no {title!r} section"
+  assert found, f"{page} has no {title!r} section"
   return "".join(lines)
 
 
@@ -274,13 +275,18 @@ DISTRIBUTIONS = {"jax": "jax", "jaxlib": "jax", "equinox": "equinox", "jaxtyping
 LOCAL = {"phoenix_flax", "ablations", "experiments", "tests"}
 
 
-def _setup_requirements() -> dict[str, set[str]]:
-  """{"": install_requires, extra: its packages} from setup.py, as distribution names."""
+def _setup_keywords() -> dict:
+  """setup.py's `install_requires` and `extras_require`, as written."""
   tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
   call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
               and getattr(n.func, "id", "") == "setup")
-  kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords
-        if k.arg in ("install_requires", "extras_require")}
+  return {k.arg: ast.literal_eval(k.value) for k in call.keywords
+          if k.arg in ("install_requires", "extras_require")}
+
+
+def _setup_requirements() -> dict[str, set[str]]:
+  """{"": install_requires, extra: its packages} from setup.py, as distribution names."""
+  kw = _setup_keywords()
   name = lambda req: re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0]
   out = {"": {name(r) for r in kw["install_requires"]}}
   out.update({extra: {name(r) for r in reqs} for extra, reqs in kw["extras_require"].items()})
@@ -302,6 +308,25 @@ def _third_party_imports(paths) -> dict[str, set[str]]:
         if top not in sys.stdlib_module_names and top not in LOCAL:
           found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
   return found
+
+
+def test_the_floors_command_installs_the_floors_of_setup_py():
+  """docs/testing.md's "The floors" pins every floor of `install_requires` and `[test]`
+  (flax and orbax-checkpoint aside: flax's own floor needs a newer jax) at that floor, so
+  the versions its run tested are the ones setup.py declares."""
+  block, = re.findall(r"```bash\n(.*?)```", _section("## The floors", "docs/testing.md"),
+                      re.S)
+  pins = dict(re.findall(r'"([A-Za-z0-9_.-]+)==([0-9.]+)"', block))
+  kw = _setup_keywords()
+  floors = dict(re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", req).groups()
+                for req in kw["install_requires"] + kw["extras_require"]["test"])
+  left_out = {"flax", "orbax-checkpoint"}
+  assert left_out <= set(floors) and pins.pop("jaxlib") == pins["jax"], pins
+  assert set(pins) == set(floors) - left_out, (sorted(pins), sorted(floors))
+  release = lambda v: tuple(int(x) for x in v.split("."))
+  for name, floor in floors.items():   # numpy>=1.26 is pinned at 1.26.4, the one tested
+    if name not in left_out:
+      assert release(pins[name])[:len(release(floor))] == release(floor), (name, pins[name])
 
 
 def test_quick_start_install_covers_the_main_job_imports():

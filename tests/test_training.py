@@ -1413,6 +1413,9 @@ def test_training_loop_makes_no_implicit_transfer(tmp_path, monkeypatch):
   monkeypatch.setattr(runner, "_train_group", guarded)
   config = smoke_config(num_steps=20, eval_every=10, checkpoint_every=10)
   assert runner.run_experiment(config, str(tmp_path / "run"))[0]["steps"] == 20
-  with pytest.raises(Exception, match="Disallowed host-to-device"):   # the guard works
+  # The guard works: a NumPy argument of a jitted call is an implicit transfer (jax 0.8.0
+  # to 0.11.2 all guard it; `jnp.asarray` of one counted as explicit, so allowed, in 0.8
+  # and 0.9).
+  with pytest.raises(Exception, match="Disallowed host-to-device"):
     with jax.transfer_guard("disallow"):
-      jnp.asarray(np.ones(3))
+      jax.jit(lambda x: x * 2)(np.ones(3))
