@@ -10,21 +10,21 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["phoenix_flax", "phoenix_flax.*"]),
-    # Every floor is the oldest version the test suite passed with, each set installed
-    # at its floors in a fresh venv (docs/testing.md, "The floors", has the commands).
-    # Core: jax 0.8.0, equinox 0.12.2, ml_collections 1.0.0, numpy 1.26.4 and the rest as
-    # listed, with the [test] floors but no flax (its floor needs a newer jax; its tests
-    # skip). Older jax fails the suite: 0.7.0 and 0.7.2 lack `jax.enable_x64`; 0.6.0 also
-    # refuses the package's explicit transfers under `jax.transfer_guard` and
-    # reloads a checkpoint's int32 leaf as int64; 0.5.1 also crashed in a killed run's
-    # process; below that, `jit(compiler_options=)` (< 0.4.36) and multi-process CPU
-    # collectives (< 0.5.1) are missing. equinox < 0.12.2 fails to import on jax >= 0.7
-    # (`jaxlib.xla_extension` is gone); ml_collections < 1.0.0 cannot override the
-    # schema's nullable fields from the command line; tensorboardX 2.6.2 is yanked.
-    # Extras: the whole suite on jax 0.10.2 and numpy 2, which flax 0.12.8 requires.
-    # Below these floors matplotlib needs numpy < 2, tensorboard's stub uses `np.string_`
-    # (gone in numpy 2), dm-haiku uses `jax.lib.xla_extension` and orbax
-    # `jax.experimental.layout.DeviceLocalLayout`.
+    # Every floor is the oldest version the test suite passed with, all installed at
+    # their floors in one fresh venv (docs/testing.md, "The floors", has the command):
+    # jax 0.8.0, equinox 0.12.2, ml_collections 1.0.0, numpy 2.0.0 (jax 0.8.0 needs numpy
+    # 2) and the rest as listed, with the [test] floors but no flax (its floor needs a
+    # newer jax; its tests skip). Older jax fails the suite: 0.7.0 and 0.7.2 lack
+    # `jax.enable_x64`; 0.6.0 also refuses the package's explicit transfers under
+    # `jax.transfer_guard` and reloads a checkpoint's int32 leaf as int64; 0.5.1 also
+    # crashed in a killed run's process; older still, `jit(compiler_options=)` (< 0.4.36)
+    # and multi-process CPU collectives (< 0.5.1) are missing. equinox < 0.12.2 fails to
+    # import on jax >= 0.7 (`jaxlib.xla_extension` is gone); ml_collections < 1.0.0
+    # cannot override the schema's nullable fields from the command line; tensorboardX
+    # 2.6.2 is yanked. The extras' floors: the whole suite on jax 0.10.2 and numpy 2,
+    # which flax 0.12.8 requires; below them matplotlib needs numpy < 2, tensorboard's
+    # stub uses `np.string_` (gone in numpy 2), dm-haiku uses `jax.lib.xla_extension` and
+    # orbax `jax.experimental.layout.DeviceLocalLayout`.
     # No ceiling: since 80716d6 the suite passes on jax 0.11.2 (Python 3.12) and 0.12.0.1
     # (Python 3.12 and 3.13); docs/testing.md, "Newer Pythons and jax", explains that fix
     # of the test session (not of the package).
@@ -36,7 +36,7 @@ setup(
         "chex>=0.1.87",
         "absl-py>=2.1",
         "ml_collections>=1.0.0",
-        "numpy>=1.26",
+        "numpy>=2.0",
         "tensorboardX>=2.6.2.2",
     ],
     extras_require={

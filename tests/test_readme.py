@@ -324,7 +324,7 @@ def test_the_floors_command_installs_the_floors_of_setup_py():
   assert left_out <= set(floors) and pins.pop("jaxlib") == pins["jax"], pins
   assert set(pins) == set(floors) - left_out, (sorted(pins), sorted(floors))
   release = lambda v: tuple(int(x) for x in v.split("."))
-  for name, floor in floors.items():   # numpy>=1.26 is pinned at 1.26.4, the one tested
+  for name, floor in floors.items():   # absl-py>=2.1 is pinned at 2.1.0, the one tested
     if name not in left_out:
       assert release(pins[name])[:len(release(floor))] == release(floor), (name, pins[name])
 

@@ -288,8 +288,11 @@ def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only(monk
   want, want_g = grad(reference)
   assert float(want) > 0
   np.testing.assert_allclose(got, want, rtol=rounding(1e-6))
+  # Two programs of one computation: each gradient within 16 float32 ulps of its largest
+  # entry (jax 0.8.0 left the post table's, of largest 11.45, 3.0e-6 apart: 2.2 ulps).
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-    np.testing.assert_allclose(g, w, rtol=rounding(1e-5), atol=rounding(1e-7))
+    ulp = rounding(float(np.finfo(np.float32).eps * np.max(np.abs(w))))
+    assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 16 * ulp, g.shape
 
 
 def test_retrieval_evaluation_loss_is_the_mean_over_all_users_with_a_positive():

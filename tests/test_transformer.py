@@ -325,7 +325,10 @@ def test_isolated_candidates_equal_isolated(layers):
     full, only = call(paths, tr, x)
     assert only.shape == (B, T - OFFSET, transformer_config().emb_size)
     assert float(jnp.max(jnp.abs(full))) > 0.1
-    np.testing.assert_allclose(only, full, rtol=1e-6, atol=1e-6)
+    # Two programs of one computation: within 16 float32 ulps of the largest |embedding|
+    # (jax 0.8.0 to 0.10.0 rounded the three-layer stack 2.3e-6 to 2.9e-6 apart, about 6).
+    ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(full))))
+    assert max_abs_diff(only, full) <= 16 * ulp
   with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
     tr.isolated_candidates(ctx[0], ctx[1], cand[0][:1], cand[1][:1])
 
