@@ -340,6 +340,13 @@ def max_abs_diff(a, b) -> float:
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
+def float32_ulp(x) -> float:
+  """float32's epsilon times `x`'s largest magnitude (`rounding`'s allowance included): the
+  unit in which two programs of one computation are compared, `max_abs_diff(a, b) <= 16 *
+  float32_ulp(b)`, which holds across the jaxlib versions and kernels tried."""
+  return rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(jnp.asarray(x)))))
+
+
 def jaxpr_equations(jaxpr, into_loops=True):
   """Every equation of a jaxpr and of its sub-jaxprs (jits, calls, and scans and loops
   unless `into_loops` is False)."""

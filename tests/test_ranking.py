@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import (EMB, NUM_ACTIONS, call, forward, index_candidates, jaxpr_equations,
-                      layer, make_batch, max_abs_diff, ranking_config, rounding,
+from conftest import (EMB, NUM_ACTIONS, call, float32_ulp, forward, index_candidates,
+                      jaxpr_equations, layer, make_batch, max_abs_diff, ranking_config,
                       transformer_config)
 from phoenix_flax import haiku_compat
 from phoenix_flax.layers import apply_rope
@@ -543,7 +543,7 @@ def test_isolated_equals_dense(name):
   # to 6 seen on an AVX2 CPU and 8.2 on an AVX-512 one, each time between single rows and
   # all at once (11.4 on an H200, where `rounding` allows ten times as much; 12.3 on the
   # AVX-512 host between `micro_batch_rows=8` and none, B=5, S=6, C=12, 2 layers).
-  ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(iso.logits))))
+  ulp = float32_ulp(iso.logits)
   assert max_abs_diff(served.logits, iso.logits) <= 16 * ulp
   assert max_abs_diff(halves.logits, served.logits) <= 16 * ulp
   assert max_abs_diff(singles.logits, served.logits) <= 16 * ulp
@@ -677,8 +677,8 @@ def test_micro_batches_that_do_not_tile_give_one_passs_logits(right_anchored):
                   for rows in (None, 10))
   assert micro.logits.shape == whole.logits.shape == (3, 7, NUM_ACTIONS)
   assert np.all(np.isfinite(micro.logits))
-  ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(whole.logits))))
-  assert max_abs_diff(micro.logits, whole.logits) <= 16 * ulp   # as in test_isolated_equals_dense
+  # 16 ulps, as in test_isolated_equals_dense
+  assert max_abs_diff(micro.logits, whole.logits) <= 16 * float32_ulp(whole.logits)
 
 
 def test_micro_batch_limits():

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import REPO, rounding, subprocess_env
+from conftest import REPO, float32_ulp, max_abs_diff, rounding, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -291,8 +291,7 @@ def test_retrieval_training_loss_runs_the_candidate_tower_on_positives_only(monk
   # Two programs of one computation: each gradient within 16 float32 ulps of its largest
   # entry (jax 0.8.0 left the post table's, of largest 11.45, 3.0e-6 apart: 2.2 ulps).
   for g, w in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
-    ulp = rounding(float(np.finfo(np.float32).eps * np.max(np.abs(w))))
-    assert float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) <= 16 * ulp, g.shape
+    assert max_abs_diff(g, w) <= 16 * float32_ulp(w), g.shape
 
 
 def test_retrieval_evaluation_loss_is_the_mean_over_all_users_with_a_positive():

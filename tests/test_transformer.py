@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import call, jaxpr_equations, layer, max_abs_diff, rounding, transformer_config
+from conftest import (call, float32_ulp, jaxpr_equations, layer, max_abs_diff, rounding,
+                      transformer_config)
 from phoenix_flax.masks import causal_mask, make_recsys_attn_mask
 
 B, T, OFFSET = 2, 7, 4
@@ -215,8 +216,7 @@ def test_isolated_path_matches_dense_and_chunks():
   # Chunks are other matmul shapes, which may round differently: equal on jaxlib 0.10.2,
   # 1.7e-6 apart on jaxlib 0.12's XLA:CPU (2.3 float32 ulps of the largest |embedding|,
   # past the former atol=1e-6); tests/test_ranking.py allows 16 such ulps.
-  ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(whole.embeddings))))
-  assert max_abs_diff(chunked, whole.embeddings) <= 16 * ulp
+  assert max_abs_diff(chunked, whole.embeddings) <= 16 * float32_ulp(whole.embeddings)
 
 
 def test_softmax_skips_the_row_max_only_where_the_cap_allows():
@@ -327,8 +327,7 @@ def test_isolated_candidates_equal_isolated(layers):
     assert float(jnp.max(jnp.abs(full))) > 0.1
     # Two programs of one computation: within 16 float32 ulps of the largest |embedding|
     # (jax 0.8.0 to 0.10.0 rounded the three-layer stack 2.3e-6 to 2.9e-6 apart, about 6).
-    ulp = rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(full))))
-    assert max_abs_diff(only, full) <= 16 * ulp
+    assert max_abs_diff(only, full) <= 16 * float32_ulp(full)
   with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
     tr.isolated_candidates(ctx[0], ctx[1], cand[0][:1], cand[1][:1])
 
