@@ -397,13 +397,15 @@ def test_rank_spans_count_what_comparing_every_pair_counts():
   the counts of the pairwise definition (valid candidates strictly above, and tied with
   it), with ties, padding, and valid scores of -inf and inf."""
   rng = np.random.default_rng(0)
+  rank_spans = jax.jit(metrics._rank_spans)   # one compile per shape, not one per operation
+  shapes = [(1, 1), (1, 2), (2, 5), (3, 17), (4, 29)]
   for trial in range(60):
-    B, C = rng.integers(1, 5), rng.integers(1, 30)
+    B, C = shapes[trial % len(shapes)]
     s = rng.integers(-3, 4, size=(B, C)).astype(np.float32)
     s[rng.random((B, C)) < 0.15] = -np.inf
     s[rng.random((B, C)) < 0.1] = np.inf
     m = rng.random((B, C)) < 0.7
-    above, tied = metrics._rank_spans(jnp.asarray(s), jnp.asarray(m))
+    above, tied = rank_spans(jnp.asarray(s), jnp.asarray(m))
     other = m[:, None, :]
     want_above = ((s[:, None, :] > s[:, :, None]) & other).sum(-1)
     want_tied = np.maximum(((s[:, None, :] == s[:, :, None]) & other).sum(-1), 1)
@@ -423,10 +425,12 @@ def test_metrics_are_float32_and_the_same_with_x64_on():
   mask = rng.random((B, C)) < 0.8
   scores = np.round(rng.normal(size=(B, N)), 1).astype(np.float32)
   ids = rng.integers(0, N, (B, C)).astype(np.int32)
-  def run():
+  @jax.jit   # traced again under x64 (one program each way, not one per operation)
+  def metrics_of(logits, labels, probs, mask, scores, ids):
     out = dict(metrics.ranking_metrics(logits, labels, probs, mask, k=(2, 3)))
     out["hits"], _ = metrics.corpus_hits(scores, ids, labels[..., 0] > 0, (3, 10))
-    return jax.device_get(out)
+    return out
+  run = lambda: jax.device_get(metrics_of(logits, labels, probs, mask, scores, ids))
   narrow = run()
   with jax.enable_x64(True):
     wide = run()
