@@ -4,8 +4,11 @@ test session's XLA settings."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,6 +151,111 @@ def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 3
     results.append((p.returncode, log.read()))
     log.close()
   return results
+
+
+# The interpreter behind `ForkServer`: it imports the modules named on its command line,
+# says READY, then reads one request a line (a module and its arguments) and answers each
+# with a line holding the (exit status, stdout, stderr) of `python -m module *args`, run in
+# a fork of itself.
+_FORK_SERVER = r"""
+import atexit, importlib, json, os, runpy, sys, tempfile, traceback
+for name in sys.argv[1:]:
+  importlib.import_module(name)
+from jax._src import xla_bridge
+if xla_bridge.backends_are_initialized():   # XLA's threads do not survive a fork
+  sys.exit(f"ForkServer: importing {sys.argv[1:]} started a JAX backend")
+print("READY", flush=True)
+for line in sys.stdin:
+  request = json.loads(line)
+  out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+  pid = os.fork()
+  if pid == 0:   # the child: `python -m module *args` from here on
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.dup2(out.fileno(), 1)
+    os.dup2(err.fileno(), 2)
+    sys.argv = ["-m", *request["args"]]
+    code = 0
+    try:
+      runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:   # as the interpreter exits for it
+      if e.code is None or isinstance(e.code, int):
+        code = e.code or 0
+      else:
+        print(e.code, file=sys.stderr)
+        code = 1
+    except BaseException:
+      traceback.print_exc()
+      code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+  texts = []
+  for f in (out, err):
+    f.seek(0)
+    texts.append(f.read().decode(errors="replace"))
+    f.close()
+  print(json.dumps([status, *texts]), flush=True)
+"""
+
+
+class ForkServer:
+  """Runs command-line modules as `python -m module *args` would, from the repository in
+  `env`, without paying for a fresh interpreter each time: one interpreter imports
+  `preload` (and jax) once and forks a child per run. A fresh interpreter spends 1.5-2 s
+  importing, which a test of dozens of refused command lines, or a file of several short
+  training runs, pays again and again. The command-line modules themselves are not
+  preloaded, so each child defines its flags afresh; nothing in the server starts a JAX
+  backend, whose threads a fork would not copy. Runs go one after another."""
+
+  def __init__(self, env: dict, preload: Sequence[str] = ("phoenix_flax.training",),
+               timeout: float = 300):
+    self._log = tempfile.TemporaryFile(mode="w+")
+    self._proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, *preload], cwd=REPO,
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=self._log, text=True, start_new_session=True)
+    assert self._readline(timeout) == "READY\n", self._failure()
+
+  def _readline(self, timeout: float) -> str:
+    ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+    if not ready:
+      self.close()
+      raise TimeoutError(f"ForkServer: no answer within {timeout} s")
+    return self._proc.stdout.readline()
+
+  def _failure(self) -> str:
+    self.close()
+    self._log.seek(0)
+    return self._log.read()[-3000:]
+
+  def run(self, module: str, args: Sequence[str], timeout: float = 600
+          ) -> tuple[int, str, str]:
+    """`python -m module *args`: (exit status, stdout, stderr)."""
+    self._proc.stdin.write(json.dumps({"module": module, "args": list(args)}) + "\n")
+    self._proc.stdin.flush()
+    line = self._readline(timeout)
+    assert line, self._failure()
+    return tuple(json.loads(line))
+
+  def close(self) -> None:
+    if self._proc.poll() is None:
+      os.killpg(self._proc.pid, signal.SIGKILL)   # the server and a child it waits for
+      self._proc.wait()
+
+  def __enter__(self) -> "ForkServer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def run_forked(module: str, argvs: Sequence[Sequence[str]], env: dict,
+               preload: Sequence[str] = ("phoenix_flax.training",)
+               ) -> list[tuple[int, str, str]]:
+  """`python -m module *argv` for each argument list, through one ForkServer."""
+  with ForkServer(env, preload) as server:
+    return [server.run(module, argv) for argv in argvs]
 
 
 def rounding(tolerance: float) -> float:

@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
 from ablations import analysis, report, run_all, stats, sweep
-from conftest import REPO, import_error
+from conftest import REPO, ForkServer, import_error, run_forked
 from phoenix_flax.training import provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
@@ -942,24 +942,27 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
   workdir = tmp_path / "sweep"
   a_file = tmp_path / "a_file"
   a_file.write_text("")
-  for module, args, message in (
-      ("gqa_ratio", ["--preset=huge"], "flag --preset=huge: value should be one of"),
-      ("gqa_ratio", ["--variants=nope"], "unknown"),
-      ("gqa_ratio", ["--override=model.num_layerz=2"], "num_layerz"),
-      ("gqa_ratio", ["--override=model.num_kv_heads=1"], "would change nothing"),
-      ("gqa_ratio", ["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
-      ("gqa_ratio", [f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory"),
-      ("run_all", [f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
-      ("run_all", ["--ablations="], "--ablations is empty"),
-      ("run_all", ["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")):
-    proc = subprocess.run(
-        [sys.executable, "-m", f"ablations.{module}", f"--workdir={workdir}", *args],
-        capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))))
-    assert proc.returncode == 2, proc.stderr[-2000:]   # the message alone: no traceback,
-    assert message in proc.stderr                       # no docstring dump
-    assert proc.stderr.startswith("error: ") and "Hypothesis:" not in proc.stderr
-    assert "Traceback" not in proc.stderr
+  cases = {
+      "gqa_ratio": [
+          (["--preset=huge"], "flag --preset=huge: value should be one of"),
+          (["--variants=nope"], "unknown"),
+          (["--override=model.num_layerz=2"], "num_layerz"),
+          (["--override=model.num_kv_heads=1"], "would change nothing"),
+          (["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
+          ([f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory")],
+      "run_all": [
+          ([f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
+          (["--ablations="], "--ablations is empty"),
+          (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")]}
+  for module, module_cases in cases.items():
+    results = run_forked(f"ablations.{module}",
+                         [[f"--workdir={workdir}", *args] for args, _ in module_cases], env,
+                         preload=["ablations.sweep"])
+    for (code, _, stderr), (args, message) in zip(results, module_cases, strict=True):
+      assert code == 2, (args, stderr[-2000:])   # the message alone: no traceback,
+      assert message in stderr, (args, stderr)   # no docstring dump
+      assert stderr.startswith("error: ") and "Hypothesis:" not in stderr
+      assert "Traceback" not in stderr
   assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
@@ -967,16 +970,15 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
   """--dry_run builds and checks the sweep, prints each variant's settings and how many of
   its seeds are finished, and trains and writes nothing; run_all prints every sweep's."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   workdir = tmp_path / "sweep"
-  results = [subprocess.run([sys.executable, "-m", f"ablations.{module}", "--preset=smoke",
-                             f"--workdir={workdir}", "--dry_run", *extra],
-                            capture_output=True, text=True, env=env, cwd=root)
-             for module, extra in (("gqa_ratio", ["--override=optim.learning_rate=0.02"]),
-                                   ("run_all", ["--ablations=gqa_ratio,soft_capping"]))]
-  for proc in results:
-    assert proc.returncode == 0, proc.stderr[-2000:]
-  single, both = (proc.stdout.splitlines() for proc in results)
+  with ForkServer(env, preload=["ablations.sweep"]) as server:
+    results = [server.run(f"ablations.{module}", ["--preset=smoke", f"--workdir={workdir}",
+                                                  "--dry_run", *extra])
+               for module, extra in (("gqa_ratio", ["--override=optim.learning_rate=0.02"]),
+                                     ("run_all", ["--ablations=gqa_ratio,soft_capping"]))]
+  for code, _, stderr in results:
+    assert code == 0, stderr[-2000:]
+  single, both = (stdout.splitlines() for _, stdout, _ in results)
   ablation = ablations.gqa_ratio.ABLATION
   variants = ablation.variants("smoke")
   assert single[0].startswith(f"gqa_ratio at preset 'smoke': {len(variants)} variants x 2 "

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import REPO, run_at_once, subprocess_env
+from conftest import REPO, run_forked, subprocess_env
 from phoenix_flax import synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, cli, timing
@@ -227,9 +227,9 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
            ([f"--out={tmp_path}"], "is a directory; name a file"),
            ([f"--out={a_file}/b.json"], f"{a_file} is not a directory"),
            (["positional"], "unexpected arguments ['positional']")]
-  results = run_at_once([[sys.executable, "-m", "experiments.benchmark", *args]
-                         for args, _ in cases], env=dict(os.environ, JAX_PLATFORMS="cpu"))
-  for (code, err), (args, needle) in zip(results, cases):
+  results = run_forked("experiments.benchmark", [args for args, _ in cases],
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  for (code, _, err), (args, needle) in zip(results, cases, strict=True):
     assert code == 2 and err.startswith("error: ") and needle in err, (args, err)
     assert "Traceback" not in err
 

@@ -8,18 +8,9 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_at_once, subprocess_env
+from conftest import REPO, run_forked, subprocess_env
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
-
-
-def _command(*args):
-  return [sys.executable, "-m", "experiments.run", *args]
-
-
-def _run(*args):
-  return subprocess.run(_command(*args), cwd=REPO, env=subprocess_env(), capture_output=True,
-                        text=True, timeout=300)
 
 
 @pytest.mark.parametrize("module", [ranking, retrieval])
@@ -105,37 +96,53 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
             (["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
               "--config.retrieval.temperature=0.5"],
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
-  commands = [_command(*args) for args, _ in cases]
+  cases.append((["--config=experiments/configs/ranking.py:smoke"], "--workdir is required"))
+  results = run_forked("experiments.run", [args for args, _ in cases], subprocess_env())
   # experiments.train_throughput reads its --config the same way, and checks --out.
-  throughput = [sys.executable, "-m", "experiments.train_throughput"]
-  for args, needle in (
-      (["--config.model.num_layer=2"], "Did you mean \"num_layers\" instead of \"num_layer\"?"),
-      (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
-      (["--out=/proc/pf_test.json"], "--out=/proc/pf_test.json cannot be written")):
-    commands.append(throughput + ["--config=experiments/configs/ranking.py:smoke", *args])
-    cases.append((args, needle))
-  commands.append(throughput + ["--config=experiments/configs/nope.py"])
-  cases.append(([], "--config could not be loaded: [Errno 2] No such file or directory"))
-  # Its --config has a default (ranking.py), which overrides alone apply to.
-  commands.append(throughput + ["--config.model.num_layers=0"])
-  cases.append((["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"))
-  results = run_at_once(commands, env=subprocess_env())
-  for (code, stderr), (extra, needle) in zip(results, cases):
-    assert code == 2, (extra, stderr[-2000:])
-    assert needle in stderr, (extra, stderr[-2000:])
+  smoke = "--config=experiments/configs/ranking.py:smoke"
+  throughput = [
+      ([smoke, "--config.model.num_layer=2"],
+       "Did you mean \"num_layers\" instead of \"num_layer\"?"),
+      ([smoke, "--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
+      ([smoke, "--out=/proc/pf_test.json"], "--out=/proc/pf_test.json cannot be written"),
+      (["--config=experiments/configs/nope.py"],
+       "--config could not be loaded: [Errno 2] No such file or directory"),
+      # Its --config has a default (ranking.py), which overrides alone apply to.
+      (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid")]
+  results += run_forked("experiments.train_throughput", [args for args, _ in throughput],
+                        subprocess_env())
+  for (code, _, stderr), (args, needle) in zip(results, cases + throughput, strict=True):
+    assert code == 2, (args, stderr[-2000:])
+    assert needle in stderr, (args, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
   assert not workdir.exists()
-  missing = _run("--config=experiments/configs/ranking.py:smoke")
-  assert missing.returncode == 2 and "--workdir is required" in missing.stderr
+
+
+def test_a_forked_run_is_a_fresh_interpreters_run(tmp_path):
+  """conftest.ForkServer, which most command-line tests here run through, gives what
+  `python -m` in a fresh interpreter gives: exit status, stdout and stderr, for a refused
+  override, a printed config and a config file that raises."""
+  (tmp_path / "raises.py").write_text("def get_config():\n  raise RuntimeError('boom')\n")
+  smoke = "--config=experiments/configs/ranking.py:smoke"
+  argvs = [[smoke, f"--workdir={tmp_path / 'run'}", "--config.model.num_kv_heads=3"],
+           [smoke, "--config.model.num_layers=3", "--print_config"],
+           [f"--config={tmp_path / 'raises.py'}", f"--workdir={tmp_path / 'run'}"]]
+  env = subprocess_env()
+  forked = run_forked("experiments.run", argvs, env)
+  fresh = [subprocess.run([sys.executable, "-m", "experiments.run", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300) for argv in argvs]
+  assert forked == [(p.returncode, p.stdout, p.stderr) for p in fresh]
+  assert [code for code, _, _ in forked] == [2, 0, 2] and "boom" in forked[2][2]
+  assert not (tmp_path / "run").exists()
 
 
 def test_helpfull_explains_every_flag():
-  proc = _run("--helpfull")
-  assert proc.returncode in (0, 1), proc.stderr  # absl exits 1 after printing help
+  [(code, stdout, stderr)] = run_forked("experiments.run", [["--helpfull"]], subprocess_env())
+  assert code in (0, 1), stderr  # absl exits 1 after printing help
   for flag, words in (("--config:", "--config.model.num_layers"),
                       ("--workdir:", "resumes"), ("quiet:", "progress line"),
                       ("print_config:", "path = value")):
-    assert flag in proc.stdout and words in proc.stdout, flag
+    assert flag in stdout and words in stdout, flag
 
 
 def test_print_config_lists_every_field_with_its_value(tmp_path):
@@ -143,20 +150,19 @@ def test_print_config_lists_every_field_with_its_value(tmp_path):
   applied; every path of the schema), without training or needing --workdir; a bad
   override still exits 2."""
   from phoenix_flax.training.schema import base_config, flatten
-  proc = _run("--config=experiments/configs/ranking.py:smoke", "--config.model.num_layers=3",
-              "--print_config")
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  printed = dict(line.split(" = ", 1) for line in proc.stdout.splitlines())
+  smoke = "--config=experiments/configs/ranking.py:smoke"
+  (code, stdout, stderr), *bad = run_forked("experiments.run", [
+      [smoke, "--config.model.num_layers=3", "--print_config"],
+      [smoke, "--config.model.num_kv_heads=3", "--print_config"],
+      # The mesh is checked against this host's devices (the suite's processes see one).
+      [smoke, "--config.mesh.num_devices=16", "--print_config"]], subprocess_env())
+  assert code == 0, stderr[-2000:]
+  printed = dict(line.split(" = ", 1) for line in stdout.splitlines())
   assert printed["model.num_layers"] == "3" and printed["task"] == "'ranking'"
   assert printed["ranking.top_k"] == "(2,)"                      # the smoke preset's
   assert set(printed) == set(flatten(base_config("ranking")))
-  bad = _run("--config=experiments/configs/ranking.py:smoke", "--config.model.num_kv_heads=3",
-             "--print_config")
-  assert bad.returncode == 2 and "num_kv_heads" in bad.stderr and not bad.stdout
-  # The mesh is checked against this host's devices (the suite's processes see one).
-  bad = _run("--config=experiments/configs/ranking.py:smoke", "--config.mesh.num_devices=16",
-             "--print_config")
-  assert bad.returncode == 2 and "num_devices" in bad.stderr and not bad.stdout, bad.stderr
+  for (code, stdout, stderr), field in zip(bad, ("num_kv_heads", "num_devices"), strict=True):
+    assert code == 2 and field in stderr and not stdout, stderr
 
 
 def test_progress_durations_and_the_summary_metrics():
