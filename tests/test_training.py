@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
-import subprocess
-import sys
 
 import equinox as eqx
 import jax
@@ -15,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import REPO, float32_ulp, max_abs_diff, rounding, subprocess_env
+from conftest import ForkServer, float32_ulp, max_abs_diff, rounding, subprocess_env
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -770,6 +769,16 @@ def test_every_loss_section_field_is_a_loss_case_or_says_why_not():
   assert not cased & set(NOT_A_LOSS_OPTION)
 
 
+@functools.lru_cache(maxsize=None)   # the cases share their references
+def _first_losses(task: str, overrides: str) -> tuple[float, np.ndarray]:
+  """The evaluation's loss at initialisation and the first chunk's losses, of seed 0 of the
+  smoke config with `overrides` (JSON)."""
+  trainer = Trainer(parse_config(_overridden(task, json.loads(overrides))))
+  state = trainer.init([0])
+  evaluated = float(trainer.evaluate(state)["eval/loss"][0])
+  return evaluated, np.asarray(trainer.train_chunk(state)[1]["loss"][0])
+
+
 @pytest.mark.parametrize("task, reference, field, value, eval_moves", LOSS_CASES,
                          ids=[case[2] for case in LOSS_CASES])
 def test_every_loss_option_reaches_the_training_loss(task, reference, field, value,
@@ -778,12 +787,10 @@ def test_every_loss_option_reaches_the_training_loss(task, reference, field, val
   evaluation's loss of the same parameters moves too only where the option is meant for
   it (a training-side correction leaves `eval/loss` the plain loss, which arms with and
   without it compare on)."""
-  losses, evaluated = [], []
-  for overrides in (reference, {**reference, field: value}):
-    trainer = Trainer(parse_config(_overridden(task, overrides)))
-    state = trainer.init([0])
-    evaluated.append(float(trainer.evaluate(state)["eval/loss"][0]))
-    losses.append(np.asarray(trainer.train_chunk(state)[1]["loss"][0]))
+  (evaluated_0, losses_0), (evaluated_1, losses_1) = (
+      _first_losses(task, json.dumps(overrides, sort_keys=True))
+      for overrides in (reference, {**reference, field: value}))
+  losses, evaluated = [losses_0, losses_1], [evaluated_0, evaluated_1]
   assert np.all(np.isfinite(losses))
   assert np.max(np.abs(losses[0] - losses[1])) > 1e-4, f"{field}={value!r} changes no step's loss"
   assert (evaluated[0] != evaluated[1]) == eval_moves, (field, evaluated)
@@ -917,17 +924,17 @@ def _finals(result):
 
 @pytest.fixture(scope="module")
 def main():
-  """Runs `python -m <module> <args>` in a subprocess with the session's XLA settings
-  (unoptimised compiles, one compilation cache: conftest.py); returns its stdout."""
-  env = subprocess_env()
+  """Runs `python -m <module> <args>` in a process of its own (a ForkServer's child) with
+  the session's XLA settings (unoptimised compiles, one compilation cache: conftest.py);
+  returns its stdout."""
+  with ForkServer(subprocess_env()) as server:
 
-  def run(module: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    def run(module: str, *args: str) -> str:
+      code, stdout, stderr = server.run(module, args)
+      assert code == 0, stderr[-3000:]
+      return stdout
 
-  return run
+    yield run
 
 
 @pytest.fixture(scope="module")
