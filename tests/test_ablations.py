@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
 from ablations import analysis, report, run_all, stats, sweep
-from conftest import REPO, ForkServer, import_error, run_forked
+from conftest import REPO, ForkServer, import_error
 from phoenix_flax.training import provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
@@ -954,15 +954,14 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
           ([f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
           (["--ablations="], "--ablations is empty"),
           (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")]}
-  for module, module_cases in cases.items():
-    results = run_forked(f"ablations.{module}",
-                         [[f"--workdir={workdir}", *args] for args, _ in module_cases], env,
-                         preload=["ablations.sweep"])
-    for (code, _, stderr), (args, message) in zip(results, module_cases, strict=True):
-      assert code == 2, (args, stderr[-2000:])   # the message alone: no traceback,
-      assert message in stderr, (args, stderr)   # no docstring dump
-      assert stderr.startswith("error: ") and "Hypothesis:" not in stderr
-      assert "Traceback" not in stderr
+  with ForkServer(env, preload=["ablations.sweep"]) as server:
+    for module, module_cases in cases.items():
+      for args, message in module_cases:
+        code, _, stderr = server.run(f"ablations.{module}", [f"--workdir={workdir}", *args])
+        assert code == 2, (args, stderr[-2000:])   # the message alone: no traceback,
+        assert message in stderr, (args, stderr)   # no docstring dump
+        assert stderr.startswith("error: ") and "Hypothesis:" not in stderr
+        assert "Traceback" not in stderr
   assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
 
