@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, run_forked, subprocess_env
+from conftest import REPO, ForkServer, run_forked, subprocess_env
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
 
@@ -97,7 +97,6 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
               "--config.retrieval.temperature=0.5"],
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
   cases.append((["--config=experiments/configs/ranking.py:smoke"], "--workdir is required"))
-  results = run_forked("experiments.run", [args for args, _ in cases], subprocess_env())
   # experiments.train_throughput reads its --config the same way, and checks --out.
   smoke = "--config=experiments/configs/ranking.py:smoke"
   throughput = [
@@ -109,8 +108,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
        "--config could not be loaded: [Errno 2] No such file or directory"),
       # Its --config has a default (ranking.py), which overrides alone apply to.
       (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid")]
-  results += run_forked("experiments.train_throughput", [args for args, _ in throughput],
-                        subprocess_env())
+  with ForkServer(subprocess_env()) as server:
+    results = [server.run("experiments.run", args) for args, _ in cases]
+    results += [server.run("experiments.train_throughput", args) for args, _ in throughput]
   for (code, _, stderr), (args, needle) in zip(results, cases + throughput, strict=True):
     assert code == 2, (args, stderr[-2000:])
     assert needle in stderr, (args, stderr[-2000:])
