@@ -156,17 +156,27 @@ def run_at_once(commands: Sequence[Sequence[str]], env: dict, timeout: float = 3
 # The interpreter behind `ForkServer`: it imports the modules named on its command line,
 # says READY, then reads one request a line (a module and its arguments) and answers each
 # with a line holding the (exit status, stdout, stderr) of `python -m module *args`, run in
-# a fork of itself.
+# a fork of itself (in a fresh interpreter where FRESH_ENV is 1, and off Linux: on macOS a
+# forked child can crash, since system libraries there may start threads).
+FRESH_ENV = "PHOENIX_FLAX_TEST_FRESH_INTERPRETERS"
 _FORK_SERVER = r"""
-import atexit, importlib, json, os, runpy, sys, tempfile, traceback
-for name in sys.argv[1:]:
-  importlib.import_module(name)
-from jax._src import xla_bridge
-if xla_bridge.backends_are_initialized():   # XLA's threads do not survive a fork
-  sys.exit(f"ForkServer: importing {sys.argv[1:]} started a JAX backend")
+import atexit, importlib, json, os, runpy, subprocess, sys, tempfile, traceback
+fork = sys.platform.startswith("linux") and os.environ.get("%s") != "1"
+if fork:
+  for name in sys.argv[1:]:
+    importlib.import_module(name)
+  from jax._src import xla_bridge
+  if xla_bridge.backends_are_initialized():   # XLA's threads do not survive a fork
+    sys.exit(f"ForkServer: importing {sys.argv[1:]} started a JAX backend")
 print("READY", flush=True)
 for line in sys.stdin:
   request = json.loads(line)
+  if not fork:
+    p = subprocess.run([sys.executable, "-m", request["module"], *request["args"]],
+                       stdin=subprocess.DEVNULL, capture_output=True)
+    texts = [t.decode(errors="replace") for t in (p.stdout, p.stderr)]
+    print(json.dumps([p.returncode, *texts]), flush=True)
+    continue
   out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
   pid = os.fork()
   if pid == 0:   # the child: `python -m module *args` from here on
@@ -197,7 +207,7 @@ for line in sys.stdin:
     texts.append(f.read().decode(errors="replace"))
     f.close()
   print(json.dumps([status, *texts]), flush=True)
-"""
+""" % FRESH_ENV
 
 
 class ForkServer:
@@ -207,7 +217,9 @@ class ForkServer:
   importing, which a test of dozens of refused command lines, or a file of several short
   training runs, pays again and again. The command-line modules themselves are not
   preloaded, so each child defines its flags afresh; nothing in the server starts a JAX
-  backend, whose threads a fork would not copy. Runs go one after another."""
+  backend, whose threads a fork would not copy. Runs go one after another. With
+  PHOENIX_FLAX_TEST_FRESH_INTERPRETERS=1 in `env`, or off Linux, each run gets a fresh
+  interpreter instead."""
 
   def __init__(self, env: dict, preload: Sequence[str] = ("phoenix_flax.training",),
                timeout: float = 300):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, ForkServer, run_forked, subprocess_env
+from conftest import FRESH_ENV, REPO, ForkServer, run_forked, subprocess_env
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
 
@@ -133,6 +133,8 @@ def test_a_forked_run_is_a_fresh_interpreters_run(tmp_path):
                           capture_output=True, text=True, timeout=300) for argv in argvs]
   assert forked == [(p.returncode, p.stdout, p.stderr) for p in fresh]
   assert [code for code, _, _ in forked] == [2, 0, 2] and "boom" in forked[2][2]
+  # The server's own fresh interpreters (off Linux, or asked for) give the same.
+  assert run_forked("experiments.run", argvs[:1], dict(env, **{FRESH_ENV: "1"})) == forked[:1]
   assert not (tmp_path / "run").exists()
 
 
