@@ -262,6 +262,13 @@ class ForkServer:
     self.close()
 
 
+@pytest.fixture(scope="module")
+def fork_server():
+  """A ForkServer of the test file, in the session's environment (`subprocess_env()`)."""
+  with ForkServer(subprocess_env()) as server:
+    yield server
+
+
 def run_forked(module: str, argvs: Sequence[Sequence[str]], env: dict,
                preload: Sequence[str] = ("phoenix_flax.training",)
                ) -> list[tuple[int, str, str]]:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 import phoenix_flax as pf
-from conftest import ForkServer, subprocess_env
 from experiments import own_data
 from phoenix_flax import training
 from phoenix_flax.training import checkpoint
@@ -19,13 +18,6 @@ from phoenix_flax.training import checkpoint
 @pytest.fixture(scope="module")
 def logs():
   return own_data.make_logs(num_users=120, num_posts=400, num_authors=40, seed=3)
-
-
-@pytest.fixture(scope="module")
-def cli():
-  """Runs `python -m experiments.own_data ...` in a process of its own (conftest.py)."""
-  with ForkServer(subprocess_env()) as server:
-    yield server
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +168,12 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
     ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written"),
     # an experiments.run run directory, whose checkpoints the example's save would replace
     ("--workdir={run}", "holds a training run (config.json, result.json)")])
-def test_own_data_refuses_bad_flags_before_training(flag, message, tmp_path, cli):
+def test_own_data_refuses_bad_flags_before_training(flag, message, tmp_path, fork_server):
   run = tmp_path / "run"
   (run / "checkpoint").mkdir(parents=True)
   for name in ("config.json", "result.json", "checkpoint/step_000000200.eqx"):
     (run / name).write_text("{}")
-  code, stdout, stderr = cli.run("experiments.own_data", [flag.format(run=run)])
+  code, stdout, stderr = fork_server.run("experiments.own_data", [flag.format(run=run)])
   # one line and status 2, as every script's usage errors (not absl's whole help text)
   assert code == 2 and message in stderr, stderr[-2000:]
   assert len(stderr.strip().splitlines()) <= 2, stderr[-2000:]

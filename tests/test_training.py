@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ForkServer, float32_ulp, max_abs_diff, rounding, subprocess_env
+from conftest import float32_ulp, max_abs_diff, rounding
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -787,10 +787,8 @@ def test_every_loss_option_reaches_the_training_loss(task, reference, field, val
   evaluation's loss of the same parameters moves too only where the option is meant for
   it (a training-side correction leaves `eval/loss` the plain loss, which arms with and
   without it compare on)."""
-  (evaluated_0, losses_0), (evaluated_1, losses_1) = (
-      _first_losses(task, json.dumps(overrides, sort_keys=True))
-      for overrides in (reference, {**reference, field: value}))
-  losses, evaluated = [losses_0, losses_1], [evaluated_0, evaluated_1]
+  evaluated, losses = zip(*(_first_losses(task, json.dumps(overrides, sort_keys=True))
+                            for overrides in (reference, {**reference, field: value})))
   assert np.all(np.isfinite(losses))
   assert np.max(np.abs(losses[0] - losses[1])) > 1e-4, f"{field}={value!r} changes no step's loss"
   assert (evaluated[0] != evaluated[1]) == eval_moves, (field, evaluated)
@@ -923,18 +921,17 @@ def _finals(result):
 
 
 @pytest.fixture(scope="module")
-def main():
-  """Runs `python -m <module> <args>` in a process of its own (a ForkServer's child) with
+def main(fork_server):
+  """Runs `python -m <module> <args>` in a process of its own (`fork_server`'s child) with
   the session's XLA settings (unoptimised compiles, one compilation cache: conftest.py);
   returns its stdout."""
-  with ForkServer(subprocess_env()) as server:
 
-    def run(module: str, *args: str) -> str:
-      code, stdout, stderr = server.run(module, args)
-      assert code == 0, stderr[-3000:]
-      return stdout
+  def run(module: str, *args: str) -> str:
+    code, stdout, stderr = fork_server.run(module, args)
+    assert code == 0, stderr[-3000:]
+    return stdout
 
-    yield run
+  return run
 
 
 @pytest.fixture(scope="module")
