@@ -77,7 +77,7 @@ def main(argv):
       print("\n".join(sw.plan() for sw in sweeps))
       return
     path = run_all(FLAGS.ablations, sweeps, workdir, command=sweep.command_line())
-  print(f"Report: {path}\nCurves: tensorboard --logdir {workdir}")
+  print(sweep.where_to_look(path, workdir))
 
 
 if __name__ == "__main__":

@@ -910,6 +910,12 @@ def command_line() -> str:
   return " ".join(shlex.quote(a) for a in head + sys.argv[1:])
 
 
+def where_to_look(report: str, workdir: str) -> str:
+  """The lines a finished sweep prints: its report, and the command that shows its curves
+  (quoted, so it can be pasted whatever characters the workdir holds)."""
+  return f"Report: {report}\nCurves: tensorboard --logdir {shlex.quote(workdir)}"
+
+
 def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep:
   """A `Sweep` configured by the command-line flags."""
   return Sweep(ablation, FLAGS.preset,
@@ -945,8 +951,7 @@ def main(ablation: Ablation) -> None:
         print(sweep.plan())
         return
       sweep.run()
-    print(f"Report: {os.path.join(sweep.workdir, 'REPORT.md')}\n"
-          f"Curves: tensorboard --logdir {sweep.workdir}")
+    print(where_to_look(os.path.join(sweep.workdir, "REPORT.md"), sweep.workdir))
 
   expose_flags()
   quiet_backend_search()

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -906,6 +907,20 @@ def test_run_all_runs_every_registered_script():
   assert [m.__name__ for m in SCRIPTS] == [f"ablations.{n}" for n in ablations.SCRIPTS]
   assert list(run_all.ABLATIONS) == [m.ABLATION.name for m in SCRIPTS]
   assert run_all.FLAGS["ablations"].default == list(run_all.ABLATIONS)
+
+
+def test_printed_commands_paste_back_whatever_the_workdir(monkeypatch):
+  """The command a report records and the TensorBoard command a finished sweep prints
+  split back, as a shell would, into the arguments they came from."""
+  workdir = "/tmp/my sweeps/ünï #1 'x'"
+  argv = ["ablations/soft_capping.py", "--preset=smoke", f"--workdir={workdir}"]
+  monkeypatch.setattr(sys, "argv", argv)
+  monkeypatch.setattr(sys.modules["__main__"], "__spec__", None, raising=False)
+  assert shlex.split(sweep.command_line()) == ["python", *argv]
+  report_line, curves = sweep.where_to_look(os.path.join(workdir, "REPORT.md"),
+                                            workdir).splitlines()
+  assert report_line == f"Report: {workdir}/REPORT.md"
+  assert shlex.split(curves) == ["Curves:", "tensorboard", "--logdir", workdir]
 
 
 def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
