@@ -1,7 +1,7 @@
 """What the command-line scripts share: usage errors as one line with exit status 2,
 absl flag parsing that reports through them (`parse_config_flags` and `checked_config`
-for the scripts that take a `--config` file), the exit of a run that was interrupted or
-refused, and a quieter JAX backend search."""
+for the scripts that take a `--config` file) and expands `~` in path flags, the exit of
+a run that was interrupted or refused, and a quieter JAX backend search."""
 
 from __future__ import annotations
 
@@ -181,9 +181,33 @@ def run_app(main, **kwargs) -> NoReturn:
     raise
 
 
+# The flags whose value is a path. The shell expands the `~` of `--workdir ~/runs` but not
+# that of `--workdir=~/runs`, which would make a folder named "~" in the current directory
+# (one `rm -rf ~` away from deleting the home directory): both parsers expand it.
+PATH_FLAGS = ("config", "out", "workdir")
+
+
+def expand_home(argv: list[str]) -> list[str]:
+  """`argv` with a leading `~` or `~user` expanded in `--<path flag>=~...` values
+  (`PATH_FLAGS`, one dash or two), as the shell does for a separate `~...` word. The
+  program name and everything after `--` are left alone."""
+  out = list(argv[:1])
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == "--":
+      return out + list(argv[i:])
+    name, eq, value = arg.partition("=")
+    if eq and value.startswith("~") and name.lstrip("-") in PATH_FLAGS and (
+        name.startswith("-")):
+      arg = f"{name}={os.path.expanduser(value)}"
+    out.append(arg)
+  return out
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl flag parsing (`app.run(..., flags_parser=parse_flags)`) whose errors (an
-  unknown enum value, a value out of bounds) are a `usage_error`."""
+  unknown enum value, a value out of bounds) are a `usage_error`; `~` in a path flag's
+  value is expanded (`expand_home`)."""
+  argv = expand_home(argv)
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
@@ -228,7 +252,9 @@ def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
 
 def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
-  and exit status 2 (`cli.parse_flags`, plus the config file's own errors)."""
+  and exit status 2 (`cli.parse_flags`, plus the config file's own errors); `~` in a path
+  flag's value is expanded (`expand_home`)."""
+  argv = expand_home(argv)
   overrides = [a for a in argv[1:] if a.startswith("--config.")]
   given = any(a == "--config" or a.startswith("--config=") for a in argv[1:])
   if overrides and not given and flags.FLAGS["config"].default is None:

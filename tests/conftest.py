@@ -217,14 +217,15 @@ class ForkServer:
   importing, which a test of dozens of refused command lines, or a file of several short
   training runs, pays again and again. The command-line modules themselves are not
   preloaded, so each child defines its flags afresh; nothing in the server starts a JAX
-  backend, whose threads a fork would not copy. Runs go one after another. With
+  backend, whose threads a fork would not copy. Runs go one after another, in `cwd` (the
+  repository unless given; `env`'s PYTHONPATH finds the modules from anywhere). With
   PHOENIX_FLAX_TEST_FRESH_INTERPRETERS=1 in `env`, or off Linux, each run gets a fresh
   interpreter instead."""
 
   def __init__(self, env: dict, preload: Sequence[str] = ("phoenix_flax.training",),
-               timeout: float = 300):
+               timeout: float = 300, cwd: str = REPO):
     self._log = tempfile.TemporaryFile(mode="w+")
-    self._proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, *preload], cwd=REPO,
+    self._proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, *preload], cwd=cwd,
                                   env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=self._log, text=True, start_new_session=True)
     assert self._readline(timeout) == "READY\n", self._failure()
@@ -270,10 +271,10 @@ def fork_server():
 
 
 def run_forked(module: str, argvs: Sequence[Sequence[str]], env: dict,
-               preload: Sequence[str] = ("phoenix_flax.training",)
+               preload: Sequence[str] = ("phoenix_flax.training",), cwd: str = REPO
                ) -> list[tuple[int, str, str]]:
   """`python -m module *argv` for each argument list, through one ForkServer."""
-  with ForkServer(env, preload) as server:
+  with ForkServer(env, preload, cwd=cwd) as server:
     return [server.run(module, argv) for argv in argvs]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,6 +11,7 @@ import sys
 import pytest
 
 from conftest import FRESH_ENV, REPO, ForkServer, run_forked, subprocess_env
+from experiments import cli
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import parse_config
 
@@ -116,6 +119,46 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
     assert needle in stderr, (args, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
   assert not workdir.exists()
+
+
+def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):
+  """`--workdir=~/...` (which the shell leaves alone, unlike `--workdir ~/...`), `--out=~/...`
+  and `--config=~/...` name paths under $HOME in every script, never a folder named "~"
+  in the current directory."""
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  (home / "a_file").write_text("")
+  # Where a script took "~" literally it stops at once, with another message, instead of
+  # training into ./~ (and the test runs away from the repository).
+  (cwd / "~").write_text("")
+  shutil.copy(os.path.join(REPO, "experiments", "configs", "ranking.py"), home / "conf.py")
+  env = dict(subprocess_env(), HOME=str(home))
+  smoke = f"--config={REPO}/experiments/configs/ranking.py:smoke"
+  not_a_dir = f"{home}/a_file is a file, not a directory"
+  cannot_write = f"cannot be written: {home}/a_file is not a directory"
+  cases = {"experiments.run": [([smoke, "--workdir=~/a_file/run"], not_a_dir),
+                               (["--config=~/conf.py:smoke", "--print_config"], None)],
+           "experiments.own_data": [(["--workdir=~/a_file/run"], not_a_dir)],
+           "experiments.benchmark": [(["--out=~/a_file/b.json"], cannot_write)],
+           "experiments.train_throughput": [([smoke, "-out=~/a_file/t.json"], cannot_write)]}
+  with ForkServer(env, cwd=str(cwd)) as server:
+    results = [(server.run(module, argv), needle)
+               for module, runs in cases.items() for argv, needle in runs]
+  (status, text, stderr), _ = results.pop(1)
+  assert status == 0 and "world.history_len = " in text, stderr
+  results += [(r, not_a_dir) for r in run_forked(
+      "ablations.soft_capping", [["--preset=smoke", "--workdir=~/a_file/s"]], env,
+      preload=("ablations.sweep",), cwd=str(cwd))]
+  for (status, _, stderr), needle in results:
+    assert status == 2 and needle in stderr, stderr
+  assert os.listdir(cwd) == ["~"]
+  # Only a path flag's value, and only before `--`.
+  argv = ["prog", "--override=x=~/a", "--workdir=a~b", "--out", "~/x", "--", "--out=~/y"]
+  assert cli.expand_home(argv) == argv
+  home = os.path.expanduser("~")
+  assert cli.expand_home(["~/prog", "--workdir=~/r", "-config=~"]) == [
+      "~/prog", f"--workdir={home}/r", f"-config={home}"]
 
 
 def test_a_forked_run_is_a_fresh_interpreters_run(tmp_path):
