@@ -162,7 +162,15 @@ FRESH_ENV = "PHOENIX_FLAX_TEST_FRESH_INTERPRETERS"
 _FORK_SERVER = r"""
 import atexit, importlib, json, os, runpy, subprocess, sys, tempfile, traceback
 fork = sys.platform.startswith("linux") and os.environ.get("%s") != "1"
+
+
+def end_with_parent():   # SIGKILL when the parent dies, however it dies (prctl, Linux)
+  import ctypes
+  ctypes.CDLL(None, use_errno=True).prctl(1, 9)   # PR_SET_PDEATHSIG, SIGKILL
+
+
 if fork:
+  end_with_parent()   # a test process killed outright leaves no server behind
   for name in sys.argv[1:]:
     importlib.import_module(name)
   from jax._src import xla_bridge
@@ -180,6 +188,7 @@ for line in sys.stdin:
   out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
   pid = os.fork()
   if pid == 0:   # the child: `python -m module *args` from here on
+    end_with_parent()   # nor a run that trains on with no one to read it
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)

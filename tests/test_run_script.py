@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -159,6 +160,47 @@ def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):
   home = os.path.expanduser("~")
   assert cli.expand_home(["~/prog", "--workdir=~/r", "-config=~"]) == [
       "~/prog", f"--workdir={home}/r", f"-config={home}"]
+
+
+ORPHANED = """
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1] + "/tests")
+from conftest import ForkServer, subprocess_env
+server = ForkServer(dict(subprocess_env(), PYTHONPATH=sys.argv[2] + ":" + sys.argv[1]))
+server._proc.stdin.write(json.dumps({"module": "sleeper", "args": []}) + "\\n")
+server._proc.stdin.flush()
+while not os.path.exists(sys.argv[2] + "/pid"):
+  time.sleep(0.01)
+print(server._proc.pid, flush=True)
+os.kill(os.getpid(), 9)   # no __exit__, no atexit: as when a test process is killed
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks on Linux only")
+def test_a_killed_test_process_leaves_no_fork_server_or_run_behind(tmp_path):
+  (tmp_path / "sleeper.py").write_text(
+      "import os, time\n"
+      "open(os.path.join(os.path.dirname(__file__), 'pid.tmp'), 'w').write(str(os.getpid()))\n"
+      "os.rename(os.path.join(os.path.dirname(__file__), 'pid.tmp'),\n"
+      "          os.path.join(os.path.dirname(__file__), 'pid'))\n"
+      "time.sleep(300)\n")
+  proc = subprocess.run([sys.executable, "-c", ORPHANED, REPO, str(tmp_path)],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == -9, proc.stderr[-2000:]
+  pids = [int(proc.stdout.split()[0]), int((tmp_path / "pid").read_text())]
+  deadline = time.monotonic() + 30
+  while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(_alive(pid) for pid in pids), pids
+
+
+def _alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie, dead but not yet reaped by init, does not)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
 
 
 def test_a_forked_run_is_a_fresh_interpreters_run(tmp_path):
