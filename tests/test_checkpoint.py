@@ -181,6 +181,42 @@ def test_killed_run_resumes_to_the_uninterrupted_result(tmp_path, env, monkeypat
     run_experiment(ranking_configs.get_config("smoke"), killed)
 
 
+def test_a_run_refuses_a_directory_of_files_no_run_wrote(tmp_path):
+  """A workdir that holds someone else's files and no config.json (the home directory,
+  another project's TensorBoard logs) is refused before any work, and nothing in it is
+  touched; a run's own leftovers from before its config.json was written are not."""
+  config = ranking_configs.get_config("smoke")
+  logs = tmp_path / "logs"
+  logs.mkdir()
+  files = {"events.out.tfevents.1.other": b"not ours", "metrics.jsonl": b"{}\n",
+           "notes.txt": b"mine"}
+  for name, data in files.items():
+    (logs / name).write_bytes(data)
+  with pytest.raises(ConfigError, match=r"logs holds files that no run wrote \("
+                     r"events.out.tfevents.1.other, metrics.jsonl, notes.txt\) and no "
+                     r"config.json: .* use a new or empty directory"):
+    run_experiment(config, str(logs))
+  assert {p.name: p.read_bytes() for p in logs.iterdir()} == files
+  for k in range(4):
+    (logs / f"more_{k}").mkdir()
+  with pytest.raises(ConfigError, match=r"\(events.out.tfevents.1.other, metrics.jsonl, "
+                                        r"more_0, more_1, more_2 and 2 more\)"):
+    runner.check_run_dirs(config, str(logs))
+  # What a run writes before its config: its lock, temporaries, an empty checkpoint folder.
+  own = tmp_path / "own"
+  (own / "checkpoint").mkdir(parents=True)
+  (own / ".lock").write_text("")
+  (own / ".config.json.tmp.12345").write_text("")
+  runner.check_run_dirs(config, str(own))
+  # Several seeds: the run directories are the seed folders, not the workdir.
+  config.num_seeds = 2
+  runner.check_run_dirs(config, str(logs))
+  (logs / "seed_1").mkdir()
+  (logs / "seed_1" / "notes.txt").write_text("")
+  with pytest.raises(ConfigError, match=r"seed_1 holds files that no run wrote \(notes.txt\)"):
+    runner.check_run_dirs(config, str(logs))
+
+
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   tree = {"a": np.arange(3, dtype=np.float32), "b": np.zeros((), np.int32)}
   for step in (10, 20, 30):

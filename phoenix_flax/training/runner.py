@@ -353,6 +353,22 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
       raise ConfigError(f"{run_dir} holds {' and '.join(left)} but no {CONFIG_FILE}, so "
                         "the config that trained them cannot be checked; restore "
                         f"{CONFIG_FILE}, or delete the directory to train the run afresh")
+    # Before config.json a run has written its lock, temporaries and an empty checkpoint
+    # folder at most; anything else is someone else's (`--workdir=~`, a folder of other
+    # logs), and a fresh run would write among it, deleting event files and replacing
+    # metrics.jsonl.
+    try:
+      foreign = sorted(name for name in os.listdir(run_dir)
+                       if name not in (LOCK_FILE, checkpoint.CHECKPOINT_DIR)
+                       and not writers.is_temporary(name))
+    except (FileNotFoundError, NotADirectoryError):   # a new run (or a refused path)
+      return
+    if foreign:
+      more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+      raise ConfigError(f"{run_dir} holds files that no run wrote ({', '.join(foreign[:5])}"
+                        f"{more}) and no {CONFIG_FILE}: a run's directory holds that run "
+                        "alone, and a new one would delete event files and replace "
+                        f"{writers.METRICS_FILE} there; use a new or empty directory")
     return
   stored = _read_run_file(path)
   try:

@@ -109,6 +109,11 @@ def _running(pid: int) -> bool:
   return True
 
 
+def is_temporary(name: str) -> bool:
+  """Whether `name` is that of an `atomic_file` temporary (a writer's, or a killed one's)."""
+  return _TEMPORARY.fullmatch(name) is not None
+
+
 def remove_temporaries(folder: str, keep_live_writers: bool = False) -> None:
   """Deletes `atomic_file`'s temporary files in `folder`: partial files of killed writers
   (call it only where no other process is writing, or with `keep_live_writers`, which
