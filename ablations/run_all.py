@@ -27,8 +27,13 @@ FLAGS = flags.FLAGS
 
 def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
   """The named ablations' sweeps into `<workdir>/<name>/`, every config built and checked
-  (and every existing run directory against it) before any training starts."""
-  return [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
+  (and every existing run directory against it, and the combined report's folder) before
+  any training starts."""
+  sweeps = [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
+  sweep.check_report_folder(
+      workdir, lambda r: all(isinstance(v, dict) and v.get("ablation") == k
+                             for k, v in r.items()), "ablations.run_all")
+  return sweeps
 
 
 def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:

@@ -382,6 +382,23 @@ def read_json_if_exists(path: str) -> Optional[dict]:
   return read_json(path)
 
 
+def check_report_folder(folder: str, is_ours: Callable[[dict], bool], writer: str) -> None:
+  """Raises ValueError where `folder` holds a report that `writer` did not write, which
+  writing its own would replace: a results.json that `is_ours` rejects, or a REPORT.md
+  without results.json (a sweep writes results.json first). A results.json that is no
+  JSON object, damaged from outside, is replaced."""
+  try:
+    found = read_json_if_exists(os.path.join(folder, "results.json"))
+  except ValueError:
+    return
+  if found is None and os.path.exists(os.path.join(folder, "REPORT.md")):
+    raise ValueError(f"{folder} holds a REPORT.md but no results.json, so {writer} did not "
+                     "write it, and its report would replace it: use another workdir")
+  if found is not None and not is_ours(found):
+    raise ValueError(f"{folder}/results.json is not {writer}'s, and its report would "
+                     "replace it (and REPORT.md and the plots there): use another workdir")
+
+
 def _result_if_finished(run_dir: str) -> Optional[dict]:
   """The run's result.json (checked: `runner.read_result`), or None where it has none."""
   path = os.path.join(run_dir, "result.json")
@@ -471,6 +488,8 @@ class Sweep:
       raise ValueError(f"override of {ignored} would change nothing: every variant of "
                        f"{ablation.name!r} sets it itself (its arms or conditions)")
     check_workdir(workdir)
+    check_report_folder(workdir, lambda r: r.get("ablation") == ablation.name,
+                        f"the {ablation.name} sweep")
     configs = [self.config(variant) for variant in self.variants]
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
       for cfg in configs:

@@ -952,6 +952,42 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
   assert set(json.loads((tmp_path / "results.json").read_text())) == {"toy"}
 
 
+def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, monkeypatch):
+  """A sweep (and run_all) would replace results.json, REPORT.md and the plots of its
+  folder: another tool's, another ablation's or a report without its results.json is
+  refused before any work, and left as it was; its own earlier report is not."""
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation()})
+  make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
+                                               runner=fake_runner())
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "results.json").write_text('{"a": 1}\n')
+  (other / "REPORT.md").write_text("mine\n")
+  for check in (lambda: make(toy_ablation(), str(other)),
+                lambda: run_all.make_sweeps(["toy"], str(other), make_sweep=make)):
+    with pytest.raises(ValueError, match="results.json is not the toy sweep's|"
+                                         "results.json is not ablations.run_all's"):
+      check()
+  (other / "results.json").unlink()
+  with pytest.raises(ValueError, match="holds a REPORT.md but no results.json, so the toy "
+                                       "sweep did not write it"):
+    make(toy_ablation(), str(other))
+  assert os.listdir(other) == ["REPORT.md"] and (other / "REPORT.md").read_text() == "mine\n"
+  # Its own report: the sweep runs again there; another ablation's is refused.
+  mine = tmp_path / "mine"
+  make(toy_ablation(), str(mine)).run()
+  make(toy_ablation(), str(mine))
+  with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
+    make(toy_ablation(name="toy2"), str(mine))
+  # run_all's combined report, made by run_all, and a damaged results.json are replaced.
+  combined = tmp_path / "combined"
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
+                  str(combined))
+  run_all.make_sweeps(["toy"], str(combined), make_sweep=make)
+  (other / "results.json").write_text("{damaged")
+  make(toy_ablation(), str(other))
+
+
 def test_cli_rejects_bad_flags_before_work(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   workdir = tmp_path / "sweep"
