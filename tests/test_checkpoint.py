@@ -208,7 +208,10 @@ def test_a_run_refuses_a_directory_of_files_no_run_wrote(tmp_path):
   (own / ".lock").write_text("")
   (own / ".config.json.tmp.12345").write_text("")
   runner.check_run_dirs(config, str(own))
-  # Several seeds: the run directories are the seed folders, not the workdir.
+  # One seed where several trained (their seed folders), and several seeds: the run
+  # directories are the seed folders then, not the workdir.
+  (own / "seed_0").mkdir()
+  runner.check_run_dirs(config, str(own))
   config.num_seeds = 2
   runner.check_run_dirs(config, str(logs))
   (logs / "seed_1").mkdir()

@@ -64,6 +64,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import threading
@@ -337,6 +338,9 @@ def read_result(path: str) -> dict:
   return found
 
 
+_SEED_DIR = re.compile(r"seed_\d+")   # `seed_dir`'s
+
+
 def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -> None:
   """Raises `ConfigError` if `run_dir` holds a run of another config, or checkpoints or a
   result without the config that made them; `locked`: this process holds its lock."""
@@ -354,13 +358,15 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
                         "the config that trained them cannot be checked; restore "
                         f"{CONFIG_FILE}, or delete the directory to train the run afresh")
     # Before config.json a run has written its lock, temporaries and an empty checkpoint
-    # folder at most; anything else is someone else's (`--workdir=~`, a folder of other
-    # logs), and a fresh run would write among it, deleting event files and replacing
+    # folder at most (and the workdir of one seed may hold the seed folders of a run of
+    # several); anything else is someone else's (`--workdir=~`, a folder of other logs),
+    # and a fresh run would write among it, deleting event files and replacing
     # metrics.jsonl.
     try:
       foreign = sorted(name for name in os.listdir(run_dir)
                        if name not in (LOCK_FILE, checkpoint.CHECKPOINT_DIR)
-                       and not writers.is_temporary(name))
+                       and not writers.is_temporary(name)
+                       and not _SEED_DIR.fullmatch(name))
     except (FileNotFoundError, NotADirectoryError):   # a new run (or a refused path)
       return
     if foreign:
