@@ -251,11 +251,15 @@ class ForkServer:
     self._log.seek(0)
     return self._log.read()[-3000:]
 
+  def submit(self, module: str, args: Sequence[str]) -> None:
+    """Starts `python -m module *args`; `run` waits for it."""
+    self._proc.stdin.write(json.dumps({"module": module, "args": list(args)}) + "\n")
+    self._proc.stdin.flush()
+
   def run(self, module: str, args: Sequence[str], timeout: float = 600
           ) -> tuple[int, str, str]:
     """`python -m module *args`: (exit status, stdout, stderr)."""
-    self._proc.stdin.write(json.dumps({"module": module, "args": list(args)}) + "\n")
-    self._proc.stdin.flush()
+    self.submit(module, args)
     line = self._readline(timeout)
     assert line, self._failure()
     return tuple(json.loads(line))

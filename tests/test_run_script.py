@@ -163,12 +163,11 @@ def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):
 
 
 ORPHANED = """
-import json, os, sys, time
+import os, sys, time
 sys.path.insert(0, sys.argv[1] + "/tests")
 from conftest import ForkServer, subprocess_env
 server = ForkServer(dict(subprocess_env(), PYTHONPATH=sys.argv[2] + ":" + sys.argv[1]))
-server._proc.stdin.write(json.dumps({"module": "sleeper", "args": []}) + "\\n")
-server._proc.stdin.flush()
+server.submit("sleeper", [])
 while not os.path.exists(sys.argv[2] + "/pid"):
   time.sleep(0.01)
 print(server._proc.pid, flush=True)
