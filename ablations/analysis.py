@@ -121,7 +121,9 @@ def interactions(variants: Variants, conditions: Mapping[str, Sequence[str]],
           continue
         row = stats.paired_t(
             stats.seed_means([deltas(arm, cell, metric) for cell, _ in pairs]),
-            stats.seed_means([deltas(arm, moved, metric) for _, moved in pairs]))
+            stats.seed_means([deltas(arm, moved, metric) for _, moved in pairs]),
+            sources=[per_seed(variants, by_cell[(x, c)], metric)
+                     for x in (arm, baseline) for pair in pairs for c in pair])
         rows.append({"arm": arm, "baseline": baseline, "metric": metric, "axis": axis,
                      "level": level, "reference": reference, **row,
                      "cells": len(pairs)})

@@ -71,9 +71,16 @@ def fmt_ci(ci: Optional[Sequence[float]]) -> str:
 
 
 def fmt_p(p: Optional[float]) -> str:
+  """3 decimals, or more where 3 would put p on the other side of 0.05 than it is (0.0496,
+  not "0.050" beside "significantly")."""
   if p is None:
     return "n/a"
-  return "<0.001" if p < 1e-3 else f"{p:.3f}"
+  if p < 1e-3:
+    return "<0.001"
+  digits = 3
+  while digits < 9 and (float(f"{p:.{digits}f}") < ALPHA) != (p < ALPHA):
+    digits += 1
+  return f"{p:.{digits}f}"
 
 
 def p_phrase(label: str, p: Optional[float]) -> str:
@@ -156,16 +163,16 @@ def headline_lines(results: Mapping) -> list[str]:
 def short_verdict(comparison: Mapping, results: Mapping) -> str:
   """"+0.026 (p <0.001) *": the difference, its p-value, a star when significant; for
   `diverged`, the divergence counts of the variant and of its baseline."""
+  star = " *" if significant(comparison) else ""
   if comparison["metric"] == "diverged":
     runs = lambda name: (results["variants"][name]["diverged"],
                          len(results["variants"][name]["seeds"]))
     (k, n), (kb, nb) = runs(comparison["variant"]), runs(comparison["baseline"])
-    return f"{k}/{n} vs {kb}/{nb} (p {fmt_p(comparison['p_value'])})"
+    return f"{k}/{n} vs {kb}/{nb} (p {fmt_p(comparison['p_value'])}){star}"
   if comparison.get("delta") is None:
     return "n/a"
   if deterministic(comparison):
     return f"{comparison['delta']:+.3g} (exact)"
-  star = " *" if significant(comparison) else ""
   delta = "0" if comparison["delta"] == 0 else f"{comparison['delta']:+.3g}"
   return f"{delta} (p {fmt_p(comparison['p_value'])}){star}"
 

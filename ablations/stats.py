@@ -147,7 +147,8 @@ def _pairs(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float
           np.asarray([v for _, v in keep], np.float64))
 
 
-def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]) -> dict:
+def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]], *,
+             sources: Optional[Sequence[Sequence[Optional[float]]]] = None) -> dict:
   """Paired t-test of variant - baseline over the pairs where both are present.
 
   Returns {"delta", "ci95", "p_value", "n", "test"}; with fewer than two pairs the CI and
@@ -159,6 +160,12 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   - otherwise (the seeds' values vary but every pair moved by the same amount, as a coarse
     metric can by chance): no CI, and the exact sign-flip p (`sign_flip_p`: 2 of the 2**n
     flips, 0.25 with three pairs), since nothing but the pairs' signs is left to test.
+
+  `sources`: when `baseline` and `variant` are not metric values but differences of them
+  (per seed, as `analysis.interactions` compares), the per-seed lists of the values they
+  came from. Float rounding is then judged against those values' size, not the small
+  differences', and the quantity is deterministic only if every one of them is the same
+  across seeds.
   """
   b, v = _pairs(baseline, variant)
   diff = v - b
@@ -172,11 +179,14 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
     return out
   # Equal up to float32 rounding (a spread below 1e-6 of the values' size; the metrics
   # are float32) is equal: 12/48 - 10/48 and 15/48 - 13/48 are one number computed twice.
-  tol = 1e-6 * max(float(np.max(np.abs(b))), float(np.max(np.abs(v))))
+  values = [b, v] if sources is None else [
+      np.asarray([x for x in xs if _clean(x) is not None], np.float64) for xs in sources]
+  values = [x for x in values if x.size]
+  tol = 1e-6 * max((float(np.max(np.abs(x))) for x in values), default=0.0)
   same = lambda x: float(np.ptp(x)) <= tol
   if same(diff):
     zero = same(np.append(diff, 0.0))
-    if zero or (same(b) and same(v)):
+    if zero or all(same(x) for x in values):
       out["ci95"] = [0.0, 0.0] if zero else [mean, mean]
       out["delta"] = 0.0 if zero else out["delta"]
       out["p_value"] = 1.0 if zero else 0.0

@@ -226,6 +226,31 @@ def test_interactions_average_over_the_other_axes():
                             "base", ["m"]) == []
 
 
+def test_an_interaction_of_identical_differences_is_not_exact():
+  """Each seed's difference is the same at each level while the seeds' values vary (a
+  coarse metric, or float32 rounding of values near 0.7): the difference of differences is
+  not a deterministic quantity with p = 0, nor a t-test of rounding noise, but the exact
+  sign-flip p of identical differences, as each level's own comparison reads."""
+  seeds = np.array([0.61, 0.67, 0.72, 0.78])
+  for lo, hi in ((1 / 24, 1 / 16), (0.004, 0.007)):
+    values = {("base", "lo"): seeds, ("x", "lo"): seeds + lo,
+              ("base", "hi"): seeds + 0.01, ("x", "hi"): seeds + 0.01 + hi}
+    variants = {f"{arm}_{cell}": {"arm": arm, "cell": cell, "metrics": {
+        "m": {"per_seed": np.asarray(v, np.float32).astype(float).tolist()}}}
+        for (arm, cell), v in values.items()}
+    [row] = analysis.interactions(variants, {"c": ["lo", "hi"]}, "base", ["m"])
+    assert row["delta"] == pytest.approx(hi - lo, abs=1e-6)
+    assert row["p_value"] == 2.0 ** (1 - len(seeds)), row
+    assert row["test"] == "sign-flip permutation (identical differences)"
+    assert row["ci95"] is None
+  # A deterministic metric (the same value in every seed, each variant) stays exact.
+  variants = {f"{arm}_{cell}": {"arm": arm, "cell": cell, "metrics": {"m": {"per_seed": [v] * 3}}}
+              for (arm, cell), v in {("base", "lo"): 10.0, ("x", "lo"): 12.0,
+                                     ("base", "hi"): 10.0, ("x", "hi"): 15.0}.items()}
+  [row] = analysis.interactions(variants, {"c": ["lo", "hi"]}, "base", ["m"])
+  assert (row["delta"], row["ci95"], row["p_value"]) == (3.0, [3.0, 3.0], 0.0)
+
+
 COMMITTED = sorted(glob.glob(os.path.join(REPO, "docs", "results", "*", "results.json")))
 
 
@@ -532,6 +557,21 @@ def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
   # A hand-written row without a pair count still renders.
   results["comparisons"][0] = {k: v for k, v in results["comparisons"][0].items() if k != "n"}
   assert report.headline_lines(results)[0].endswith("(Δ = -3, 0 pairs).")
+
+
+def test_a_printed_p_is_on_the_side_of_005_that_the_verdict_is():
+  """A p just under 0.05 is not printed "0.050" beside "significantly"; the per-condition
+  table stars a significant divergence comparison like any other."""
+  assert [report.fmt_p(p) for p in (0.0496, 0.04996, 0.0504, 0.05, 0.214, 0.0009)] == \
+      ["0.0496", "0.04996", "0.050", "0.050", "0.214", "<0.001"]
+  row = {**stats.mcnemar_exact([0] * 7, [1] * 7), "variant": "b", "baseline": "a",
+         "metric": "diverged"}
+  row["p_holm"] = row["p_value"]
+  results = {"variants": {"a": {"diverged": 0, "seeds": list(range(7))},
+                          "b": {"diverged": 7, "seeds": list(range(7))}}}
+  assert report.significant(row)
+  assert report.short_verdict(row, results) == "7/7 vs 0/7 (p 0.016) *"
+  assert report.short_verdict({**row, "p_holm": 0.5}, results) == "7/7 vs 0/7 (p 0.016)"
 
 
 def test_mean_and_interval_show_the_same_decimals():
