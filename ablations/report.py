@@ -252,7 +252,7 @@ def fmt_pm(mean: float, half: float) -> str:
   decimals = 1 - math.floor(math.log10(half))   # negative: rounds to tens, hundreds, ...
   if abs(round(half, decimals)) >= 10 ** (2 - decimals):   # rounding added a digit (0.0996)
     decimals -= 1
-  text = lambda x: f"{round(x, decimals):.{max(decimals, 0)}f}"
+  text = lambda x: f"{round(x, decimals) + 0.0:.{max(decimals, 0)}f}"   # + 0.0: no "-0.00"
   return f"{text(mean)} ± {text(half)}"
 
 

@@ -586,6 +586,8 @@ def test_mean_and_interval_show_the_same_decimals():
   assert report.fmt_pm(0.7928, 0.00099) == "0.79280 ± 0.00099"
   assert report.fmt_pm(0.001486, 0.00088) == "0.00149 ± 0.00088"   # one format per column
   assert report.fmt_pm(2.7e-6, 3.4e-6) == "2.70e-06 ± 3.4e-06"     # tiny: scientific
+  assert report.fmt_pm(-1e-5, 0.0021) == "0.0000 ± 0.0021"        # no sign on a rounded 0
+  assert report.fmt_pm(-0.3, 40.0) == "0 ± 40"
 
 
 def test_training_variants_log_each_evaluation(caplog, tmp_path, monkeypatch):
