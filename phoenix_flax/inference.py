@@ -300,6 +300,15 @@ def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
   return jnp.argsort(-key_BC, axis=-1, stable=True).astype(jnp.int32)
 
 
+def chunk_size_for(num_candidates: int, chunk_size: int) -> int:
+  """The chunk size `RankingRunner.score_candidates` and `rank_chunked` run for a list of
+  `num_candidates`: `chunk_size`, shrunk to the smallest power of two >= the list where it
+  is larger. A chunk larger than the list would score only padding past it (a chunk_size
+  of 10**9 asked XLA for 256 GB); this way the padding stays under the list's length and
+  at most ceil(log2(chunk_size)) + 1 chunk programs ever compile."""
+  return min(chunk_size, 1 << (num_candidates - 1).bit_length())
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _padded_candidates(fields, pad: int):
   """Candidate fields (axis 1 is C) padded at the end with `pad` hash-0 candidates."""
@@ -449,7 +458,7 @@ class RankingRunner:
 
     The last chunk is padded with hash-0 candidates; one compiled program serves every
     chunk (its start index is traced), so any candidate count reuses it. A `chunk_size`
-    above C shrinks to the smallest power of two >= C (one program per such size). A new
+    above the smallest power of two >= C shrinks to it (`chunk_size_for`). A new
     C still compiles the small programs that check, pad, slice and join the candidates.
     """
     chunk_size = self._check_chunking(chunk_size)
@@ -488,10 +497,7 @@ class RankingRunner:
     # (Each scoring call, an `eqx.filter_jit`, returns once its chunk is scored:
     # docs/performance.md, "Chunked serving".)
     C = np.shape(batch.candidate_post_hashes)[1]
-    # A chunk larger than the list would score only padding past C (a chunk_size of 10**9
-    # asked XLA for 256 GB): shrink it to the power of two that covers C, so the padding
-    # stays under C and at most ceil(log2(chunk_size)) + 1 chunk programs ever compile.
-    chunk_size = min(chunk_size, 1 << (C - 1).bit_length())
+    chunk_size = chunk_size_for(C, chunk_size)
     pad = -C % chunk_size
     candidates = ({f: getattr(batch, f) for f in CANDIDATE_BATCH_FIELDS
                    if getattr(batch, f) is not None},

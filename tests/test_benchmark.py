@@ -19,7 +19,7 @@ import pytest
 
 import phoenix_flax as pf
 from conftest import REPO, run_forked, subprocess_env
-from phoenix_flax import synthetic
+from phoenix_flax import inference, synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, cli, timing
 
@@ -85,6 +85,17 @@ def test_kv_cache_table_and_micro_batches_by_hand():
     found = benchmark._micro_batches(model, 3, 7)
     assert found == {"micro_batch_rows": rows_, "user_groups": groups,
                      "candidate_micro_batches": micro}, rows_
+
+
+def test_the_chunked_case_measures_the_chunk_that_rank_chunked_runs():
+  """A chunk above the list shrinks, in rank_chunked, to the power of two that covers the
+  list (10 candidates: 16); the case's label, chunk count and peak memory (of the chunk
+  program it compiles) are of that chunk, not of the 1000 asked for."""
+  assert [inference.chunk_size_for(10, n) for n in (4, 10, 16, 1000)] == [4, 10, 16, 16]
+  case = dataclasses.replace(TINY["chunked"], chunk=1000)
+  r = benchmark.bench_chunked(case, iters=1, warmup=0, min_seconds=0, seed=0,
+                              matmul=benchmark.matmul_call(16), dense_iters=1)
+  assert (r["fast"]["kind"], r["fast"]["num_chunks"]) == ("rank_chunked(16)", 1)
 
 
 def test_run_benchmark_reports_every_field(tmp_path):
