@@ -72,7 +72,9 @@ TRANSFORMER = pf.TransformerConfig(emb_size=64, key_size=16, num_q_heads=4, num_
 
 class Logs(NamedTuple):
   """Made-up logs, one row per user, ragged parts padded and their lengths given. Each
-  user has `L` impressions (candidate lists) in time order; the last is held out."""
+  user has `L` impressions (candidate lists) in time order, the last held out, and one
+  history, made apart from them; from real logs, pair each impression with the history
+  before it, so that no label it predicts is in its input."""
 
   user_id: np.ndarray          # int64 [U], raw ids
   history_post: np.ndarray     # int64 [U, HISTORY], oldest first (first `history_len`)
@@ -328,8 +330,10 @@ def retrieval_recall(system: training.RetrievalSystem, logs: Logs, rows: np.ndar
 
 
 def _favorited(logs: Logs) -> np.ndarray:
-  """bool [U, L, C]: the candidates of each impression that were favorited."""
-  return (logs.list_labels[..., FAVORITE] > 0) & (
+  """bool [U, L, C]: the candidates of each impression that were favorited: a favorite
+  label above one half (`training.is_positive`, the retrieval loss's and the metrics'
+  rule, so that a soft label counts here as it counts there)."""
+  return np.asarray(training.is_positive(logs.list_labels[..., FAVORITE])) & (
       np.arange(CANDIDATES) < logs.list_len[..., None])
 
 
