@@ -23,7 +23,7 @@ from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig
                                  _beyond_int32, _count)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
-from phoenix_flax.transformer import ContextCache
+from phoenix_flax.transformer import ContextCache, check_cache
 from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS, RecsysBatch,
                                 RecsysEmbeddings)
 
@@ -414,26 +414,10 @@ class RankingRunner:
     """The cache's shapes and dtypes are this model's, and its padding mask is the one of
     the batch's users (a cache of other users, or of a model with another forward dtype,
     scored silently). A cache of another model with the same shapes and dtype passes."""
-    if not isinstance(cache, ContextCache):
-      raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
-    tc = self.config.model
-    B = np.shape(batch.user_hashes)[0]
-    N = self.config.candidate_start_offset
-    fprop = jnp.dtype(self.config.fprop_dtype)
-    expected = {"keys": ((tc.num_layers, B, N, tc.num_kv_heads, tc.key_size), fprop),
-                "values": ((tc.num_layers, B, N, tc.num_kv_heads, tc.key_size), fprop),
-                "padding_mask": ((B, N), jnp.dtype(bool))}
     hint = "encode this batch's users with this runner's encode_context"
-    for name, (shape, dtype) in expected.items():
-      x = getattr(cache, name)
-      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"cache.{name} is a {type(x).__name__}, expected an array: {hint}")
-      if tuple(x.shape) != shape:
-        raise ValueError(f"cache.{name} has shape {tuple(x.shape)}, expected {shape}: {hint}")
-      if x.dtype != dtype:
-        why = "" if name == "padding_mask" else (
-            f" (this model's fprop_dtype={self.config.fprop_dtype!r})")
-        raise ValueError(f"cache.{name} has dtype {x.dtype}, expected {dtype}{why}: {hint}")
+    check_cache(self.config.model, cache, self.config.fprop_dtype,
+                np.shape(batch.user_hashes)[0], self.config.candidate_start_offset,
+                f"{hint} (this model's fprop_dtype is {self.config.fprop_dtype!r})")
     # The rule of `block_user_reduce` and `block_history_reduce`, on the host.
     context_mask = np.concatenate([np.asarray(batch.user_hashes)[:, :1] != 0,
                                    np.asarray(batch.history_post_hashes)[:, :, 0] != 0], axis=1)

@@ -13,7 +13,7 @@ from phoenix_flax import features
 from phoenix_flax.config import PhoenixModelConfig, _check_key
 from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
-from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput
+from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput, check_cache
 from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS,
                                 RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
                                 check_batch, check_candidate_embeddings,
@@ -232,11 +232,16 @@ class PhoenixModel(eqx.Module):
   def score_candidates(self, cache: ContextCache, batch: RecsysBatch,
                        embeddings: RecsysEmbeddings, first_index: int = 0,
                        ) -> RecsysModelOutput:
-    """Scores the batch's candidates against a cached context (isolation only)."""
+    """Scores the batch's candidates against a cached context (isolation only): a cache
+    of this model's shapes and `fprop_dtype` (`transformer.check_cache`), of these users."""
     if not self.config.candidate_isolation:
       raise ValueError("score_candidates needs candidate_isolation=True: without it a "
                        "candidate's score depends on the candidates before it")
     self._check_candidates(batch, embeddings, cache.padding_mask.shape[0])
+    check_cache(self.config.model, cache, self.config.fprop_dtype,
+                cache.padding_mask.shape[0], self.config.candidate_start_offset,
+                f"encode the context with this model's encode_context (fprop_dtype="
+                f"{self.config.fprop_dtype!r}, history_seq_len={self.config.history_seq_len})")
     cand_BCD, cand_mask_BC = self._candidate_tokens(batch, embeddings)
     out = self.transformer.score_candidates(
         cand_BCD, cand_mask_BC, cache, self.candidate_positions(cand_mask_BC, first_index))

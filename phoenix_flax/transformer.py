@@ -50,6 +50,33 @@ class ContextCache(NamedTuple):
 AttendFn = Callable[[MultiHeadAttention, Array], tuple[Array, Array]]
 
 
+def check_cache(config: TransformerConfig, cache: ContextCache, dtype, batch_size: int,
+                context_len: Optional[int] = None, hint: str = "") -> None:
+  """`cache` is a `ContextCache` of a transformer of `config`: keys and values
+  `[L, B, N, KV, d]` of `dtype`, a bool padding mask `[B, N]`, with B = `batch_size` and
+  N = `context_len` (default: the mask's). A cache of another depth, head split, batch,
+  context length or dtype raises a ValueError naming the field (it scored silently, or
+  failed deep in the scan). `hint` ends the message."""
+  if not isinstance(cache, ContextCache):
+    raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
+  hint = f": {hint}" if hint else ""
+  for name in ContextCache._fields:
+    x = getattr(cache, name)
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise ValueError(f"cache.{name} is a {type(x).__name__}, expected an array{hint}")
+  if context_len is None:
+    context_len = cache.padding_mask.shape[-1]
+  kv = (config.num_layers, batch_size, context_len, config.num_kv_heads, config.key_size)
+  expected = {"keys": (kv, jnp.dtype(dtype)), "values": (kv, jnp.dtype(dtype)),
+              "padding_mask": ((batch_size, context_len), jnp.dtype(bool))}
+  for name, (shape, want) in expected.items():
+    x = getattr(cache, name)
+    if tuple(x.shape) != shape:
+      raise ValueError(f"cache.{name} has shape {tuple(x.shape)}, expected {shape}{hint}")
+    if x.dtype != want:
+      raise ValueError(f"cache.{name} has dtype {x.dtype}, expected {want}{hint}")
+
+
 def _check_tokens(config: TransformerConfig, what: str, x_BTD: Array, mask_BT: Array,
                   positions_BT: Optional[Array] = None, batch_size: Optional[int] = None,
                   batch_of: str = "the cache") -> None:
@@ -375,9 +402,11 @@ class Transformer(eqx.Module):
   def score_candidates(self, embeddings_BCD: Array, padding_mask_BC: Array,
                        cache: ContextCache, positions_BC: Optional[Array] = None,
                        ) -> TransformerOutput:
-    """Runs isolated candidates against a `ContextCache` (any number of candidates)."""
+    """Runs isolated candidates against a `ContextCache` (any number of candidates), of
+    this transformer and of the candidates' users and dtype (`check_cache`)."""
     _check_tokens(self.config, "candidates", embeddings_BCD, padding_mask_BC, positions_BC,
                   cache.padding_mask.shape[0])
+    check_cache(self.config, cache, embeddings_BCD.dtype, embeddings_BCD.shape[0])
     B, C, _ = embeddings_BCD.shape
     N = cache.padding_mask.shape[1]
     rope = _shared_rope(self.config, _default_positions(B, C, N) if positions_BC is None

@@ -375,6 +375,36 @@ def test_every_model_entry_point_names_a_bad_field(entry):
       call(*one)
 
 
+def test_score_candidates_refuses_a_cache_of_another_model():
+  """A cache encoded by a model of another history length or forward dtype scored silently
+  (wrong logits); one of another depth or head split failed deep in the scan. Each is
+  refused naming the cache's field, jitted too (the check reads shapes only)."""
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  score = lambda cache: model.score_candidates(cache, batch, emb)
+  score(model.encode_context(batch, emb))
+  others = {"history": (dict(history=6), r"cache.keys has shape \(2, 2, 7, 2, 8\), expected "
+                                         r"\(2, 2, 5, 2, 8\).*history_seq_len=4"),
+            "dtype": (dict(fprop_dtype="bfloat16"),
+                      r"cache.keys has dtype bfloat16, expected float32.*fprop_dtype='float32'"),
+            "depth": (dict(transformer=transformer_config(num_layers=3)),
+                      r"cache.keys has shape \(3, "),
+            "heads": (dict(transformer=transformer_config(num_q_heads=2, num_kv_heads=1,
+                                                          key_size=16)),
+                      r"cache.keys has shape \(2, 2, 5, 1, 16\)")}
+  for name, (overrides, message) in others.items():
+    other_cfg = ranking_config(**overrides)
+    other_batch, other_emb = make_batch(other_cfg, 2)
+    cache = model_for(other_cfg).encode_context(other_batch, other_emb)
+    with pytest.raises(ValueError, match=message):
+      score(cache)
+    with pytest.raises(ValueError, match=message):
+      jax.jit(score)(cache)
+  cache = model.encode_context(batch, emb)
+  with pytest.raises(ValueError, match=r"cache.padding_mask has shape \(2, 4\)"):
+    score(cache._replace(padding_mask=cache.padding_mask[:, :-1]))
+
+
 def test_fields_the_model_does_not_read_are_ignored():
   """Timestamps and dwell times count only with the options that read them (as released);
   otherwise the model neither checks nor reads them, in one pass or in micro-batches."""
