@@ -107,6 +107,8 @@ def check_batch(batch: RecsysBatch, hash_config, history_len: int, num_actions: 
   _require(batch)
   chex.assert_rank(batch.user_hashes, 2, custom_message="field user_hashes must be [B, U]")
   B = batch.user_hashes.shape[0]
+  if B == 0:
+    raise ValueError("field user_hashes holds no users (B = 0)")
   S, I, Au = history_len, hash_config.num_item_hashes, hash_config.num_author_hashes
   _check(batch.user_hashes, (B, hash_config.num_user_hashes), "user_hashes", "int")
   _check(batch.history_post_hashes, (B, S, I), "history_post_hashes", "int")
@@ -135,6 +137,8 @@ def check_candidate_fields(batch: RecsysBatch, hash_config, batch_size: Optional
                    custom_message="field candidate_post_hashes must be [B, C, I]")
   B = batch.candidate_post_hashes.shape[0] if batch_size is None else batch_size
   C = batch.candidate_post_hashes.shape[1]
+  if C == 0:
+    raise ValueError("field candidate_post_hashes holds no candidates (C = 0)")
   _check(batch.candidate_post_hashes, (B, C, I), "candidate_post_hashes", "int")
   _check(batch.candidate_author_hashes, (B, C, Au), "candidate_author_hashes", "int")
   _check(batch.candidate_product_surface, (B, C), "candidate_product_surface", "int")

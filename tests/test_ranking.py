@@ -15,6 +15,7 @@ from conftest import (EMB, NUM_ACTIONS, call, float32_ulp, forward, index_candid
                       transformer_config)
 from phoenix_flax import haiku_compat
 from phoenix_flax.layers import apply_rope
+from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS
 
 HISTORY_VALID = [4, 2]
 CANDIDATE_MASK = [[1, 1, 1], [1, 0, 1]]
@@ -403,6 +404,23 @@ def test_score_candidates_refuses_a_cache_of_another_model():
   cache = model.encode_context(batch, emb)
   with pytest.raises(ValueError, match=r"cache.padding_mask has shape \(2, 4\)"):
     score(cache._replace(padding_mask=cache.padding_mask[:, :-1]))
+
+
+@pytest.mark.parametrize("impl", ["isolated", "dense"])
+def test_a_batch_of_no_users_or_no_candidates_names_the_field(impl):
+  """B = 0 or C = 0 failed in a reshape (ZeroDivisionError) on every path."""
+  cfg = ranking_config(attention_impl=impl)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  cut = lambda nt, fields: nt._replace(**{f: getattr(nt, f)[:, :0] for f in fields
+                                          if getattr(nt, f) is not None})
+  no_candidates = (cut(batch, CANDIDATE_BATCH_FIELDS), cut(emb, CANDIDATE_EMBEDDING_FIELDS))
+  for entry in (model, model.forward):
+    with pytest.raises(ValueError, match=r"candidate_post_hashes holds no candidates"):
+      entry(*no_candidates)
+  no_users = jax.tree.map(lambda x: x[:0], (batch, emb))
+  for entry in (model, model.forward, model.encode_context):
+    with pytest.raises(ValueError, match=r"user_hashes holds no users \(B = 0\)"):
+      entry(*no_users)
 
 
 def test_fields_the_model_does_not_read_are_ignored():
