@@ -1,16 +1,19 @@
 """Serving runners: rank candidates, score them in chunks against a cached user context,
 and retrieve from a corpus.
 
-Runners hold one `xla_options.filter_jit` per entry point (an `eqx.filter_jit` compiled
-once per input shape, with `xla_options.compiler_options()`) and validate every input on
-the host before dispatch, raising a `ValueError` that names the offending field.
-`trace_counts` records how often each entry point was traced.
+Runners call one `xla_options.filter_jit` per entry point (an `eqx.filter_jit` compiled
+once per model structure and input shape, with `xla_options.compiler_options()`), shared by
+every runner in the process, and validate every input on the host before dispatch,
+raising a `ValueError` that names the offending field. A runner's `trace_counts` records
+how often its calls traced each entry point (none where another runner's calls already
+compiled the same model structure and shapes).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
+import threading
 from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
@@ -284,12 +287,37 @@ def _without_candidates(batch: RecsysBatch, embeddings: RecsysEmbeddings
           embeddings._replace(**dict.fromkeys(CANDIDATE_EMBEDDING_FIELDS)))
 
 
-def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callable:
-  """`xla_options.filter_jit(fn)` that adds one to `counts[name]` each time it is traced."""
+_CALLER = threading.local()   # .counts: the `trace_counts` of the runner whose call runs
+
+
+@functools.cache
+def _shared_jit(name: str, fn: Callable, options: tuple) -> Callable:
+  """The one `xla_options.filter_jit(fn)` of the process (per compile `options`, which it
+  looks up itself), which every runner calls: a runner of a model that an earlier runner
+  ran, or of a copy of it (reloaded weights), compiles nothing again. (A jit per runner
+  compiled again for each new runner, and kept its programs until `jax.clear_caches()`:
+  a runner built per request ran out of memory mappings after a few hundred.) A trace
+  counts in `trace_counts[name]` of the runner whose call traced it."""
   def traced(*args):
-    counts[name] += 1
+    counts = getattr(_CALLER, "counts", None)
+    if counts is not None:
+      counts[name] += 1
     return fn(*args)
   return xla_options.filter_jit(traced)
+
+
+def _counted_jit(counts: collections.Counter, name: str, fn: Callable) -> Callable:
+  """`fn` jitted (`_shared_jit`), its traces during the calls made through this counted in
+  `counts[name]`."""
+  jitted = _shared_jit(name, fn, tuple(sorted(xla_options.compiler_options().items())))
+
+  def call(*args):
+    outer, _CALLER.counts = getattr(_CALLER, "counts", None), counts
+    try:
+      return jitted(*args)
+    finally:
+      _CALLER.counts = outer
+  return call
 
 
 def _ranking_order(probs_BCA: Array, candidate_post_hashes: Array) -> Array:
@@ -363,6 +391,11 @@ def _rank(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings)
   return RankingOutput(probs_BCA, ranked_BC, out.continuous)
 
 
+def _encode_context(model: PhoenixModel, batch: RecsysBatch, embeddings: RecsysEmbeddings
+                    ) -> ContextCache:
+  return model.encode_context(batch, embeddings)
+
+
 def _chunk_outputs(model: PhoenixModel, cache: ContextCache, batch: RecsysBatch,
                    embeddings: RecsysEmbeddings, first_index: Array
                    ) -> tuple[Array, Optional[Array]]:
@@ -386,8 +419,7 @@ class RankingRunner:
     self.model = model
     self.trace_counts = collections.Counter()
     self._rank = _counted_jit(self.trace_counts, "rank", _rank)
-    self._encode = _counted_jit(self.trace_counts, "encode_context",
-                                lambda m, b, e: m.encode_context(b, e))
+    self._encode = _counted_jit(self.trace_counts, "encode_context", _encode_context)
     self._score = _counted_jit(self.trace_counts, "score_candidates", _chunk_outputs)
 
   @classmethod
@@ -513,6 +545,16 @@ class RetrievalResult(NamedTuple):
   top_k_post_ids: Array       # [B, K] post ids of those rows
 
 
+def _encode_user(model: PhoenixRetrievalModel, batch: RecsysBatch,
+                 embeddings: RecsysEmbeddings) -> Array:
+  return model.build_user_representation(batch, embeddings)[0]
+
+
+def _encode_corpus(tower, post_NID: Array, author_NAD: Array) -> Array:
+  """The candidate tower over corpus items' post and author hash embeddings."""
+  return tower(jnp.concatenate([post_NID, author_NAD], axis=1)[None])[0]
+
+
 def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: RecsysEmbeddings,
               corpus_ND: Array, post_ids_N: Array, top_k: int, corpus_mask: Optional[Array]):
   out = model(batch, embeddings, corpus_ND, top_k, corpus_mask)
@@ -537,12 +579,9 @@ class RetrievalRunner:
     self.corpus_embeddings: Optional[Array] = None
     self.corpus_post_ids: Optional[Array] = None
     self.trace_counts = collections.Counter()
-    self._encode = _counted_jit(self.trace_counts, "encode_user",
-                                lambda m, b, e: m.build_user_representation(b, e)[0])
+    self._encode = _counted_jit(self.trace_counts, "encode_user", _encode_user)
     self._retrieve = _counted_jit(self.trace_counts, "retrieve", _retrieve)
-    self._tower = _counted_jit(
-        self.trace_counts, "encode_corpus",
-        lambda tower, p, a: tower(jnp.concatenate([p, a], axis=1)[None])[0])
+    self._tower = _counted_jit(self.trace_counts, "encode_corpus", _encode_corpus)
 
   @classmethod
   def from_config(cls, config: PhoenixRetrievalModelConfig, *, key: PRNGKeyArray

@@ -180,6 +180,41 @@ def test_rank_compiles_once_per_shape(ranker):
   assert ranker.trace_counts["rank"] == traces + 1
 
 
+def test_runners_of_one_model_structure_share_their_compiled_programs(corpus):
+  """A second runner, or one of another copy of the model (reloaded weights), compiles
+  nothing again and scores with its own weights. (A jit per runner compiled every new
+  runner's programs again and kept them until `jax.clear_caches()`.) A trace counts for
+  the runner whose call made it."""
+  transformer = dataclasses.replace(TRANSFORMER, widening_factor=1.5)   # this test's alone
+  ranking = dataclasses.replace(RANKING, model=transformer)
+  batch, emb = _batch(ranking, batch_size=3)
+  first, second = (RankingRunner.from_config(ranking, key=jax.random.key(k)) for k in (1, 2))
+  scores = [(r.rank(batch, emb).scores, r.rank_chunked(batch, emb, 2).scores)
+            for r in (first, second)]
+  assert dict(first.trace_counts) == {"rank": 1, "encode_context": 1, "score_candidates": 1}
+  assert sum(second.trace_counts.values()) == 0
+  for runner, (at_once, chunked) in zip((first, second), scores):
+    np.testing.assert_allclose(at_once, jax.nn.sigmoid(runner.model(batch, emb).logits),
+                               atol=1e-6)
+    np.testing.assert_allclose(chunked, at_once, atol=1e-5)
+  assert max_abs_diff(scores[0][0], scores[1][0]) > 1e-3
+
+  retrieval = dataclasses.replace(RETRIEVAL, model=transformer)
+  batch, emb = _batch(retrieval, batch_size=3)
+  corpus_ND, ids_N = corpus
+  first, second = (RetrievalRunner.from_config(retrieval, key=jax.random.key(k))
+                   for k in (1, 2))
+  found = []
+  for runner in (first, second):
+    runner.encode_corpus(emb.candidate_post_embeddings[0], emb.candidate_author_embeddings[0])
+    runner.set_corpus(corpus_ND, ids_N)
+    found.append(runner.retrieve(batch, emb, top_k=5).user_representation)
+    np.testing.assert_allclose(found[-1], runner.encode_user(batch, emb), atol=1e-6)
+  assert dict(first.trace_counts) == {"encode_corpus": 1, "retrieve": 1, "encode_user": 1}
+  assert sum(second.trace_counts.values()) == 0
+  assert max_abs_diff(found[0], found[1]) > 1e-3
+
+
 def test_chunked_scoring_equals_scoring_at_once(ranker):
   batch, emb = _batch(batch_size=1, num_candidates=NUM_MANY)
   at_once = ranker.rank(batch, emb)
