@@ -32,10 +32,11 @@ A tree holds parameter shapes, not the settings that have no parameter. On impor
 these from the release's config, because a wrong value imports without error and gives
 other logits: `attn_output_multiplier` (the release sets it, e.g. 0.125 for key size 64;
 `TransformerConfig` defaults to 1.0), the split of the attention width into
-`num_q_heads`/`num_kv_heads` and `key_size` (the tree only fixes the products),
-`attn_logit_cap` (the release always caps at 30.0), `candidate_isolation` (always on in
-the release), `right_anchored_rope` (later release) and `fprop_dtype` (the release
-serves in bfloat16). Import accepts any such settings, so a released checkpoint can
+`num_q_heads`/`num_kv_heads` and `key_size` (the tree only fixes the products), the
+split of the hashes between posts and authors (`HashConfig.num_item_hashes` and
+`num_author_hashes`: the input projections fix only their sum), `attn_logit_cap` (the
+release always caps at 30.0), `candidate_isolation` (always on in the release),
+`right_anchored_rope` (later release) and `fprop_dtype` (the release serves in bfloat16). Import accepts any such settings, so a released checkpoint can
 start a variant; a switch that removes a release parameter (leaves its module None)
 makes that entry of the tree an extra one, named in the error. Export refuses a model
 whose settings the release cannot express, since the release would run the exported tree
@@ -265,6 +266,9 @@ _ARRAY_TYPES = (np.ndarray, np.generic, jax.Array)
 
 def _not_an_array(value: Any) -> Optional[str]:
   """Why `value` cannot be a parameter (None if it can): a float array is expected."""
+  if isinstance(value, jax.core.Tracer):
+    return ("is traced (import called under jit, vmap or eval_shape): import reads the "
+            "values, so it needs concrete arrays")
   if not isinstance(value, _ARRAY_TYPES):
     return f"is a {type(value).__name__}, expected an array of floats"
   if not jnp.issubdtype(value.dtype, jnp.floating):

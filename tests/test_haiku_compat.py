@@ -3,6 +3,7 @@ with the independent dm-haiku reference in `haiku_reference.py` (the specificati
 example shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
 
 import dataclasses
+import functools
 import types
 
 import equinox as eqx
@@ -435,6 +436,18 @@ def test_entries_that_are_not_finite_float_arrays_are_named(ranking_params):
           in message)
   assert "value   params['phoenix_model/rms_norm']['scale']: holds NaN or inf" in message
   assert "extra   params['phoenix_model']['bias']: got a dict" in message
+
+
+def test_import_under_a_trace_says_it_needs_concrete_arrays(ranking_params):
+  """Import reads the values (the finite check): under `jit` or `eval_shape` it failed with
+  JAX's TracerArrayConversionError, naming no entry."""
+  _, tree = ranking_params
+  load = lambda t: haiku_compat.ranking_model_from_haiku(t, _ranking_config())
+  for transform in (jax.jit, lambda f: functools.partial(jax.eval_shape, f)):
+    with pytest.raises(haiku_compat.HaikuParamsError,
+                       match=r"value   params\['phoenix_model'\]\['proj_mat_1'\]: is traced "
+                             r"\(import called under jit, vmap or eval_shape\)"):
+      transform(lambda t: eqx.filter(load(t), eqx.is_array))(tree)
 
 
 class _NormWithBias(eqx.Module):
