@@ -36,9 +36,10 @@ other logits: `attn_output_multiplier` (the release sets it, e.g. 0.125 for key 
 split of the hashes between posts and authors (`HashConfig.num_item_hashes` and
 `num_author_hashes`: the input projections fix only their sum), `attn_logit_cap` (the
 release always caps at 30.0), `candidate_isolation` (always on in the release),
-`right_anchored_rope` (later release) and `fprop_dtype` (the release serves in bfloat16). Import accepts any such settings, so a released checkpoint can
-start a variant; a switch that removes a release parameter (leaves its module None)
-makes that entry of the tree an extra one, named in the error. Export refuses a model
+`right_anchored_rope` (later release) and `fprop_dtype` (the release serves in bfloat16).
+Import accepts any such settings, so a released checkpoint can start a variant; a switch
+that removes a release parameter (leaves its module None) makes that entry of the tree an
+extra one, named in the error. Export refuses a model
 whose settings the release cannot express, since the release would run the exported tree
 as another model: every config field that is not a size, a later-release option or a
 setting that changes nothing the tree computes (`_FREE_FIELDS`) must hold its default,
