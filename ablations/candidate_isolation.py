@@ -36,7 +36,6 @@ for every shift, `shift_mean/auc_mean` (their average), `chunked/auc_mean` and
 """
 
 from ablations import probes, sweep
-from phoenix_flax.training import split_config
 
 SHIFTS = ("long_list", "by_relevance", "random_companions")
 CORRELATIONS = {"smoke": (0.5,), "cpu": (0.0, 0.5), "full": (0.0, 0.5)}
@@ -45,9 +44,16 @@ CORRELATIONS = {"smoke": (0.5,), "cpu": (0.0, 0.5), "full": (0.0, 0.5)}
 def task(cfg, preset):
   cfg.train.score_consistency = True
   shifts = cfg.extra_eval_splits
-  shifts.long_list = split_config(num_candidates=2 * cfg.world.num_candidates)
-  shifts.by_relevance = split_config(candidate_order="relevance")
-  shifts.random_companions = split_config(relevant_fraction=0.1)
+  shifts.long_list = sweep.shifted_split(cfg, num_candidates=2 * list_width(cfg.eval_split,
+                                                                            cfg.world))
+  shifts.by_relevance = sweep.shifted_split(cfg, candidate_order="relevance")
+  shifts.random_companions = sweep.shifted_split(cfg, relevant_fraction=0.1,
+                                                 list_correlation=0.0)
+
+
+def list_width(split, world) -> int:
+  """The list width C of an evaluation split (None: the world's)."""
+  return split.num_candidates or world.num_candidates
 
 
 def conditions(preset):
@@ -60,7 +66,7 @@ def conditions(preset):
 
 def probe(ctx):
   batches = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])
-  chunk = max(ctx.spec.world.num_candidates // 4, 1)
+  chunk = max(list_width(ctx.spec.eval_splits["eval"], ctx.spec.world) // 4, 1)
   return {"chunked": probes.chunked_scoring(ctx.system, batches, chunk)}
 
 

@@ -21,7 +21,6 @@ slot, mean over candidates and actions), calibration errors, `logloss`, `diverge
 """
 
 from ablations import probes, sweep
-from phoenix_flax.training import split_config
 
 
 def task(cfg, preset):
@@ -31,8 +30,8 @@ def task(cfg, preset):
   cfg.world.interest_mix = 0.9
   for split in (cfg.train_split, cfg.eval_split):
     split.update(dict(history_dist="log_uniform", min_history=1, max_history=seen))
-  cfg.extra_eval_splits.long_history = split_config(min_history=min(seen + 1, S),
-                                                    max_history=S)
+  cfg.extra_eval_splits.long_history = sweep.shifted_split(
+      cfg, history_dist="uniform", min_history=min(seen + 1, S), max_history=S)
 
 
 def probe(ctx):

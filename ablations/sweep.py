@@ -97,7 +97,7 @@ from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_che
                                    parse_config, run_dirs, run_experiment)
 from phoenix_flax.training import provenance
 from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
-                                         not_in_model_section, paths_named)
+                                         not_in_model_section, paths_named, split_config)
 from phoenix_flax.training.sharding import initialize_from
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
                                           finished_seeds, metric_names, read_result, seed_dir)
@@ -359,6 +359,14 @@ def _has_path(config: ml_collections.ConfigDict, path: str) -> bool:
 def preset_config(preset: str, experiment: str = "ranking") -> ml_collections.ConfigDict:
   """The experiment's config at `preset`, with the sweep preset applied."""
   return apply_overrides(EXPERIMENTS[experiment].get_config(preset), PRESETS[preset])
+
+
+def shifted_split(config: ml_collections.ConfigDict, **changes) -> ml_collections.ConfigDict:
+  """An evaluation split for a serving shift, made in a task: `config.eval_split`, as the
+  user's overrides left it, changed in `changes` only, so that the shift differs from the
+  in-distribution lists in what it names and in nothing else (a split of defaults lost
+  every `--override=eval_split.<field>`)."""
+  return split_config(**{**config.eval_split.to_dict(), **changes})
 
 
 def writes_outputs() -> bool:

@@ -183,6 +183,21 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
   sw = sweep.Sweep(soft_capping.ABLATION, "smoke", str(tmp_path / "s"),
                    overrides={"train.num_steps": 1000})
   assert sw.base.optim.warmup_steps == 50
+  # A serving shift is the evaluation split, overrides and all, changed in one way only.
+  sw = sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path / "c2"),
+                   overrides={"eval_split.num_candidates": 6, "eval_split.min_candidates": 2,
+                              "eval_split.min_history": 2})
+  shifts = sw.base.extra_eval_splits
+  eval_split = sw.base.eval_split.to_dict()
+  for name, changed in (("long_list", {"num_candidates": 12}),
+                        ("by_relevance", {"candidate_order": "relevance"}),
+                        ("random_companions", {"relevant_fraction": 0.1,
+                                               "list_correlation": 0.0})):
+    assert shifts[name].to_dict() == {**eval_split, **changed}, name
+  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r3"),
+                   overrides={"eval_split.relevant_fraction": 0.2})
+  long = sw.base.extra_eval_splits.long_history
+  assert (long.relevant_fraction, long.history_dist, long.min_history) == (0.2, "uniform", 7)
 
 
 def test_interactions_average_over_the_other_axes():

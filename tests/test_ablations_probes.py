@@ -269,14 +269,17 @@ def test_pooled_shift_metrics_pool_lists_and_compare_logits_with_labels():
 
 def test_probes_measure_the_in_distribution_lists(monkeypatch):
   """rope_anchoring's slot sensitivity is of the first in-distribution ("eval") list batch,
-  not a shifted split's; candidate_isolation scores every eval batch in chunks of C/4."""
-  spec = SimpleNamespace(eval_splits={"eval": "in-distribution", "long_history": "shifted"},
+  not a shifted split's; candidate_isolation scores every eval batch in chunks of C/4 (C
+  the eval split's width: the world's unless the split sets its own)."""
+  split = lambda label, C=None: SimpleNamespace(label=label, num_candidates=C)
+  spec = SimpleNamespace(eval_splits={"eval": split("in-distribution"),
+                                      "long_history": split("shifted")},
                          world=SimpleNamespace(num_candidates=12))
   ctx = SimpleNamespace(spec=spec, world="world", system="system")
-  batches = {split: [SimpleNamespace(batch=f"{split} {i}", candidate_mask=f"mask {i}")
-                     for i in range(3)] for split in spec.eval_splits.values()}
+  batches = {label: [SimpleNamespace(batch=f"{label} {i}", candidate_mask=f"mask {i}")
+                     for i in range(3)] for label in ("in-distribution", "shifted")}
   seen = {}
-  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: batches[split])
+  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: batches[split.label])
   monkeypatch.setattr(probes, "slot_sensitivity",
                       lambda system, batch, mask: seen.update(slot=(system, batch, mask)) or 0.5)
   monkeypatch.setattr(probes, "chunked_scoring",
@@ -285,6 +288,9 @@ def test_probes_measure_the_in_distribution_lists(monkeypatch):
   assert seen["slot"] == ("system", "in-distribution 0", "mask 0")
   assert candidate_isolation.probe(ctx) == {"chunked": {}}
   assert seen["chunked"] == ("system", batches["in-distribution"], 3)
+  spec.eval_splits["eval"] = split("in-distribution", 20)
+  candidate_isolation.probe(ctx)
+  assert seen["chunked"] == ("system", batches["in-distribution"], 5)
 
 
 def test_candidate_isolation_derived_shift_mean_and_consistency_metric(tmp_path):
