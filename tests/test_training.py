@@ -682,7 +682,8 @@ OUT_OF_RANGE = [
     ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
     ("ranking", {"task": "ranker"}, "config.task='ranker' is invalid"),
     ("ranking", {"optim.b2": 1.0}, r"optim.b2=1.0 is invalid: must be in \[0, 1\)"),
-    ("ranking", {"optim.eps": 0.0}, "optim.eps=0.0 is invalid: must be > 0"),
+    ("ranking", {"optim.eps": 0.0}, "optim.eps=0.0 is invalid: must be >= 1e-30"),
+    ("ranking", {"optim.eps": 1e-37}, "optim.eps=1e-37 is invalid: must be >= 1e-30"),
     ("ranking", {"optim.learning_rate": 0.0}, "optim.learning_rate=0.0 is invalid"),
     ("ranking", {"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1 is invalid"),
     ("ranking", {"train.num_steps": 0}, "train.num_steps=0 is invalid"),
@@ -715,7 +716,7 @@ NO_OUT_OF_RANGE_CASE = {
 
 # Values on the edge of what their fields allow (a world of 400 posts, 19 actions).
 AT_THE_EDGE = {
-    "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0,
+    "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0, "optim.eps": 1e-30,
     "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
     "train.action_weights": (1.0,) + (0.0,) * 18, "ranking.top_k": (1, 400),
     "mesh.num_devices": -1,

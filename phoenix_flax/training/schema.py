@@ -34,7 +34,7 @@ command line as `--config.<section>.<field>=value`):
                       than `train.num_steps`), then
                       cosine decay to `end_lr_fraction * learning_rate` at `num_steps`;
                       `weight_decay` (matrices only; not norms, not the hash tables), `b1`,
-                      `b2`, `eps`; `grad_clip_norm` (global norm, None = off).
+                      `b2`, `eps` (>= 1e-30); `grad_clip_norm` (global norm, None = off).
   train.*             `num_steps` (at most 2**31 - 1: an int32 count), `batch_size` (per
                       seed, global over devices),
                       `steps_per_call` (steps scanned per host call; divides num_steps,
@@ -368,7 +368,10 @@ def _check_optim(o: ml_collections.ConfigDict) -> None:
          o.weight_decay, "must be >= 0")
   for f in ("b1", "b2"):
     _check(_is_num(o[f]) and 0 <= o[f] < 1, f"optim.{f}", o[f], "must be in [0, 1)")
-  _check(_is_num(o.eps) and o.eps > 0, "optim.eps", o.eps, "must be > 0")
+  _check(_is_num(o.eps) and o.eps >= 1e-30, "optim.eps", o.eps,
+         "must be >= 1e-30: near float32's smallest normal number (1.2e-38) XLA flushes it "
+         "to zero, and AdamW's update of a parameter with a zero gradient (every hash-table "
+         "row a batch misses) is NaN while the loss stays finite (seen at 1e-37)")
   _check(o.grad_clip_norm is None or (_is_num(o.grad_clip_norm) and o.grad_clip_norm > 0),
          "optim.grad_clip_norm", o.grad_clip_norm, "must be > 0, or None for no clipping")
 
