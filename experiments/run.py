@@ -57,8 +57,8 @@ _QUIET = flags.DEFINE_bool(
     "quiet", False, "Print only the final summary, not a progress line per host call.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False,
-    "Check --config (with its overrides; a single-host mesh of several devices also "
-    "against this host's devices, which starts JAX's backend) and print every field as "
+    "Check --config (with its overrides; a single-host config also against this host's "
+    "devices and memory, which starts JAX's backend) and print every field as "
     "`path = value`, then exit without training; needs no --workdir. The fields are "
     "documented in phoenix_flax/training/schema.py.")
 
@@ -143,10 +143,11 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value and not _PRINT_CONFIG.value:
     fail("--workdir is required")
   if _PRINT_CONFIG.value:
-    # A mesh against this host's devices; one device needs no check, and a multi-host
+    # The mesh and the training state's memory against this host's devices, as the run
+    # checks them (one device too: a state that cannot fit it is refused); a multi-host
     # mesh is known only once its processes have joined (the run checks it): no backend
-    # is started for either.
-    if config.mesh.num_devices != 1 and not config.mesh.distributed:
+    # is started for it.
+    if not config.mesh.distributed:
       try:
         check_placement(parse_config(config))
       except ConfigError as e:

@@ -240,14 +240,17 @@ def test_print_config_lists_every_field_with_its_value(tmp_path):
   (code, stdout, stderr), *bad = run_forked("experiments.run", [
       [smoke, "--config.model.num_layers=3", "--print_config"],
       [smoke, "--config.model.num_kv_heads=3", "--print_config"],
-      # The mesh is checked against this host's devices (the suite's processes see one).
-      [smoke, "--config.mesh.num_devices=16", "--print_config"]], subprocess_env())
+      # The mesh is checked against this host's devices (the suite's processes see one),
+      # and the training state against its memory, on one device too.
+      [smoke, "--config.mesh.num_devices=16", "--print_config"],
+      [smoke, "--config.world.post_buckets=2000000000", "--print_config"]], subprocess_env())
   assert code == 0, stderr[-2000:]
   printed = dict(line.split(" = ", 1) for line in stdout.splitlines())
   assert printed["model.num_layers"] == "3" and printed["task"] == "'ranking'"
   assert printed["ranking.top_k"] == "(2,)"                      # the smoke preset's
   assert set(printed) == set(flatten(base_config("ranking")))
-  for (code, stdout, stderr), field in zip(bad, ("num_kv_heads", "num_devices"), strict=True):
+  for (code, stdout, stderr), field in zip(bad, ("num_kv_heads", "num_devices",
+                                                "more than this host's memory"), strict=True):
     assert code == 2 and field in stderr and not stdout, stderr
 
 
