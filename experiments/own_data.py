@@ -292,10 +292,8 @@ def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
   counts = jnp.asarray(positive_counts(logs)) if logq else None
 
   def loss_fn(system, batch, labels, mask):
-    # The same post favorited by two users of a batch is not a negative for either:
-    # any integer per post serves as its id here, so the first hash does.
-    post_ids = batch.candidate_post_hashes[..., 0]
-    loss, _, _ = system.in_batch_loss(batch, labels, mask, post_ids,
+    # The same post favorited by two users of a batch is not a negative for either.
+    loss, _, _ = system.in_batch_loss(batch, labels, mask, post_ids(batch),
                                       positive_action=FAVORITE, temperature=0.05,
                                       sampling_counts_KH=counts)
     return loss
@@ -305,6 +303,15 @@ def train_retriever(logs: Logs, num_steps: int, batch_size: int, seed: int,
   print(f"retriever: training loss {losses[0]:.4f} -> {losses[-1]:.4f} over {num_steps} "
         "steps")
   return system
+
+
+def post_ids(batch: pf.RecsysBatch) -> jax.Array:
+  """int `[B, C]`: an id per candidate post for `in_batch_loss`, equal for the same post
+  and different for different ones: its two hashes as one integer. Posts that share both
+  are one item to the model; the first hash alone is shared by about a third of the
+  example's catalogue, so as an id it made different posts each other's duplicates."""
+  h = jnp.asarray(batch.candidate_post_hashes)
+  return h[..., 0] * BUCKETS["post"] + h[..., 1]
 
 
 def retrieval_recall(system: training.RetrievalSystem, logs: Logs, rows: np.ndarray,

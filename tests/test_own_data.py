@@ -193,7 +193,7 @@ def test_retrieval_loss_methods_agree():
   batch, labels, mask = own_data.held_out(logs, np.arange(12))
   labels[::3, :, 0] = 0.0   # users without a favorite: no positive, no negative column
   training.validate_training_batch(system, batch, labels, mask)
-  ids = np.asarray(batch.candidate_post_hashes[..., 0])
+  ids = np.asarray(own_data.post_ids(batch))
   loss, has_B, _ = eqx.filter_jit(lambda s: s.in_batch_loss(
       batch, labels, mask, ids, positive_action=0, temperature=0.05))(system)
   first = np.argmax((labels[..., 0] > 0) & mask, axis=1)
@@ -216,6 +216,22 @@ def test_retrieval_loss_methods_agree():
   want = system.contrastive_loss(user_BD, cand_BCD[rows, first], has_B, ids[rows, first], 0.05,
                                  log_q)
   np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+
+
+def test_post_ids_tell_apart_posts_that_share_a_hash(logs):
+  """The retriever's loss drops another user's positive from a user's negatives when it is
+  the same post: posts that share their first hash (a third of the catalogue) but not the
+  second are different posts (the first hash used to serve as the id)."""
+  hashes = np.asarray(pf.hash_ids(logs.catalogue_post, own_data.BUCKETS["post"]))
+  _, first_of, counts = np.unique(hashes[:, 0], return_inverse=True, return_counts=True)
+  shared = np.flatnonzero(counts[first_of] > 1)
+  assert shared.size > 0
+  a = shared[0]
+  b = next(i for i in shared[1:] if hashes[i, 0] == hashes[a, 0])
+  batch = pf.RecsysBatch(*[None] * len(pf.RecsysBatch._fields))._replace(
+      candidate_post_hashes=hashes[[a, b, a]][None])
+  ids = np.asarray(own_data.post_ids(batch))[0]
+  assert ids[0] != ids[1] and ids[0] == ids[2]
 
 
 def test_positive_counts_count_each_training_impressions_first_favorite(logs):
