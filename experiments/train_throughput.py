@@ -18,7 +18,8 @@
   alone accounts for.
 
 All jitted functions get the same compile options as `Trainer`'s
-(`phoenix_flax.xla_options`).
+(`phoenix_flax.xla_options`). Every loop runs on one device: a config that sets `mesh.*`
+is refused.
 
 The loops are timed after compilation, in alternating rounds so that load from other
 processes hits them alike; `speedup` is the scanned loop's examples/s over the numpy plain
@@ -45,7 +46,7 @@ from experiments.cli import (check_output_file, checked_config, parse_config_fla
 from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
-from phoenix_flax.training import Trainer, parse_config, provenance
+from phoenix_flax.training import ConfigError, Trainer, parse_config, provenance
 from phoenix_flax.training.loop import unstack
 
 
@@ -53,10 +54,22 @@ def _block(tree) -> None:
   jax.block_until_ready(jax.tree.leaves(tree))
 
 
+def check_one_device(config: ml_collections.ConfigDict) -> None:
+  """Raises `ConfigError` for a config that asks for a mesh: every loop here runs on one
+  device (the plain loops have no mesh), so a `mesh.*` setting would be ignored."""
+  mesh = config.mesh
+  if mesh.num_devices != 1 or mesh.shard_hash_tables or mesh.distributed:
+    raise ConfigError(
+        f"mesh.num_devices={mesh.num_devices}, shard_hash_tables={mesh.shard_hash_tables}, "
+        f"distributed={mesh.distributed}: the throughput comparison runs every loop on one "
+        "device (its plain loops have no mesh); leave mesh.* at its defaults")
+
+
 class _Loops:
   """The three loops of one config, compiled once, so rounds can alternate."""
 
   def __init__(self, config: ml_collections.ConfigDict):
+    check_one_device(config)
     self.spec = parse_config(config)
     self.trainer = Trainer(self.spec)
     self.steps = self.spec.config.train.steps_per_call
@@ -149,6 +162,10 @@ def main(argv: list[str], flag_values: dict) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
   config = checked_config(flag_values["config"].value)
+  try:
+    check_one_device(config)
+  except ConfigError as e:
+    usage_error(str(e), flags_hint=False)
   if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
   result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)

@@ -111,7 +111,10 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config=experiments/configs/nope.py"],
        "--config could not be loaded: [Errno 2] No such file or directory"),
       # Its --config has a default (ranking.py), which overrides alone apply to.
-      (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid")]
+      (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
+      # Its loops run on one device: a mesh would be ignored, so it is refused.
+      ([smoke, "--config.mesh.num_devices=-1"],
+       "the throughput comparison runs every loop on one device")]
   with ForkServer(subprocess_env()) as server:
     results = [server.run("experiments.run", args) for args, _ in cases]
     results += [server.run("experiments.train_throughput", args) for args, _ in throughput]
