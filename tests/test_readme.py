@@ -357,15 +357,17 @@ def _shown(cell: str) -> tuple[float, int]:
   return float(text), len(text.split(".")[1]) if "." in text else 0
 
 
-def _benchmark_tables(section: str) -> list[tuple[str, list[list[str]]]]:
-  """The forward tables of a README section, each with the committed benchmark JSON
-  (`docs/results/benchmark_*.json`) that the text before it last links: [(json, rows)]."""
+def _benchmark_tables(section: str, kind: str = "benchmark", header: str = "| config |"
+                      ) -> list[tuple[str, list[list[str]]]]:
+  """The tables of a README section that start with `header` (the forward tables), each
+  with the committed JSON (`docs/results/<kind>_*.json`) that the text before it last
+  links: [(json, rows)]."""
   tables, source, rows = [], None, None
   for line in section.splitlines():
-    links = re.findall(r"\((docs/results/benchmark_[\w]+\.json)\)", line)
+    links = re.findall(rf"\((docs/results/{kind}_[\w]+\.json)\)", line)
     if links:
       source = links[-1]
-    if line.startswith("| config |"):
+    if line.startswith(header):
       rows = []
       tables.append((source, rows))
     elif line.startswith("| ") and rows is not None:
@@ -373,6 +375,27 @@ def _benchmark_tables(section: str) -> list[tuple[str, list[list[str]]]]:
     elif not line.startswith("|"):
       rows = None
   return tables
+
+
+def test_the_training_table_matches_the_committed_json():
+  """Each cell of the README's training-throughput table reads the run it links
+  (`docs/results/train_throughput_cpu_*.json`): examples/s of the three loops and the
+  ratios, per preset and seed count."""
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  section = readme.split("\n### Training throughput\n", 1)[1].split("\n## ", 1)[0]
+  [(source, rows)] = _benchmark_tables(section, "train_throughput", "| preset |")
+  runs = {(r["preset"], r["num_seeds"]): r
+          for r in json.loads((ROOT / source).read_text())["training"]}
+  rows = [row for row in rows if row[0] != "---"]
+  assert len(rows) == len(runs), source
+  for name, scanned, plain, ratio, device, device_ratio in rows:
+    r = runs[(re.match(r"\w+", name).group(), 3 if "3 vmapped" in name else 1)]
+    for cell, value in ((scanned, r["scanned_examples_per_second"]),
+                        (plain, r["plain_examples_per_second"]), (ratio, r["speedup"]),
+                        (device, r["plain_device_sampled_examples_per_second"]),
+                        (device_ratio, r["speedup_vs_device_sampled"])):
+      shown, digits = _shown(cell)
+      assert shown == round(value, digits), (source, name, cell, value)
 
 
 def test_performance_tables_match_the_committed_benchmark_json():
