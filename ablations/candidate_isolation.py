@@ -44,16 +44,11 @@ CORRELATIONS = {"smoke": (0.5,), "cpu": (0.0, 0.5), "full": (0.0, 0.5)}
 def task(cfg, preset):
   cfg.train.score_consistency = True
   shifts = cfg.extra_eval_splits
-  shifts.long_list = sweep.shifted_split(cfg, num_candidates=2 * list_width(cfg.eval_split,
-                                                                            cfg.world))
+  width = cfg.eval_split.num_candidates or cfg.world.num_candidates   # None: the world's
+  shifts.long_list = sweep.shifted_split(cfg, num_candidates=2 * width)
   shifts.by_relevance = sweep.shifted_split(cfg, candidate_order="relevance")
   shifts.random_companions = sweep.shifted_split(cfg, relevant_fraction=0.1,
                                                  list_correlation=0.0)
-
-
-def list_width(split, world) -> int:
-  """The list width C of an evaluation split (None: the world's)."""
-  return split.num_candidates or world.num_candidates
 
 
 def conditions(preset):
@@ -65,8 +60,9 @@ def conditions(preset):
 
 
 def probe(ctx):
-  batches = probes.eval_batches(ctx.spec, ctx.world, ctx.spec.eval_splits["eval"])
-  chunk = max(list_width(ctx.spec.eval_splits["eval"], ctx.spec.world) // 4, 1)
+  split = ctx.spec.eval_splits["eval"]
+  batches = probes.eval_batches(ctx.spec, ctx.world, split)
+  chunk = max(split.resolve(ctx.spec.world)[1] // 4, 1)   # C/4 of the eval lists' width
   return {"chunked": probes.chunked_scoring(ctx.system, batches, chunk)}
 
 

@@ -167,13 +167,12 @@ def main(argv: list[str], flag_values: dict) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
   config = checked_config(flag_values["config"].value)
-  try:
-    check_one_device(config)
-  except ConfigError as e:
-    usage_error(str(e), flags_hint=False)
   if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
-  result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)
+  try:   # a mesh is refused (`check_one_device`) before anything compiles
+    result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)
+  except ConfigError as e:
+    usage_error(str(e), flags_hint=False)
   result["command"] = " ".join(["python -m experiments.train_throughput"] + sys.argv[1:])
   text = json.dumps(result, indent=2)
   print(text)

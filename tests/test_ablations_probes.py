@@ -14,7 +14,7 @@ import pytest
 
 from ablations import (candidate_isolation, gqa_ratio, probes, rope_anchoring,
                        sandwich_norm, sweep)
-from phoenix_flax.synthetic import make_world
+from phoenix_flax.synthetic import SplitConfig, WorldConfig, make_world
 from phoenix_flax.training import make_system, parse_config
 from phoenix_flax.types import RecsysBatch
 
@@ -271,15 +271,14 @@ def test_probes_measure_the_in_distribution_lists(monkeypatch):
   """rope_anchoring's slot sensitivity is of the first in-distribution ("eval") list batch,
   not a shifted split's; candidate_isolation scores every eval batch in chunks of C/4 (C
   the eval split's width: the world's unless the split sets its own)."""
-  split = lambda label, C=None: SimpleNamespace(label=label, num_candidates=C)
-  spec = SimpleNamespace(eval_splits={"eval": split("in-distribution"),
-                                      "long_history": split("shifted")},
-                         world=SimpleNamespace(num_candidates=12))
+  spec = SimpleNamespace(eval_splits={"eval": SplitConfig(), "long_history": SplitConfig()},
+                         world=WorldConfig(num_candidates=12))
   ctx = SimpleNamespace(spec=spec, world="world", system="system")
   batches = {label: [SimpleNamespace(batch=f"{label} {i}", candidate_mask=f"mask {i}")
                      for i in range(3)] for label in ("in-distribution", "shifted")}
   seen = {}
-  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: batches[split.label])
+  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: batches[
+      "in-distribution" if split is spec.eval_splits["eval"] else "shifted"])
   monkeypatch.setattr(probes, "slot_sensitivity",
                       lambda system, batch, mask: seen.update(slot=(system, batch, mask)) or 0.5)
   monkeypatch.setattr(probes, "chunked_scoring",
@@ -288,7 +287,7 @@ def test_probes_measure_the_in_distribution_lists(monkeypatch):
   assert seen["slot"] == ("system", "in-distribution 0", "mask 0")
   assert candidate_isolation.probe(ctx) == {"chunked": {}}
   assert seen["chunked"] == ("system", batches["in-distribution"], 3)
-  spec.eval_splits["eval"] = split("in-distribution", 20)
+  spec.eval_splits["eval"] = SplitConfig(num_candidates=20)
   candidate_isolation.probe(ctx)
   assert seen["chunked"] == ("system", batches["in-distribution"], 5)
 
