@@ -35,6 +35,12 @@ for every shift, `shift_mean/auc_mean` (their average), `chunked/auc_mean` and
 `chunked/max_logit_change`, `calibration_error`, `logloss`, `diverged`.
 """
 
+import os
+import sys
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from ablations import probes, sweep
 
 SHIFTS = ("long_list", "by_relevance", "random_companions")

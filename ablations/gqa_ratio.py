@@ -23,6 +23,10 @@ timed calls and 0.5 s per variant, after compiling), `logloss`, `diverged`;
 """
 
 import os
+import sys
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from ablations import probes, report, sweep
 

@@ -21,6 +21,12 @@ the evaluation's in-batch `loss`, which is never corrected (so both arms compare
 `train/loss` is each arm's own loss).
 """
 
+import os
+import sys
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from ablations import sweep
 
 

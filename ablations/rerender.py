@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from absl import app
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from ablations import analysis, report, stats, sweep
 from phoenix_flax.training import provenance, writers

@@ -20,6 +20,12 @@ Metrics: in-distribution `auc_mean`, `long_history/auc_mean` (the length shift),
 slot, mean over candidates and actions), calibration errors, `logloss`, `diverged`.
 """
 
+import os
+import sys
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from ablations import probes, sweep
 
 

@@ -12,8 +12,12 @@ ablation scripts (`--preset`, `--seeds`, `--workdir`, `--override`, `--reprobe`,
 """
 
 import os
+import sys
 
 from absl import flags, logging
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import ablations
 from ablations import report, sweep

@@ -22,8 +22,12 @@ to the first layer's (`residual_rms/growth`); `residual_rms.png` plots the RMS b
 """
 
 import os
+import sys
 
 import numpy as np
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from ablations import report, sweep
 from phoenix_flax.training.runner import seed_dir

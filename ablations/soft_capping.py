@@ -23,6 +23,12 @@ Metrics: `diverged` (runs with a non-finite loss or gradient norm), `max_attn_lo
 `logloss` and `calibration_error` of the runs that did not diverge.
 """
 
+import os
+import sys
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from ablations import sweep
 
 LEARNING_RATES = {"smoke": (1e-1,), "cpu": (1e-2, 3e-2, 1e-1), "full": (1e-3, 1e-2, 1e-1)}

@@ -42,6 +42,7 @@ ratios are more trustworthy than absolute times on a busy host.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import statistics
 import sys
@@ -52,6 +53,9 @@ from absl import app, flags
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import train_throughput
 from experiments.cli import (check_output_file, parse_flags, quiet_backend_search, usage_error,

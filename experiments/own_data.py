@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 from typing import NamedTuple
 
@@ -36,6 +37,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments.cli import (exit_on_run_errors, parse_flags, quiet_backend_search, run_app,
                              usage_error)

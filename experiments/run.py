@@ -25,6 +25,9 @@ from absl import flags
 import jax
 from ml_collections import config_flags
 
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from experiments.cli import (checked_config, exit_on_run_errors, fail, parse_config_flags,
                              quiet_backend_search, run_app)
 from phoenix_flax.training import Progress, parse_config, run_dirs, run_experiment

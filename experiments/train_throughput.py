@@ -31,6 +31,7 @@ loop trains one seed, i.e. seeds one after another: examples/s count every seed.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +41,9 @@ import jax
 import ml_collections
 import numpy as np
 from ml_collections import config_flags
+
+if not __package__:  # run by path, not with python -m: import this checkout's packages
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments.cli import (check_output_file, checked_config, parse_config_flags,
                              quiet_backend_search, usage_error, write_output_file)

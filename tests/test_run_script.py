@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -223,6 +224,54 @@ def test_a_forked_run_is_a_fresh_interpreters_run(tmp_path):
   # The server's own fresh interpreters (off Linux, or asked for) give the same.
   assert run_forked("experiments.run", argvs[:1], dict(env, **{FRESH_ENV: "1"})) == forked[:1]
   assert not (tmp_path / "run").exists()
+
+
+def _entry_scripts() -> list[str]:
+  """The scripts of experiments/ and ablations/ that run under `if __name__ ==
+  "__main__":` and import those folders' packages (which, unlike phoenix_flax, are not
+  installed)."""
+  found = []
+  for folder in ("experiments", "ablations"):
+    for name in sorted(os.listdir(os.path.join(REPO, folder))):
+      path = os.path.join(folder, name)
+      if name.endswith(".py"):
+        with open(os.path.join(REPO, path), encoding="utf-8") as f:
+          source = f.read()
+        if ('if __name__ == "__main__":' in source
+            and any(_imports_the_checkout(node) for node in ast.parse(source).body)):
+          found.append(path)
+  return found
+
+
+def _imports_the_checkout(node) -> bool:
+  names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+           else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+  return any(n.split(".")[0] in ("experiments", "ablations") for n in names)
+
+
+def test_every_entry_script_runs_by_path_too():
+  """`python experiments/run.py` as well as `python -m experiments.run`: each script puts
+  the checkout first on sys.path before its first import of it, when run by path (a
+  script's own folder would be there instead, where `experiments` cannot be found)."""
+  scripts = _entry_scripts()
+  assert {"experiments/run.py", "ablations/candidate_isolation.py"} <= set(scripts)
+  for path in scripts:
+    with open(os.path.join(REPO, path), encoding="utf-8") as f:
+      body = ast.parse(f.read()).body
+    first = next(k for k, node in enumerate(body) if _imports_the_checkout(node))
+    assert any(isinstance(node, ast.If) and ast.unparse(node.test) == "not __package__"
+               for node in body[:first]), f"{path} cannot be run by path"
+  # Run by path from elsewhere, with neither the checkout on PYTHONPATH nor it the cwd.
+  outside = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                            if p and os.path.abspath(p) != REPO)
+  env = dict(subprocess_env(), PYTHONPATH=outside)
+  for path, argv, message in [
+      ("experiments/run.py", ["--config.model.num_kv_heads=3"], "num_kv_heads"),
+      ("ablations/candidate_isolation.py", ["--preset=bogus"], "flag --preset=bogus")]:
+    proc = subprocess.run([sys.executable, os.path.join(REPO, path), *argv], env=env,
+                          cwd=os.path.dirname(REPO), capture_output=True, text=True,
+                          timeout=300)
+    assert (proc.returncode, message in proc.stderr) == (2, True), (path, proc.stderr)
 
 
 def test_helpfull_explains_every_flag():
