@@ -409,7 +409,10 @@ def make_batch(config, batch_size: int = 2, seed: int = 0,
 
   `history_valid[b]` is the number of valid history items of row b (default: all);
   `candidate_mask` `[B, C]` marks valid candidates (default: all); `user_valid[b]`.
-  Padded slots keep random embeddings, so any leak through the masks shows up.
+  Padded slots keep random embeddings, so any leak through the masks shows up. The
+  optional fields that `config` asks for are filled too: candidate post ages from 0 to
+  a bit over the post-age table's range (candidate 0's timestamp missing), and dwell
+  times from 0 to 60 s on every history slot.
   """
   hc = config.hash_config
   B, S, C, D = batch_size, config.history_seq_len, config.candidate_seq_len, config.emb_size
@@ -444,6 +447,17 @@ def make_batch(config, batch_size: int = 2, seed: int = 0,
       candidate_post_embeddings=normal(B, C, I, D),
       history_author_embeddings=normal(B, S, Au, D),
       candidate_author_embeddings=normal(B, C, Au, D))
+  fields = config.optional_batch_fields
+  if "impression_timestamps" in fields:
+    now = rng.integers(10**6, 2 * 10**6, size=(B,))
+    max_age_s = 60 * config.post_age_granularity_mins * (config.num_post_age_buckets + 1)
+    posted = now[:, None] - rng.integers(0, max_age_s, size=(B, C))
+    posted[:, 0] = 0
+    batch = batch._replace(impression_timestamps=jnp.asarray(now, jnp.int32),
+                           candidate_post_timestamps=jnp.asarray(posted, jnp.int32))
+  if "history_dwell_times" in fields:
+    batch = batch._replace(history_dwell_times=jnp.asarray(rng.uniform(0, 60, (B, S)),
+                                                           jnp.float32))
   return batch, embeddings
 
 

@@ -465,6 +465,11 @@ GRID = {
     "S16_C2_4q1kv_1layer": dict(history=16, candidates=2, num_kv_heads=1, num_layers=1,
                                 history_valid=[16, 5]),
     "3layers_unrolled": dict(num_layers=3, scan_unroll=3),
+    # The later release's features and continuous head, and a padded user token
+    "post_age_dwell_continuous_no_user": dict(
+        candidates=7, history=5, history_valid=[5, 2], user_valid=[True, False],
+        post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(30.0, True),
+        num_continuous_actions=2),
 }
 # The grid cases whose gradients are compared too: together they set every switch
 # (`test_every_switch_is_set_in_a_grid_case` checks it).
@@ -472,7 +477,7 @@ GRADIENT_GRID = ["base", "C40_post_mha_cap1", "C1_right_anchored_pre_4q1kv_capof
 # A case's keys go to the config that has a field of that name (a new switch needs no edit
 # here); `history`, `candidates` and `history_valid` shape the batch. Anything else is a
 # typo, and an error rather than a case that silently tests the default.
-BATCH_KEYS = ("history", "candidates", "history_valid")
+BATCH_KEYS = ("history", "candidates", "history_valid", "user_valid")
 # The fields a grid case must set away from their defaults: every one that export refuses
 # away from its default (every new switch, until it joins `haiku_compat._FREE_FIELDS`).
 GRID_SWITCHES = {cls: {f.name for f in dataclasses.fields(cls)} - haiku_compat._FREE_FIELDS[cls]
@@ -503,7 +508,7 @@ def _grid_batch(cfg, case):
   if C == 1:
     cand[1, 0] = False
   return make_batch(cfg, 2, 5, history_valid=case.get("history_valid", [S, S // 2]),
-                    candidate_mask=cand)
+                    candidate_mask=cand, user_valid=case.get("user_valid"))
 
 
 def _grid_case(name, case=None):
@@ -577,6 +582,8 @@ def test_isolated_equals_dense(name):
   (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
   assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
   assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
+  if dense.continuous is not None:
+    assert max_abs_diff(iso.continuous, dense.continuous) <= 1e-5
   # `model(...)`, the serving path: all at once, in micro-batches of rows (one user per
   # group here; C=40: two candidate micro-batches of 20; C=3: one pass per user), and of
   # single rows (groups of one user, one candidate at a time).
@@ -596,6 +603,9 @@ def test_isolated_equals_dense(name):
   assert max_abs_diff(halves.logits, served.logits) <= 16 * ulp
   assert max_abs_diff(singles.logits, served.logits) <= 16 * ulp
   assert max_abs_diff(served.logits, dense.logits) <= 1e-5
+  if dense.continuous is not None:
+    assert max_abs_diff(served.continuous, dense.continuous) <= 1e-5
+    assert max_abs_diff(singles.continuous, dense.continuous) <= 1e-5
   np.testing.assert_allclose(iso_diag.max_abs_attn_logit, dense_diag.max_abs_attn_logit,
                              rtol=1e-5)
   np.testing.assert_allclose(iso_diag.residual_rms, dense_diag.residual_rms, rtol=1e-5)
@@ -604,16 +614,22 @@ def test_isolated_equals_dense(name):
 @pytest.mark.parametrize("name", list(GRID))
 def test_grid_through_the_serving_runner(name):
   """`RankingRunner` serves each grid case as the dense reference scores it: `rank`, and
-  `rank_chunked` over one encoded context (chunks of 2), on the valid candidates."""
+  `rank_chunked` over one encoded context (chunks of 2), on the valid candidates (and
+  the continuous head's outputs, where the case has one)."""
   cfgs, batch, emb = _grid_case(name)
-  dense = forward(model_for(cfgs["dense"]), batch, emb)[0].logits
+  dense = forward(model_for(cfgs["dense"]), batch, emb)[0]
   runner = pf.RankingRunner(model_for(cfgs["isolated"]))
   ranked = runner.rank(batch, emb)
   chunked = runner.rank_chunked(batch, emb, chunk_size=2)
   valid = np.asarray(batch.candidate_post_hashes[..., 0]) != 0
-  want = np.asarray(jax.nn.sigmoid(dense))[valid]
+  want = np.asarray(jax.nn.sigmoid(dense.logits))[valid]
   np.testing.assert_allclose(np.asarray(ranked.scores)[valid], want, atol=1e-5)
   np.testing.assert_allclose(np.asarray(chunked.scores)[valid], want, atol=1e-5)
+  assert (ranked.continuous is None) == (dense.continuous is None)
+  if dense.continuous is not None:
+    for out in (ranked, chunked):
+      np.testing.assert_allclose(np.asarray(out.continuous)[valid],
+                                 np.asarray(dense.continuous)[valid], atol=1e-5)
 
 
 @pytest.mark.parametrize("name", GRADIENT_GRID)
