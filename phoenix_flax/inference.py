@@ -3,10 +3,11 @@ and retrieve from a corpus.
 
 Runners call one `xla_options.filter_jit` per entry point (an `eqx.filter_jit` compiled
 once per model structure and input shape, with `xla_options.compiler_options()`), shared by
-every runner in the process, and validate every input on the host before dispatch,
-raising a `ValueError` that names the offending field. A runner's `trace_counts` records
-how often its calls traced each entry point (none where another runner's calls already
-compiled the same model structure and shapes).
+every runner in the process, and validate every input before the model runs, raising a
+`ValueError` that names the offending field (host arrays on the host; a device array's
+finiteness or mask by a small reduction on its device, whose result is read back). A
+runner's `trace_counts` records how often its calls traced each entry point (none where
+another runner's calls already compiled the same model structure and shapes).
 """
 
 from __future__ import annotations

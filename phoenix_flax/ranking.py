@@ -34,8 +34,8 @@ def project_parts(parts: list[Array], proj: Array) -> Array:
   the release computes it. A sum of per-part products (each part times its rows of
   `proj`) saves the copy, a few percent of the forward at the benchmark's `1k` and
   `serve` sizes, but rounds in another order: it put the logits 2-3 times further from
-  the release's, past SPEC's 1e-5 at D=128 and above (docs/performance.md, "Input
-  projection")."""
+  the release's, past the parity tests' 1e-5 (`PARITY_ATOL`, tests/test_haiku_compat.py)
+  at D=128 and above (docs/performance.md, "Input projection")."""
   widths = [part.shape[-1] for part in parts]
   if sum(widths) != proj.shape[0]:
     raise ValueError(f"the parts have {sum(widths)} features in all; the projection takes "

@@ -4,11 +4,12 @@ On CPU, jaxlib 0.10 routes many small elementwise and reduction fusions through 
 in a trace of the cpu-preset training step they cost 0.1-0.5 ms each on tensors of a few
 thousand elements. The package turns them off (`xla_cpu_experimental_ynn_fusion_type`
 set to empty) in the programs it compiles: init, training chunks and evaluation
-(`training.Trainer`), the serving runners (`RankingRunner`, `RetrievalRunner`), and the
-timed programs of `experiments/` and of the ablations' throughput probe. With other load
-on the host the training loop ran 17-37% faster without them; on a quiet host the effect
-is nil for training and mixed for forward passes (docs/performance.md, "Training
-throughput", has the runs and commands).
+(`training.Trainer`), the serving runners' entry points (`RankingRunner`,
+`RetrievalRunner`; their small checking, padding and slicing programs keep XLA's
+defaults), and the timed programs of `experiments/` and of the ablations' throughput
+probe. With other load on the host the training loop ran 17-37% faster without them; on a
+quiet host the effect is nil for training and mixed for forward passes
+(docs/performance.md, "Training throughput", has the runs and commands).
 
 The option is per program, not process-wide: other code in the same process compiles
 with XLA's defaults. It is probed once per backend; a jaxlib that does not know the

@@ -60,6 +60,9 @@ def test_hash_tables_take_numpy_integer_sizes_and_refuse_an_empty_embedding():
   assert tables.user_table.shape == (5, 4) and tables.author_table.shape == (3, 4)
   with pytest.raises(ValueError, match="emb_size=0"):
     HashEmbeddingTables(5, 7, 3, 0, key=jax.random.PRNGKey(0))
+  for scale in (0.0, float("inf"), float("nan"), "1", True):   # inf built tables of +-inf
+    with pytest.raises(ValueError, match=f"init_scale={scale!r} must be a finite number"):
+      HashEmbeddingTables(5, 7, 3, 4, key=jax.random.PRNGKey(0), init_scale=scale)
 
 
 def test_retrieval_system_user_tower_needs_no_candidates():

@@ -33,7 +33,8 @@ class HashEmbeddingTables(eqx.Module):
   """One `[buckets, D]` table per entity type; every hash function shares its type's table.
 
   `*_buckets` are integers >= 2 (row 0 is padding, zero and never trained), `emb_size`
-  is D >= 1 and the rows are `N(0, init_scale**2)` float32; a bad value raises ValueError.
+  is D >= 1 and the rows are `N(0, init_scale**2)` float32 (`init_scale` finite, > 0); a
+  bad value raises ValueError.
   """
 
   user_table: Array
@@ -48,8 +49,9 @@ class HashEmbeddingTables(eqx.Module):
         raise ValueError(f"{name}={n!r}: a table needs row 0 (padding) plus at least one "
                          "bucket")
     emb_size = _count("emb_size", emb_size, 1)
-    if not init_scale > 0:
-      raise ValueError(f"init_scale={init_scale!r} must be > 0")
+    if (isinstance(init_scale, bool) or not isinstance(init_scale, (int, float, np.number))
+        or not 0 < init_scale < np.inf):
+      raise ValueError(f"init_scale={init_scale!r} must be a finite number > 0")
     ku, kp, ka = jax.random.split(key, 3)
     make = lambda k, n: init_scale * jax.random.normal(k, (n, emb_size), jnp.float32)
     self.user_table = make(ku, user_buckets).at[0].set(0.0)

@@ -254,7 +254,10 @@ def read_metrics(run_dir: str) -> list[dict]:
   return rows
 
 
-FLUSH_SECONDS = 10   # the longest a logged event waits before a live TensorBoard sees it
+# A live TensorBoard sees a logged event once it is flushed: by the first `log` at least
+# this long after the previous flush, or by the next checkpoint's `flush`, whichever
+# comes first (so within about this long plus the time between two host calls).
+FLUSH_SECONDS = 10
 
 
 class RunWriter:
