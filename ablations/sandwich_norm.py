@@ -70,8 +70,7 @@ def plot_rms(results, workdir):
         continue
       per_seed = []
       for seed in v["seeds"]:
-        result = sweep.read_json_if_exists(os.path.join(seed_dir(os.path.join(workdir, name), seed),
-                                              "result.json"))
+        result = sweep.result_if_finished(seed_dir(os.path.join(workdir, name), seed))
         if result and not result["diverged"]:
           per_seed.append(layer_rms(result["final"]))
       if per_seed:

@@ -95,16 +95,18 @@ from experiments.cli import (RUN_ERRORS, exit_on_run_errors, parse_flags,
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
-from phoenix_flax.training import provenance
+from phoenix_flax.training import provenance, writers
 from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
                                          not_in_model_section, paths_named, split_config)
 from phoenix_flax.training.sharding import initialize_from
 from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
-                                          finished_seeds, metric_names, read_result, seed_dir)
+                                          finished_seeds, metric_names, read_result,
+                                          RESULT_FILE, seed_dir)
 from phoenix_flax.training.writers import (event_file_name, jsonable, read_json,
                                            remove_temporaries, write_event_file)
 
 SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
+DEFAULT_ROOT = "/tmp/phoenix_ablations"   # the workdirs' folder without --workdir
 
 # On top of the experiment config's preset of the same name (ablations may
 # shorten runs further with `Ablation.preset_overrides`). cpu: 1200 of that preset's
@@ -376,11 +378,10 @@ def writes_outputs() -> bool:
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes `obj` as JSON (atomically); NaN and inf become null, as in `writers.write_json`
-  (a probe that measures NaN is recorded, not a crash after training). Process 0 only."""
-  if not writes_outputs():
-    return
-  report.write_atomic(path, json.dumps(jsonable(obj), indent=1, allow_nan=False) + "\n")
+  """`writers.write_json` (atomic; NaN and inf become null, so a probe that measures NaN is
+  recorded, not a crash after training), keys in their order, on process 0 only."""
+  if writes_outputs():
+    writers.write_json(path, obj, indent=1, sort_keys=False)
 
 
 def read_json_if_exists(path: str) -> Optional[dict]:
@@ -407,9 +408,9 @@ def check_report_folder(folder: str, is_ours: Callable[[dict], bool], writer: st
                      "replace it (and REPORT.md and the plots there): use another workdir")
 
 
-def _result_if_finished(run_dir: str) -> Optional[dict]:
+def result_if_finished(run_dir: str) -> Optional[dict]:
   """The run's result.json (checked: `runner.read_result`), or None where it has none."""
-  path = os.path.join(run_dir, "result.json")
+  path = os.path.join(run_dir, RESULT_FILE)
   return read_result(path) if os.path.exists(path) else None
 
 
@@ -628,7 +629,7 @@ class Sweep:
 
   def _probeable(self, variant: Variant, seed: int) -> bool:
     """Whether the run has finished without diverging (probes need its final model)."""
-    result = _result_if_finished(self.run_dir(variant, seed))
+    result = result_if_finished(self.run_dir(variant, seed))
     return result is not None and not result["diverged"]
 
   def _cached(self, variant: Variant, seed: int, name: str) -> bool:
@@ -672,7 +673,7 @@ class Sweep:
       return
     if fresh or event_file_name(run_dir, tag) is None:
       write_event_file(run_dir, tag, read_json_if_exists(os.path.join(run_dir, name)) or {},
-                       _result_if_finished(run_dir)["steps"])
+                       result_if_finished(run_dir)["steps"])
 
   def _joint_probe(self) -> None:
     """`Ablation.joint_probe` of every seed with a run that lacks joint_probes.json."""
@@ -709,7 +710,7 @@ class Sweep:
     diverged_at, available, codes = [], set(), []
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
-      result = _result_if_finished(run_dir)
+      result = result_if_finished(run_dir)
       if result is None:
         raise FileNotFoundError(f"{run_dir}/result.json is missing: that run has not "
                                 "finished; run the sweep (not only the report) again")
@@ -873,8 +874,8 @@ flags.DEFINE_enum("preset", "cpu", list(PRESETS),
                   "seeds, the longest); full: accelerator scale.")
 flags.DEFINE_integer("seeds", None, "Seeds per variant (default: 2 smoke, 3 cpu, 5 full).")
 flags.DEFINE_string("workdir", None,
-                    "Output directory (default: /tmp/phoenix_ablations/<preset>/<ablation>; for "
-                    "ablations.run_all, /tmp/phoenix_ablations/<preset>). "
+                    f"Output directory (default: {DEFAULT_ROOT}/<preset>/<ablation>; for "
+                    f"ablations.run_all, {DEFAULT_ROOT}/<preset>). "
                     "Re-running with the same one resumes and skips finished runs.")
 flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (default: all); "
                   "the baseline runs too, every comparison needs it. Single ablation "
@@ -926,8 +927,10 @@ def _log_evaluation(p) -> None:
                " | ".join(f"{k} {values(k)}" for k in shown))
 
 
-def default_workdir(preset: str, name: str) -> str:
-  return os.path.join("/tmp/phoenix_ablations", preset, name)
+def default_workdir(preset: str, name: Optional[str] = None) -> str:
+  """Where a sweep of ablation `name` writes without --workdir (`name` None: the folder of
+  every ablation's, `ablations.run_all`'s)."""
+  return os.path.join(DEFAULT_ROOT, preset, *([name] if name else []))
 
 
 def command_line() -> str:

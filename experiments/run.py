@@ -130,15 +130,6 @@ def print_progress(p: Progress, batch_size: int,
   print(line, flush=True)
 
 
-def _finished_before(config, workdir: str) -> list[int]:
-  """`finished_seeds`, or none when the config is too broken to name its directories
-  (run_experiment then says why)."""
-  try:
-    return finished_seeds(config, workdir)
-  except Exception:   # validation, with its message, comes next
-    return []
-
-
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
@@ -171,7 +162,7 @@ def main(argv: list[str]) -> None:
   start = None if _QUIET.value else (
       lambda seeds, step: print(start_line(config, seeds, step), flush=True))
   with exit_on_run_errors():
-    done_before = _finished_before(config, _WORKDIR.value)
+    done_before = finished_seeds(config, _WORKDIR.value)   # (config checked above)
     results = run_experiment(config, _WORKDIR.value, progress=report, on_start=start)
   if jax.process_index() != 0:   # process 0 wrote the files and says so
     return

@@ -216,8 +216,7 @@ def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig
                 ("candidate_post_timestamps", (B, C), "B, C", "int")]
   if "history_dwell_times" in config.optional_batch_fields:
     specs.append(("history_dwell_times", (B, S), "B, history_seq_len", "any"))
-  origins = (f"B={B} from batch.user_hashes",) + (
-      (f"C={C} from batch.candidate_post_hashes",) if C else ())
+  origins = _size_origins(B, C)
   for name, shape, dims, kind in specs:
     _field("batch", name, getattr(batch, name), shape, dims, kind, origins)
   arrays = {name: np.asarray(getattr(batch, name)) for name, *_ in specs}
@@ -243,6 +242,12 @@ def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig
   return B, C
 
 
+def _size_origins(B: int, C: int) -> tuple[str, ...]:
+  """Where a shape error's B and C (0: no candidates) were read from."""
+  return (f"B={B} from batch.user_hashes",) + (
+      (f"C={C} from batch.candidate_post_hashes",) if C else ())
+
+
 def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig],
                     batch: RecsysBatch, embeddings: RecsysEmbeddings, *,
                     with_candidates: bool = True) -> tuple[int, int]:
@@ -253,8 +258,7 @@ def validate_inputs(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfi
   B, C = validate_batch(config, batch, with_candidates=with_candidates)
   hc, S, D = config.hash_config, config.history_seq_len, config.emb_size
   U, I, Au = hc.num_user_hashes, hc.num_item_hashes, hc.num_author_hashes
-  origins = (f"B={B} from batch.user_hashes",) + (
-      (f"C={C} from batch.candidate_post_hashes",) if C else ())
+  origins = _size_origins(B, C)
   emb_specs = [("user_embeddings", (B, U, D), "B, num_user_hashes, emb_size"),
                ("history_post_embeddings", (B, S, I, D),
                 "B, history_seq_len, num_item_hashes, emb_size"),

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import phoenix_flax as pf
 from phoenix_flax.training import metrics
 
 
@@ -348,6 +349,18 @@ def test_ranking_metrics_without_true_probabilities():
     want = metrics.ndcg_at_k(logits[..., 0], labels[..., 0], mask, k)
     assert float(own[f"ndcg@{k}"]) == pytest.approx(float(want), abs=1e-6)
     assert float(own[f"ndcg@{k}"]) != pytest.approx(float(full[f"ndcg@{k}"]), abs=1e-3)
+  # The actions a log records, sliced out and named (docs/own_data.md, favorite first):
+  # each per-action AUC under its name, equal to the full call's for that action.
+  logged = [0, 2, 5]
+  names = tuple(pf.ACTIONS[i] for i in logged)
+  sliced = ranking_metrics_jit(logits[..., logged], labels[..., logged], None, mask,
+                               k=(2, 5), action_names=names)
+  assert {key for key in sliced if key.startswith("auc/")} == {f"auc/{n}" for n in names}
+  for name in names:
+    assert float(sliced[f"auc/{name}"]) == float(own[f"auc/{name}"]), name
+  with pytest.raises(ValueError, match="action_names has 2 names for 3 actions"):
+    metrics.ranking_metrics(logits[..., logged], labels[..., logged], None, mask,
+                            action_names=names[:2])
 
 
 def test_ranking_metrics_average_valid_actions_and_rank_favorites():

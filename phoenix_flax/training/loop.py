@@ -218,8 +218,8 @@ def popularity_keys(config) -> Array:
   """The keys `[train.eval_batches, 2]` of the training-split batches that
   `popularity_scores` counts: as many lists as an evaluation has, drawn from `eval_seed`
   apart from the evaluation's own (`eval_keys`), the same for every run of a config."""
-  base = jax.random.fold_in(jax.random.PRNGKey(config.eval_seed), 0x7FFFFFFF)
-  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(config.train.eval_batches))
+  return _folded_keys(jax.random.fold_in(jax.random.PRNGKey(config.eval_seed), 0x7FFFFFFF),
+                      config.train.eval_batches)
 
 
 def _diagnostics(max_logit_XL: Array, rms_XL: Array) -> dict[str, Array]:
@@ -267,8 +267,12 @@ def eval_keys(config) -> Array:
   """The keys `[train.eval_batches, 2]` of every evaluation's batches (folded from
   `eval_seed`): each split samples batch i from key i, so every run of a config, and every
   probe of it, sees the same evaluation lists."""
-  base = jax.random.PRNGKey(config.eval_seed)
-  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(config.train.eval_batches))
+  return _folded_keys(jax.random.PRNGKey(config.eval_seed), config.train.eval_batches)
+
+
+def _folded_keys(base: Array, n: int) -> Array:
+  """`fold_in(base, i)` for i in 0..n-1, stacked `[n, 2]`."""
+  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.arange(n))
 
 
 class Trainer:

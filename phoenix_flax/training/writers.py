@@ -127,10 +127,10 @@ def remove_temporaries(folder: str, keep_live_writers: bool = False) -> None:
         pass
 
 
-def write_json(path: str, payload: Any) -> None:
+def write_json(path: str, payload: Any, indent: int = 2, sort_keys: bool = True) -> None:
   """Writes `payload` as JSON to `path` (`atomic_file`); NaN and inf become null."""
   with atomic_file(path) as f:
-    json.dump(jsonable(payload), f, indent=2, sort_keys=True, allow_nan=False)
+    json.dump(jsonable(payload), f, indent=indent, sort_keys=sort_keys, allow_nan=False)
     f.write("\n")
 
 
