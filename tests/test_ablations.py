@@ -961,6 +961,20 @@ def test_retrieval_ablations_start_from_the_retrieval_config(tmp_path):
 
 
 def test_run_all_runs_every_registered_script():
+  """... and every script of ablations/ that defines an `ABLATION` is registered (in
+  `ablations.SCRIPTS`), or no test would check its design, configs and README entry."""
+  folder = os.path.dirname(ablations.__file__)
+  defined = set()
+  for name in os.listdir(folder):
+    if name.endswith(".py"):
+      with open(os.path.join(folder, name), encoding="utf-8") as f:
+        body = ast.parse(f.read()).body
+      if any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ABLATION"
+                                                  for t in node.targets) for node in body):
+        defined.add(name[:-3])
+  assert defined - set(ablations.SCRIPTS) == set(), (
+      "add these ablation scripts' names to ablations.SCRIPTS (ablations/__init__.py)")
+  assert defined >= {"candidate_isolation", "logq_correction"}
   assert [m.__name__ for m in SCRIPTS] == [f"ablations.{n}" for n in ablations.SCRIPTS]
   assert list(run_all.ABLATIONS) == [m.ABLATION.name for m in SCRIPTS]
   assert run_all.FLAGS["ablations"].default == list(run_all.ABLATIONS)

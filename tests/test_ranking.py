@@ -581,7 +581,10 @@ def test_isolated_equals_dense(name):
   outs = {impl: forward(model_for(cfg), batch, emb) for impl, cfg in cfgs.items()}
   (iso, iso_diag), (dense, dense_diag) = outs["isolated"], outs["dense"]
   assert float(jnp.max(jnp.abs(dense.logits))) > 0.1
-  assert max_abs_diff(iso.logits, dense.logits) <= 1e-5
+  assert max_abs_diff(iso.logits, dense.logits) <= 1e-5, (
+      f"grid case {name!r}: the isolation-aware path (transformer.py: `score_candidates`, "
+      "`_isolated_attention`) and the dense reference (`attention_weights`) disagree: is a "
+      "switch of this case implemented in one of them only?")
   if dense.continuous is not None:
     assert max_abs_diff(iso.continuous, dense.continuous) <= 1e-5
   # `model(...)`, the serving path: all at once, in micro-batches of rows (one user per

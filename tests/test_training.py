@@ -200,6 +200,9 @@ GRADIENT_CASES = [
     ("retrieval", "retrieval", {}),
     ("ranking_pre_norm", "ranking", {"model.norm_layout": "pre"}),
     ("retrieval_mean_pool", "retrieval", {"model.enable_linear_proj": False}),
+    # the post-age feature's table, the one optional feature the synthetic world feeds
+    ("ranking_post_age", "ranking", {"world.post_age": True,
+                                     "model.post_age_granularity_mins": 60}),
 ]
 
 
@@ -219,6 +222,40 @@ def test_every_retrieval_switch_is_set_in_a_gradient_case():
     assert any(o.get(f"model.{field}", default) != default for o in cases), (
         f"PhoenixRetrievalModelConfig.{field} is set away from its default ({default!r}) by "
         "no retrieval case of GRADIENT_CASES (tests/test_training.py)")
+
+
+def _parameters_added(case_name: str, field: str) -> set[str]:
+  """The parameters (tree paths) of grid case `case_name`'s ranking model
+  (tests/test_ranking.py) that the same case with `field` at its default lacks."""
+  from test_ranking import GRID, _grid_case
+  def paths(cfg):
+    shapes = eqx.filter_eval_shape(pf.PhoenixModel, cfg, key=jax.random.PRNGKey(0))
+    return {jax.tree_util.keystr(p) for p, leaf in jax.tree_util.tree_leaves_with_path(shapes)
+            if isinstance(leaf, jax.ShapeDtypeStruct)}
+  without = {k: v for k, v in GRID[case_name].items() if k != field}
+  return (paths(_grid_case(case_name)[0]["dense"])
+          - paths(_grid_case(case_name, without)[0]["dense"]))
+
+
+def test_every_ranking_switch_with_parameters_of_its_own_is_in_a_gradient_case():
+  """Step 6 of adding an idea: a ranking switch (a field of `GRID_SWITCHES`,
+  tests/test_ranking.py) whose setting in a grid case gives the model parameters it lacks
+  at the default (a QK-norm's scales, say) is set away from its default by a ranking case
+  of GRADIENT_CASES, so that the test below sees whether the training loss reaches them."""
+  from test_ranking import GRID, GRID_SWITCHES, _field_default
+  # (the check sees parameters that a field adds: the post-age feature's table)
+  assert any("post_age_embedding_table" in p
+             for p in _parameters_added("post_age_dwell_continuous_no_user",
+                                        "post_age_granularity_mins"))
+  cases = [overrides for _, task, overrides in GRADIENT_CASES if task == "ranking"]
+  for cls in (pf.TransformerConfig, pf.PhoenixModelConfig):
+    for field in sorted(GRID_SWITCHES[cls]):
+      default = _field_default(cls, field)
+      added = set().union(*(_parameters_added(name, field) for name, case in GRID.items()
+                            if case.get(field, default) != default))
+      assert not added or any(o.get(f"model.{field}", default) != default for o in cases), (
+          f"{cls.__name__}.{field} adds parameters ({sorted(added)}) but no ranking case of "
+          "GRADIENT_CASES (tests/test_training.py) sets it away from its default")
 
 
 @pytest.mark.parametrize("task, overrides", [case[1:] for case in GRADIENT_CASES],
