@@ -524,6 +524,14 @@ class Trainer:
       self._cached_references = self._references(self.world)
     return self._cached_references
 
+  def release_arrays(self) -> None:
+    """Drops the trainer's device arrays (its world and the evaluation's references): for
+    a trainer being replaced, which cannot train or evaluate afterwards. JAX's caches of
+    its compiled functions can keep the trainer object itself alive for the rest of the
+    process (their closures refer to it); its arrays no longer."""
+    self.world = None
+    self._cached_references = None
+
   def _retrieval_eval(self, system: RetrievalSystem, world: World, split: SplitConfig,
                       references: tuple[Array, Array]) -> dict[str, Array]:
     """`references`: the split's entry of `_world_references`, what the oracle and the

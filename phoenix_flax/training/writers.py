@@ -313,6 +313,7 @@ class RunWriter:
       self._events.write_event(_event(summary=ssi))
     self._hparams = dict(hparams)
     self._flushed = time.monotonic()
+    self._closed = False
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
     """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
@@ -331,7 +332,11 @@ class RunWriter:
     self._flushed = time.monotonic()
 
   def close(self, finished: bool) -> None:
-    """Flushes; on a finished run also records the HParams session end."""
+    """Flushes; on a finished run also records the HParams session end. Once closed, a
+    writer ignores further calls."""
+    if self._closed:
+      return
+    self._closed = True
     if finished:
       _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
       self._events.write_event(_event(summary=sei))
