@@ -524,6 +524,19 @@ def _grid_case(name, case=None):
   return (cfgs, *_grid_batch(cfgs["dense"], case))
 
 
+def test_zeros_init_zeroes_every_transformer_parameter_of_every_grid_case():
+  """`param_init="zeros"` (the release's placeholders) zeroes every transformer parameter,
+  those of each grid case's switches included (step 3 of adding an idea: a new parameter
+  starts as its kind starts under each `param_init`)."""
+  for name, case in GRID.items():
+    transformer = dict(_split_case(name, case)[0], param_init="zeros")
+    model = pf.Transformer(transformer_config(**transformer), key=jax.random.key(0))
+    nonzero = [jax.tree_util.keystr(path) for path, x in
+               jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
+               if np.any(np.asarray(x))]
+    assert nonzero == [], (name, nonzero)
+
+
 def test_grid_cases_reach_the_configs():
   """Every key of a case is set on the config that has that field, and a key that names
   no field is refused instead of falling back to the default."""
