@@ -377,6 +377,19 @@ NUM_ACTIONS = 19
 SURFACES = 16
 
 
+def open_files_under(folder: str) -> list[str]:
+  """The files under `folder` that this process holds open (Linux: /proc/self/fd)."""
+  found = []
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:   # the listing's own descriptor, closed by now
+      continue
+    if target.startswith(os.path.abspath(folder) + os.sep):
+      found.append(target)
+  return found
+
+
 def transformer_config(**overrides) -> pf.TransformerConfig:
   """D=32, 4 query / 2 KV heads of size 8, 2 layers, ffn 48."""
   fields = dict(emb_size=EMB, key_size=8, num_q_heads=4, num_kv_heads=2, num_layers=2,

@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, open_files_under, subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
 from phoenix_flax.training import writers
@@ -126,6 +126,31 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   assert read_metrics(run_dir) == []
   assert len([f for f in os.listdir(run_dir) if f.startswith("events.out.tfevents.")]) == 1
   assert "train/loss" not in _accumulator(run_dir).Tags()["scalars"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files via /proc")
+@pytest.mark.parametrize("failing", ["the session start", "the session end"])
+def test_a_writer_whose_write_fails_leaves_no_file_open(tmp_path, monkeypatch, failing):
+  """A full disk when a writer records the HParams session start (in its constructor, so
+  its caller never holds it to close it) or end (in `close`, after which a second `close`
+  does nothing) still closes its event file."""
+  real = writers.EventsWriter.write_event
+  summaries = []   # the HParams session start, then its end
+
+  def write_event(self, event):
+    if event.HasField("summary"):
+      summaries.append(event)
+      if failing == "the session start" or len(summaries) == 2:
+        raise OSError(28, "No space left on device")
+    return real(self, event)
+
+  monkeypatch.setattr(writers.EventsWriter, "write_event", write_event)
+  try:
+    writer = RunWriter(str(tmp_path), {"model.num_layers": 2}, None)
+    writer.close(finished=True)
+  except OSError as e:
+    error = e   # kept, as a caller may keep it: its traceback holds the writer
+  assert "No space left" in str(error) and open_files_under(str(tmp_path)) == []
 
 
 def test_a_resume_removes_the_killed_runs_later_events_from_its_files(tmp_path):

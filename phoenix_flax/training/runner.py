@@ -981,10 +981,13 @@ def _payload(state: Any, wall_seconds: Any) -> dict:
 
 def checkpoint_like(trainer: Trainer) -> dict:
   """The structure of one seed's checkpoint, from the trainer's shapes alone
-  (`eqx.filter_eval_shape` of `init`): nothing is initialised or compiled."""
-  stacked = eqx.filter_eval_shape(trainer.init, [trainer.spec.config.seed])
-  return _payload(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked),
-                  0.0)
+  (`eqx.filter_eval_shape` of one seed's initialisation): nothing is initialised or
+  compiled."""
+  # `_init_one`, not the jitted `init`: tracing the trainer's jit (whose function closes
+  # over the trainer) puts the trainer in JAX's caches, where gc cannot free it and its
+  # world (`load_run`, a sweep's probes) stayed on the device for the rest of the process.
+  one = eqx.filter_eval_shape(trainer._init_one, jax.random.PRNGKey(trainer.spec.config.seed))
+  return _payload(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), one), 0.0)
 
 
 def load_checkpoint(trainer: Trainer, run_dir: str, step: int,

@@ -299,6 +299,18 @@ class RunWriter:
     # The file name's timestamp has whole seconds; the suffix keeps two writers of one run
     # that start within a second apart, and in the order they started.
     self._events = EventsWriter(os.path.join(run_dir, "events"), f".{time.time_ns()}")
+    try:
+      self._start_session(hparams, resume_step, group)
+    except BaseException:   # not yet in its caller's hands: nothing else would close it
+      self._events.close()
+      raise
+    self._hparams = dict(hparams)
+    self._flushed = time.monotonic()
+    self._closed = False
+
+  def _start_session(self, hparams: Mapping[str, Any], resume_step: Optional[int],
+                     group: str) -> None:
+    """The first events: a resume's restart marker, or a fresh run's HParams session."""
     if resume_step is not None:   # as SummaryWriter(purge_step=...) marks a restart
       purge = resume_step + 1
       self._events.write_event(_event(step=purge, file_version="brain.Event:2"))
@@ -311,9 +323,6 @@ class RunWriter:
         data.session_start_info.group_name = group
         ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
       self._events.write_event(_event(summary=ssi))
-    self._hparams = dict(hparams)
-    self._flushed = time.monotonic()
-    self._closed = False
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
     """One row: every scalar to TensorBoard at `step` and to metrics.jsonl."""
@@ -337,7 +346,9 @@ class RunWriter:
     if self._closed:
       return
     self._closed = True
-    if finished:
-      _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
-      self._events.write_event(_event(summary=sei))
-    self._events.close()
+    try:
+      if finished:
+        _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
+        self._events.write_event(_event(summary=sei))
+    finally:   # closed even when the last write fails (a full disk)
+      self._events.close()
