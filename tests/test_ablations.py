@@ -233,6 +233,14 @@ def test_interactions_average_over_the_other_axes():
   rows = {(r["axis"], r["level"]): r for r in analysis.interactions(
       variants(set(values) - {("x", "d6", "l3")}), conditions, "base", ["m"])}
   assert rows[("depth", "d6")]["cells"] == 1 and rows[("depth", "d6")]["n"] == 4
+  # A baseline without the metric at a level (a probe it did not run) drops that level's
+  # pairs, as a missing variant does.
+  m = lambda xs: {"m": stats.summarize(xs)}
+  one_axis = {"base_lo": {"arm": "base", "cell": "lo", "metrics": m([0.1, 0.2, 0.3])},
+              "base_hi": {"arm": "base", "cell": "hi", "metrics": {}},
+              "b_lo": {"arm": "b", "cell": "lo", "metrics": m([0.2, 0.3, 0.5])},
+              "b_hi": {"arm": "b", "cell": "hi", "metrics": m([0.4, 0.1, 0.6])}}
+  assert analysis.interactions(one_axis, {"c": ["lo", "hi"]}, "base", ["m"]) == []
   assert rows[("depth", "d6")]["delta"] == pytest.approx(
       np.mean([did("d6", "l1", "d2", "l1", s) for s in range(4)]))
   # One level per axis (or no conditions): nothing to compare.
@@ -549,6 +557,24 @@ def test_verdict_of_an_exact_difference_and_of_a_test_that_cannot_reject():
   assert report.smallest_p(six) == 2.0 ** -5 and report.verdict(six, "lower") == \
       "significantly higher (worse)"
   assert report.verdict({**six, "p_holm": 0.5}, "lower") == "no significant difference"
+  # Five pairs: the smallest exact p, 0.0625, lies between 0.05 and 0.1.
+  five = stats.mcnemar_exact([0] * 5, [1] * 5)
+  assert report.smallest_p(five) == 0.0625
+  assert report.verdict(five, "lower") == "not testable: 5 pairs give no exact p below 0.062"
+  # A t-test whose p underflows to 0 is a test (its interval has a width), not an exact
+  # difference.
+  rng = np.random.default_rng(0)
+  b = rng.normal(size=100)
+  underflow = stats.paired_t(b.tolist(), (b + 1.0 + 1e-4 * rng.normal(size=100)).tolist())
+  underflow["p_holm"] = underflow["p_value"]
+  assert underflow["p_value"] == 0.0 and underflow["ci95"][0] < underflow["ci95"][1]
+  assert not report.deterministic(underflow)
+  assert report.verdict(underflow, "higher") == "significantly higher (better)"
+  # A sweep without conditions has no per-condition table.
+  assert report.condition_matrix({"variants": {"a": {"arm": "a", "cell": ""},
+                                               "b": {"arm": "b", "cell": ""}},
+                                  "arms": ["a", "b"], "baseline": "a", "comparisons": []},
+                                 "auc_mean") == []
   assert report.smallest_p(varying) is None
   # Pairs that all moved alike in a continuous metric: the exact sign-flip test again.
   alike = stats.paired_t([0.5, 0.6, 0.7], [0.51, 0.61, 0.71])

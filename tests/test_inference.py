@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from phoenix_flax import inference
 from phoenix_flax.config import (NormConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
                                  TransformerConfig)
 from phoenix_flax.example import example_batch, example_corpus
@@ -169,6 +170,14 @@ def test_ranking_puts_padding_last_in_slot_order(ranker):
     expected = np.concatenate([valid[np.argsort(-fav[valid], kind="stable")],
                                np.flatnonzero(padded)])
     np.testing.assert_array_equal(out.ranked_indices[0], expected)
+
+
+def test_padding_ranks_after_a_valid_candidate_of_probability_zero():
+  """A valid candidate whose probability underflowed to 0 (a logit below about -104 in
+  float32) still ranks before a padded slot ahead of it."""
+  probs = jnp.zeros((1, 2, 1), jnp.float32)
+  hashes = jnp.asarray([[[0, 0], [7, 3]]], jnp.int32)   # slot 0 padded, slot 1 valid
+  assert inference._ranking_order(probs, hashes).tolist() == [[1, 0]]
 
 
 def test_rank_compiles_once_per_shape(ranker):

@@ -115,6 +115,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
       # Its loops run on one device: a mesh would be ignored, so it is refused.
       ([smoke, "--config.mesh.num_devices=-1"],
+       "the throughput comparison runs every loop on one device"),
+      ([smoke, "--config.mesh.distributed=True"],   # which parse_config accepts
        "the throughput comparison runs every loop on one device")]
   with ForkServer(subprocess_env()) as server:
     results = [server.run("experiments.run", args) for args, _ in cases]

@@ -51,6 +51,9 @@ def test_summarize_counts_missing_values():
   one = stats.summarize([0.5, None])
   assert one["mean"] == 0.5 and one["std"] is None and one["ci95"] is None
   assert stats.summarize([None, float("nan")])["mean"] is None
+  nan = stats.summarize([1.0, float("nan"), 3.0])   # a NaN counts as missing
+  assert nan["mean"] == 2.0 and nan["n"] == 2 and nan["per_seed"] == [1.0, None, 3.0]
+  assert stats.seed_means([[1.0, None], [3.0, 4.0]]) == [2.0, None]
 
 
 def test_paired_t_matches_hand_computation():
