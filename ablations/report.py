@@ -411,7 +411,9 @@ def design_lines(results: Mapping) -> list[str]:
   ran = results.get("variants_run")
   if ran:
     out += [f"Variants run: {', '.join(ran)} (a subset, chosen with `--variants`; the "
-            "design above names every variant of the ablation).", ""]
+            "design above names every variant of the ablation). The Holm correction "
+            "covers the comparisons of these variants only, fewer than the whole "
+            "sweep's, so its p-values can read lower than the whole sweep's would.", ""]
   if t:
     batches = f"{t['eval_batches']} batch{'es' if t['eval_batches'] > 1 else ''}"
     covers = ("so the intervals above cover the seed's variation (model initialisation "

@@ -21,12 +21,13 @@ import os
 import re
 import sys
 
-from absl import app
+from absl import flags
 
 if not __package__:  # run by path, not with python -m: import this checkout's packages
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from ablations import analysis, report, stats, sweep
+from experiments.cli import parse_flags, quiet_backend_search, run_app
 from phoenix_flax.training import provenance, writers
 
 
@@ -149,6 +150,12 @@ def rerender(folder: str, command: str = "") -> str:
 
 
 def main(argv) -> None:
+  # The sweep's flags exist here only because this module imports `ablations.sweep`: a
+  # report is rendered from results.json alone, so none of them would change anything.
+  given = [f"--{name}" for name in sweep.SWEEP_FLAGS if flags.FLAGS[name].present]
+  if given:
+    sweep.usage_error(f"{', '.join(given)}: flags of an ablation's sweep, which rerender "
+                      "does not take (it renders results.json as it is)", flags_hint=False)
   folders = argv[1:]
   if not folders:
     sweep.usage_error("name one or more sweep folders (each holding a results.json)",
@@ -164,4 +171,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  quiet_backend_search()
+  run_app(main, flags_parser=parse_flags)

@@ -569,11 +569,18 @@ class Sweep:
     lines = [f"{a.name} at preset {self.preset!r}: {len(self.variants)} variants x "
              f"{len(self.seeds)} seeds {self.seeds}, {t.num_steps} steps of batch "
              f"{t.batch_size} each, into {self.workdir}"
-             + (f"; your overrides {self.overrides}" if self.overrides else "")]
+             + (f"; your overrides {self.overrides}" if self.overrides else "")
+             + ("; --reprobe: every finished run's probes are measured again"
+                if self._reprobe and (a.probe or a.joint_probe) else "")]
+    now = provenance.running_code_version()
     for variant in self.variants:
       done = finished_seeds(self.config(variant), self.variant_dir(variant))
       state = (f"{len(done)} of {len(self.seeds)} seeds finished (reused)" if done
                else "to train")
+      other = sorted({c for c in (result_if_finished(self.run_dir(variant, k)).get("code")
+                                  for k in done) if c is not None and c != now})
+      if other:   # as `run_experiment` warns when it reuses them
+        state += f", trained by other code ({', '.join(other)}; this checkout: {now})"
       settings = ", ".join(f"{k}={v!r}" for k, v in variant.overrides.items())
       baseline = " (baseline)" if variant.arm == a.baseline else ""
       lines.append(f"  {variant.name}{baseline}: {settings or 'the base config'}; {state}")
@@ -697,7 +704,26 @@ class Sweep:
       for ctx, metrics in zip(contexts, found):
         write_json(os.path.join(ctx.run_dir, JOINT_PROBES_FILE), flatten_metrics(metrics))
         self._probe_events(ctx.run_dir, JOINT_PROBES_FILE, fresh=True)
+      self._drop_joint_probes_apart_from(seed, variants)
       jax.clear_caches()
+
+  def _drop_joint_probes_apart_from(self, seed: int, measured: Sequence[Variant]) -> None:
+    """Removes the joint probes of `seed`'s runs of the ablation's other variants (left
+    out by --variants), measured in another session than `measured` were: a later sweep
+    over every variant measures them all together again, instead of comparing values
+    measured apart (throughputs under other load, say)."""
+    if not writes_outputs():
+      return
+    names = {v.name for v in measured}
+    for v in self.ablation.variants(self.preset):
+      run_dir = self.run_dir(v, seed)
+      if v.name not in names and os.path.exists(os.path.join(run_dir, JOINT_PROBES_FILE)):
+        logging.info("%s: joint probes removed, to be measured again with the others",
+                     run_dir)
+        os.remove(os.path.join(run_dir, JOINT_PROBES_FILE))
+        events = event_file_name(run_dir, JOINT_PROBES_FILE.rsplit(".", 1)[0])
+        if events is not None:
+          os.remove(events)
 
   def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list, dict]:
     """metric -> per-seed values (None for a diverged run), the divergence steps, every
@@ -879,10 +905,11 @@ flags.DEFINE_string("workdir", None,
                     "Re-running with the same one resumes and skips finished runs.")
 flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (default: all); "
                   "the baseline runs too, every comparison needs it. Single ablation "
-                  "scripts only (ablations.run_all refuses it).")
+                  "scripts only (ablations.run_all refuses it). The report's Holm "
+                  "correction then covers fewer comparisons than the whole sweep's.")
 flags.DEFINE_multi_string("override", [],
                           "Config override for every variant, repeatable, e.g. "
-                          "--override=model.num_layers=4 --override=optim.warmup_steps=50. "
+                          "--override=train.num_steps=500 --override=optim.warmup_steps=50. "
                           "The ablated switch and the condition axes are set after it; "
                           "an override that every variant sets itself is refused.")
 flags.DEFINE_bool("reprobe", False,

@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing import event_accumulator
 import ablations
 from ablations import analysis, report, run_all, stats, sweep
 from conftest import REPO, ForkServer, import_error
-from phoenix_flax.training import provenance, run_dirs, writers
+from phoenix_flax.training import ConfigError, provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config
 
 SCRIPTS = ablations.modules()
@@ -328,6 +328,16 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
                        cwd=REPO, capture_output=True, text=True, timeout=120)
   assert cli.returncode == 2 and "holds no results.json: not a finished sweep" in cli.stderr
   assert len(cli.stderr.strip().splitlines()) == 1, cli.stderr   # no docstring, no traceback
+  # A sweep's flag would change nothing here (--dry_run rewrote the report all the same),
+  # and a flag it does not know is a usage error too, before any folder is rewritten.
+  before = (folder / "REPORT.md").read_text()
+  for args, message in [(["--dry_run", "--seeds=9"], "--seeds, --dry_run: flags of an "),
+                        (["--bogus"], "Unknown command line flag 'bogus'")]:
+    cli = subprocess.run([sys.executable, "-m", "ablations.rerender", *args, str(folder)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and message in cli.stderr, cli.stderr
+    assert "Traceback" not in cli.stderr and "FATAL" not in cli.stderr, cli.stderr
+  assert (folder / "REPORT.md").read_text() == before
 
 
 @pytest.mark.parametrize("text, message", [
@@ -750,7 +760,6 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
 def test_a_result_json_of_the_wrong_shape_stops_the_report(tmp_path):
   """A result.json emptied or overwritten from outside (valid JSON, no run's result) is
   named with the way out, instead of a report without that seed."""
-  from phoenix_flax.training import ConfigError
   sw = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=fake_runner())
   sw.run()
   (tmp_path / "b" / "seed_1" / "result.json").write_text("{}")
@@ -797,6 +806,16 @@ def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeyp
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}),
               reprobe=True).run()
   assert calls[3:] == calls[:2]                           # --reprobe: every seed again
+  # --reprobe of a --variants subset measures the subset together and drops the other
+  # variants' joint probes of those seeds (measured in another session), so that the next
+  # sweep over every variant measures them all together again.
+  sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(diverge={("b", 0)}),
+              variants=["c"], reprobe=True).run()
+  assert calls[5:] == [[("a", 0, "a0"), ("c", 0, "c0")], [("a", 1, "a1"), ("c", 1, "c1")]]
+  assert not (tmp_path / "b" / "seed_1" / sweep.JOINT_PROBES_FILE).exists()
+  assert writers.event_file_name(str(tmp_path / "b" / "seed_1"), "joint_probes") is None
+  sw.run()
+  assert calls[7:] == [[("a", 1, "a1"), ("b", 1, "b1"), ("c", 1, "c1")]]
   os.remove(tmp_path / "a" / "seed_0" / sweep.JOINT_PROBES_FILE)
   bad = sweep.Sweep(toy_ablation(joint_probe=lambda contexts: [{}],
                                  metrics=("auc_mean", "speed", "diverged")),
@@ -1137,6 +1156,27 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
   assert both[0].startswith("gqa_ratio at preset 'smoke'") and any(
       line.startswith("soft_capping at preset 'smoke'") for line in both)
   assert not workdir.exists()
+
+
+def test_the_plan_says_what_the_run_would_warn_about_or_refuse(tmp_path, monkeypatch):
+  """The plan of a workdir with finished runs says which came from other code (the run
+  warns as it reuses them) and that --reprobe measures probes again; a finished run whose
+  result.json cannot be read is refused when the sweep is built, before any variant
+  trains (the run refused it only at that variant's turn)."""
+  monkeypatch.setattr(provenance, "running_code_version", lambda: "cafe00000000")
+  old = fake_runner(code=lambda variant: "01d000000000" if variant == "b" else "cafe00000000")
+  sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=old).run()
+  plan = sweep.Sweep(toy_ablation(probe=lambda ctx: {}), "smoke", str(tmp_path),
+                     runner=old, reprobe=True).plan().splitlines()
+  assert plan[0].endswith("; --reprobe: every finished run's probes are measured again")
+  assert plan[1:4] == [
+      "  a (baseline): model.num_layers=1; 2 of 2 seeds finished (reused)",
+      "  b: model.num_layers=2; 2 of 2 seeds finished (reused), trained by other code "
+      "(01d000000000; this checkout: cafe00000000)",
+      "  c: model.num_layers=3; 2 of 2 seeds finished (reused)"]
+  (tmp_path / "c" / "seed_1" / "result.json").write_text('{"final":')
+  with pytest.raises(ConfigError, match=r"c/seed_1/result.json cannot be read"):
+    sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=old)
 
 
 def test_a_misnamed_metric_or_curve_is_refused_before_training(tmp_path):

@@ -407,9 +407,12 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
 
 def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Raises `ConfigError` if a run directory of `config` under `workdir` holds a run of
-  another config (which resuming would mix up, and a finished one would stand in for)."""
+  another config (which resuming would mix up, and a finished one would stand in for), or
+  a result.json that cannot be read (`read_result`), before any seed trains."""
   for k, d in run_dirs(config, workdir).items():
     _check_existing_config(d, seed_config(config, k).to_dict())
+    if os.path.exists(os.path.join(d, RESULT_FILE)):
+      read_result(os.path.join(d, RESULT_FILE))
 
 
 def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
