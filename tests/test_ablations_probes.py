@@ -154,7 +154,8 @@ def test_sandwich_derived_metrics_and_rms_plot(tmp_path):
     run_dir.mkdir(parents=True)
     (run_dir / "result.json").write_text(json.dumps(
         {"final": {k: v * (2 if arm == "post" else 1) for k, v in found.items()},
-         "diverged": False}))
+         "diverged": False, "diverged_at_step": None, "steps": 20, "wall_seconds": 1.0,
+         "examples_per_second": 10.0}))
   assert sandwich_norm.plot_rms({"variants": variants}, str(tmp_path)) == "residual_rms.png"
   assert os.path.getsize(tmp_path / "residual_rms.png") > 1000
 

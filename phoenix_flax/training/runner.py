@@ -833,7 +833,8 @@ class _Group:
   def close_writers(self) -> None:
     """Closes the event writers of a run that stops unfinished (those still open)."""
     for writer in self.writers.values():
-      writer.close(finished=False)
+      if not writer.closed:
+        writer.close(finished=False)
 
   def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))

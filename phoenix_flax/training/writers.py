@@ -340,6 +340,10 @@ class RunWriter:
     self._events.flush()
     self._flushed = time.monotonic()
 
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
   def close(self, finished: bool) -> None:
     """Flushes; on a finished run also records the HParams session end. Once closed, a
     writer ignores further calls."""
