@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from tensorboard.backend.event_processing import event_accumulator
 
@@ -489,6 +489,22 @@ def test_a_multi_process_mesh_holds_every_device(monkeypatch):
   with pytest.raises(ConfigError, match=r"num_devices=1 is invalid with 2 processes .*use -1 "
                                         r"\(all 2\)"):
     make_placement(1, False)
+
+
+def test_a_seed_stacked_table_is_sharded_by_rows_after_the_seed_axis():
+  """With sharded hash tables, a table stacked over seeds `[seeds, rows, D]` shards its
+  rows (axis 1) and one seed's table `[rows, D]` its axis 0; other leaves, and 1-D ones,
+  are replicated (on one device here: the 8-device test covers it too, in a subprocess
+  ~50 times slower)."""
+  placement = Placement(Mesh(np.asarray(jax.devices()[:1]), (DATA_AXIS,)),
+                        shard_hash_tables=True)
+  key = jax.tree_util.GetAttrKey
+  table, other = (key("params"), key("post_table")), (key("params"), key("proj_mat_1"))
+  stacked, single = jnp.zeros((2, 16, 4)), jnp.zeros((16, 4))
+  assert placement._state_sharding(table, stacked, seed_axis=True).spec == P(None, DATA_AXIS)
+  assert placement._state_sharding(table, single, seed_axis=False).spec == P(DATA_AXIS)
+  assert placement._state_sharding(other, stacked, seed_axis=True).spec == P()
+  assert placement._state_sharding(table, jnp.zeros((16,)), seed_axis=False).spec == P()
 
 
 def test_constrain_batch_shards_arrays_and_leaves_scalars():
