@@ -440,7 +440,8 @@ def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[t
 
 
 def _check_metric_settings(c: ml_collections.ConfigDict, world: WorldConfig) -> None:
-  """The `ranking` and `retrieval` sections (cut-offs, temperature, positive action)."""
+  """The `ranking` and `retrieval` sections: each field's range (and `logq_decay` set only
+  with the correction on)."""
   ks = tuple(c.ranking.top_k) if isinstance(c.ranking.top_k, (tuple, list)) else ()
   _check(len(ks) >= 1 and all(_is_int(k) and k >= 1 for k in ks) and len(set(ks)) == len(ks),
          "ranking.top_k", c.ranking.top_k, "give one or more distinct integers >= 1")
