@@ -180,6 +180,13 @@ class RunContext:
 Probe = Callable[[RunContext], Mapping[str, Any]]
 JointProbe = Callable[[Sequence[RunContext]], Sequence[Mapping[str, Any]]]
 PROBES_FILE, JOINT_PROBES_FILE = "probes.json", "joint_probes.json"
+
+
+def _probe_tag(name: str) -> str:
+  """The name of a probe file's TensorBoard event file (`write_event_file`): its stem."""
+  return name.rsplit(".", 1)[0]
+
+
 Plot = Callable[[Mapping, str], Optional[str]]
 
 
@@ -675,7 +682,7 @@ class Sweep:
     """The TensorBoard copy of a run's probe file `name`, at the run's last step: written
     after a measurement, and for a cached one when it is missing (a sweep probed before
     probes reached TensorBoard)."""
-    tag = name.rsplit(".", 1)[0]
+    tag = _probe_tag(name)
     if not writes_outputs():
       return
     if fresh or event_file_name(run_dir, tag) is None:
@@ -721,7 +728,7 @@ class Sweep:
         logging.info("%s: joint probes removed, to be measured again with the others",
                      run_dir)
         os.remove(os.path.join(run_dir, JOINT_PROBES_FILE))
-        events = event_file_name(run_dir, JOINT_PROBES_FILE.rsplit(".", 1)[0])
+        events = event_file_name(run_dir, _probe_tag(JOINT_PROBES_FILE))
         if events is not None:
           os.remove(events)
 

@@ -723,10 +723,7 @@ class _Group:
     try:
       self._open(trainer)
     except BaseException:
-      try:
-        self.close_writers()
-      finally:
-        self.release()
+      self.close()
       raise
 
   def _open(self, trainer: Trainer) -> None:
@@ -782,6 +779,13 @@ class _Group:
           group = _hparams_group(dirs[k], k)
           self.writers[k] = RunWriter(dirs[k], session_hparams(self.config, cfg_k, group),
                                       self.step or None, group)
+
+  def close(self) -> None:
+    """Closes the writers still open, then releases the locks (even if a close fails)."""
+    try:
+      self.close_writers()
+    finally:
+      self.release()
 
   def release(self) -> None:
     """Releases the run directories' locks."""
@@ -884,11 +888,8 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
     trainer.compile_evaluation(g.state)
     with _StopRequests() as stop:
       results = _train_group(g, trainer, progress, stop, compile_seconds)
-  finally:
-    try:   # closed when the run finished or stopped; here too when anything else raised
-      g.close_writers()
-    finally:
-      g.release()
+  finally:   # (writers closed when the run finished or stopped; here if anything raised)
+    g.close()
   if stop.signum is not None:   # during the last chunk: the run finished; its caller stops
     raise RunInterrupted(stop.signum, g.step, [g.dirs[k] for k in seeds], finished=True)
   return results
