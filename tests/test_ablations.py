@@ -168,25 +168,30 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
   """A task sees the user's overrides (its knobs follow the sizes they set), and an
   override of a knob the task sets wins over it."""
   from ablations import candidate_isolation, rope_anchoring, soft_capping
-  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r"),
-                   overrides={"world.history_len": 4})
+
+  def build(ablation, folder, overrides):
+    # A runner of the test's own: the sweep traces no run to check the metric names
+    # (test_scripts_state_their_design_and_build_valid_configs checks the scripts').
+    return sweep.Sweep(ablation, "smoke", str(tmp_path / folder), overrides=overrides,
+                       runner=fake_runner())
+
+  sw = build(rope_anchoring.ABLATION, "r", {"world.history_len": 4})
   assert sw.base.train_split.max_history == 3 and sw.base.eval_split.max_history == 3
   long = sw.base.extra_eval_splits.long_history
   assert (long.min_history, long.max_history) == (4, 4)
-  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r2"),
-                   overrides={"world.history_len": 64, "train_split.max_history": 10})
+  sw = build(rope_anchoring.ABLATION, "r2",
+             {"world.history_len": 64, "train_split.max_history": 10})
   assert sw.base.train_split.max_history == 10 and sw.base.eval_split.max_history == 48
   assert sw.base.extra_eval_splits.long_history.max_history == 64
-  sw = sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path / "c"),
-                   overrides={"world.num_candidates": 12, "ranking.top_k": (2,)})
+  sw = build(candidate_isolation.ABLATION, "c",
+             {"world.num_candidates": 12, "ranking.top_k": (2,)})
   assert sw.base.extra_eval_splits.long_list.num_candidates == 24
-  sw = sweep.Sweep(soft_capping.ABLATION, "smoke", str(tmp_path / "s"),
-                   overrides={"train.num_steps": 1000})
+  sw = build(soft_capping.ABLATION, "s", {"train.num_steps": 1000})
   assert sw.base.optim.warmup_steps == 50
   # A serving shift is the evaluation split, overrides and all, changed in one way only.
-  sw = sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path / "c2"),
-                   overrides={"eval_split.num_candidates": 6, "eval_split.min_candidates": 2,
-                              "eval_split.min_history": 2})
+  sw = build(candidate_isolation.ABLATION, "c2",
+             {"eval_split.num_candidates": 6, "eval_split.min_candidates": 2,
+              "eval_split.min_history": 2})
   shifts = sw.base.extra_eval_splits
   eval_split = sw.base.eval_split.to_dict()
   for name, changed in (("long_list", {"num_candidates": 12}),
@@ -194,8 +199,7 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
                         ("random_companions", {"relevant_fraction": 0.1,
                                                "list_correlation": 0.0})):
     assert shifts[name].to_dict() == {**eval_split, **changed}, name
-  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r3"),
-                   overrides={"eval_split.relevant_fraction": 0.2})
+  sw = build(rope_anchoring.ABLATION, "r3", {"eval_split.relevant_fraction": 0.2})
   long = sw.base.extra_eval_splits.long_history
   assert (long.relevant_fraction, long.history_dist, long.min_history) == (0.2, "uniform", 7)
 
