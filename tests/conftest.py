@@ -45,8 +45,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #    runs) or by xdist's other worker. A cache hit loads the executable that compiling
 #    would give, so no result depends on it. A JAX_COMPILATION_CACHE_DIR set by the caller
 #    is left as it is (and kept).
+#
+# A third setting holds with PHOENIX_FLAX_TEST_OPTIMIZED=1 too: deterministic GPU programs
+# (`--xla_gpu_deterministic_ops=true`; XLA:CPU ignores it). Many tests compare two runs bit
+# for bit (a killed run resumed against an uninterrupted one, steps per host call, x64
+# on and off). On one H200 without it, scatter-adds and reductions summed in a varying
+# order and picked kernels by timing them, and five such tests failed; with it they passed
+# (docs/testing.md).
 OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
 _QUICK_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_EXACT_FLAGS = ("--xla_gpu_deterministic_ops=true",)
 _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
@@ -63,29 +71,30 @@ def _xla_starts_with(flags: Sequence[str]) -> bool:
 
 
 def known_quick_flags() -> list[str]:
-  """The quick-compile flags this jaxlib's XLA knows. XLA ends the process when a backend
-  starts with an unknown XLA_FLAGS entry, and jaxlib 0.12 no longer knows
-  `--xla_cpu_use_fusion_emitters`: with it the session died at collection with no message
-  (the fatal log went to pytest's captured stderr). Each flag is tried in a subprocess the
-  first time; the answer goes into the environment, where workers and subprocesses find
-  it."""
+  """The session's flags (quick-compile and deterministic) this jaxlib's XLA knows. XLA
+  ends the process when a backend starts with an unknown XLA_FLAGS entry, and jaxlib 0.12
+  no longer knows `--xla_cpu_use_fusion_emitters`: with it the session died at collection
+  with no message (the fatal log went to pytest's captured stderr). Each flag is tried in
+  a subprocess the first time; the answer goes into the environment, where workers and
+  subprocesses find it."""
   if _KNOWN_QUICK_ENV not in os.environ:
-    known = (list(_QUICK_FLAGS) if _xla_starts_with(_QUICK_FLAGS)
-             else [flag for flag in _QUICK_FLAGS if _xla_starts_with([flag])])
+    wanted = _QUICK_FLAGS + _EXACT_FLAGS
+    known = (list(wanted) if _xla_starts_with(wanted)
+             else [flag for flag in wanted if _xla_starts_with([flag])])
     os.environ[_KNOWN_QUICK_ENV] = " ".join(known)
   return os.environ[_KNOWN_QUICK_ENV].split()
 
 
 def quick_xla_flags(*flags: str) -> str:
-  """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, the quick-compile
-  flags that this jaxlib knows and it does not set already (unless
-  PHOENIX_FLAX_TEST_OPTIMIZED=1), then `flags`."""
+  """XLA_FLAGS for a program of the test session: the caller's XLA_FLAGS, the session's
+  flags that this jaxlib knows and it does not set already (the quick-compile ones unless
+  PHOENIX_FLAX_TEST_OPTIMIZED=1, the deterministic one always), then `flags`."""
   current = os.environ.get("XLA_FLAGS", "")
-  quick = []
-  if os.environ.get(OPTIMIZED_ENV) != "1":
-    named = {flag.split("=", 1)[0] for flag in current.split()}
-    quick = [flag for flag in known_quick_flags() if flag.split("=", 1)[0] not in named]
-  return " ".join(filter(None, [current, *quick, *flags]))
+  named = {flag.split("=", 1)[0] for flag in current.split()}
+  quick = os.environ.get(OPTIMIZED_ENV) != "1"
+  added = [flag for flag in known_quick_flags()
+           if flag.split("=", 1)[0] not in named and (quick or flag in _EXACT_FLAGS)]
+  return " ".join(filter(None, [current, *added, *flags]))
 
 
 def subprocess_env(*xla_flags: str, **variables: str) -> dict:

@@ -172,7 +172,8 @@ ORPHANED = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1] + "/tests")
 from conftest import ForkServer, subprocess_env
-server = ForkServer(dict(subprocess_env(), PYTHONPATH=sys.argv[2] + ":" + sys.argv[1]))
+env = subprocess_env()   # keeps the caller's PYTHONPATH, which may hold the packages
+server = ForkServer(dict(env, PYTHONPATH=sys.argv[2] + ":" + env["PYTHONPATH"]))
 server.submit("sleeper", [])
 while not os.path.exists(sys.argv[2] + "/pid"):
   time.sleep(0.01)

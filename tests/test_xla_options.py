@@ -94,5 +94,8 @@ def test_session_passes_only_the_quick_compile_flags_this_jaxlib_knows(monkeypat
   flags = conftest.quick_xla_flags().split()
   assert unknown not in flags
   assert "--xla_backend_optimization_level=0" in flags     # known to every jaxlib >= 0.6
+  assert "--xla_gpu_deterministic_ops=true" in flags      # XLA:CPU knows it and ignores it
   assert conftest._xla_starts_with(flags)
   assert not conftest._xla_starts_with([unknown])
+  monkeypatch.setenv(conftest.OPTIMIZED_ENV, "1")   # XLA's optimisations, still deterministic
+  assert conftest.quick_xla_flags().split() == ["--xla_gpu_deterministic_ops=true"]
