@@ -315,7 +315,23 @@ def test_a_replaced_trainer_keeps_no_device_array(tmp_path):
   assert live() == after_one
 
 
-def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplog):
+def test_a_resume_on_a_gpu_without_deterministic_programs_is_said_to_vary():
+  """On an H200 a resumed run ended away from an uninterrupted one (docs/training.md,
+  "Accelerators") unless XLA_FLAGS turned on deterministic programs; where it can, the
+  runner warns when it resumes (the warning itself: the test below)."""
+  vary = runner._resumes_vary
+  assert not vary("cpu", "") and not vary("tpu", "")
+  assert vary("gpu", "") and vary("gpu", "--xla_force_host_platform_device_count=8")
+  for on in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops",
+             "--xla_gpu_deterministic_ops=1", "--a=1 --xla_gpu_deterministic_ops=True"):
+    assert not vary("gpu", on), on
+  assert vary("gpu", "--xla_gpu_deterministic_ops=false")
+  assert vary("gpu", "--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false")
+  assert not vary("cpu", "--xla_gpu_deterministic_ops=false")
+
+
+def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplog,
+                                                                 monkeypatch):
   """A damaged newest checkpoint of one seed (truncated by a copy, a disk fault) makes
   every seed resume from the newest step they all can read, with a warning naming the
   file, and the run ends as an uninterrupted one; with none readable the run stops with
@@ -337,8 +353,12 @@ def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplo
   for d in seed_dirs:
     os.remove(os.path.join(d, "result.json"))   # as if killed after the final checkpoint
   damaged = damage(seed_dirs[1], 40)
+  # As on a GPU without deterministic programs: the resume says its result may vary.
+  monkeypatch.setattr(runner, "_resumes_vary", lambda backend, flags: True)
   with caplog.at_level("WARNING", logger=runner.__name__):
     got = run_experiment(config, workdir)
+  assert ("resuming at step 30 on a GPU without XLA_FLAGS=--xla_gpu_deterministic_ops=true"
+          in caplog.text)
   assert f"checkpoint {damaged} cannot be read" in caplog.text
   assert "trying the one before it" in caplog.text
   # seed 0's readable step 40 is trained again, and the warning says so and how to keep

@@ -37,7 +37,8 @@ chunk's row logs `perf/first_call_seconds`, never a rate.
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from
 the newest step that every seed of the call has, and ends with the same numbers as an
-uninterrupted run.
+uninterrupted run (on a GPU only with deterministic programs: `_resumes_vary`, which
+warns).
 Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
 themselves are atomic), it resumes from the newest step before it that every seed can
 read, with a warning naming the file, and raises `CheckpointError` when there is none.
@@ -547,6 +548,22 @@ def _trainer(spec: ExperimentSpec) -> Trainer:
   return _TRAINERS[key]
 
 
+def _resumes_vary(backend: str, xla_flags: str) -> bool:
+  """Whether a resumed run can end away from an uninterrupted one, not bit for bit: on a
+  GPU unless `xla_flags` (XLA_FLAGS) turns on `--xla_gpu_deterministic_ops` (the last
+  entry wins; a bare flag means true). Without it an H200's scatter-adds summed in a
+  varying order and its kernels were picked by timing them (docs/training.md,
+  "Accelerators")."""
+  if backend != "gpu":
+    return False
+  on = False
+  for flag in xla_flags.split():
+    name, _, value = flag.partition("=")
+    if name == "--xla_gpu_deterministic_ops":
+      on = value.lower() in ("", "true", "1")
+  return not on
+
+
 def _resume_steps(dirs: list[str]) -> list[int]:
   """The steps with a checkpoint in every one of `dirs`, newest first."""
   common = set.intersection(*(set(checkpoint.available_steps(d)) for d in dirs))
@@ -763,6 +780,10 @@ class _Group:
     newest = {k: max((s for s in checkpoint.available_steps(dirs[k])   # damaged ones aside
                       if checkpoint.checkpoint_path(dirs[k], s) not in damaged), default=0)
               for k in seeds}
+    if self.step and _resumes_vary(jax.default_backend(), os.environ.get("XLA_FLAGS", "")):
+      _LOG.warning("resuming at step %d on a GPU without XLA_FLAGS=--xla_gpu_deterministic_"
+                   "ops=true: the run will end near an uninterrupted one's result, not bit for "
+                   "bit (docs/training.md, \"Accelerators\")", self.step)
     ahead = {k: step for k, step in newest.items() if step > self.step}
     if ahead and len(seeds) > 1:
       _LOG.warning("seeds train together from the newest checkpoint step all of them have "
