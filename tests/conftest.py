@@ -50,9 +50,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (`--xla_gpu_deterministic_ops=true`; XLA:CPU ignores it). Many tests compare two runs bit
 # for bit (a killed run resumed against an uninterrupted one, steps per host call, x64
 # on and off). On one H200 without it, scatter-adds (most likely some reductions too)
-# summed in a varying order and kernels were picked by timing them, and five such tests failed; with it four of them
-# passed (the fifth, tests/test_invariance.py's seed-place test, is skipped off CPU;
-# docs/testing.md).
+# summed in a varying order and kernels were picked by timing them, and five such tests
+# failed; with it four of them passed (the fifth, tests/test_invariance.py's seed-place
+# test, is skipped off CPU; docs/testing.md).
 OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
 _QUICK_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _EXACT_FLAGS = ("--xla_gpu_deterministic_ops=true",)
