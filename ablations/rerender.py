@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from typing import Callable
 
 from absl import flags
 
@@ -68,6 +69,8 @@ def _check_sweep(folder: str, results: dict) -> None:
     raise RerenderError(f"{path} is no sweep's results (no 'metrics' list)")
   if not isinstance(results.get("preset"), str):
     raise RerenderError(f"{path} names no 'preset'")
+  if results.get("conditions") and not isinstance(results.get("arms"), list):
+    raise RerenderError(f"{path} has 'conditions' but no 'arms' list")
   arms = results.get("arms") or list(variants)   # with conditions, the baseline is an arm
   if results.get("baseline") not in arms:
     raise RerenderError(f"{path}: its 'baseline' {results.get('baseline')!r} is none of "
@@ -83,6 +86,22 @@ def _check_sweep(folder: str, results: dict) -> None:
   if results.get("primary_metric") not in metrics:
     raise RerenderError(f"{path}: its 'primary_metric' {results.get('primary_metric')!r} is "
                         f"none of its metrics {metrics}")
+  seeds = results.get("seeds")
+  if not isinstance(seeds, list) or not seeds:
+    raise RerenderError(f"{path} names no 'seeds' list")
+  for name, variant in variants.items():   # what the statistics read, value by value
+    for metric in metrics:
+      values = variant["metrics"].get(metric, {}).get("per_seed")
+      if values is None:
+        raise RerenderError(f"{path}: variant {name!r} has no per-seed values of {metric!r}")
+      if len(values) != len(seeds):
+        raise RerenderError(f"{path}: variant {name!r} has {len(values)} per-seed values of "
+                            f"{metric!r} for its {len(seeds)} seeds")
+      odd = [v for v in values
+             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))]
+      if odd:
+        raise RerenderError(f"{path}: variant {name!r} has a per-seed value of {metric!r} "
+                            f"that is neither a number nor null: {odd[0]!r}")
 
 
 def check(folder: str) -> None:
@@ -104,9 +123,8 @@ def check(folder: str) -> None:
     raise RerenderError(f"{folder}: its sweeps ran at several presets {sorted(presets)}")
 
 
-def rerender_sweep(folder: str, command: str = "") -> dict:
-  """One sweep's folder: statistics recomputed, results.json and REPORT.md rewritten;
-  returns the new results."""
+def _recompute(folder: str, command: str) -> dict:
+  """A sweep's results with its statistics computed again, in memory (nothing written)."""
   results = _load(folder)
   _check_sweep(folder, results)
   for variant in results["variants"].values():   # mean, std and CI over seeds
@@ -115,6 +133,11 @@ def rerender_sweep(folder: str, command: str = "") -> dict:
   results.update(analysis.compare(results["variants"], results.get("conditions") or {},
                                   results["baseline"], results["metrics"]))
   results["rendered"] = {"code": provenance.code_version(), "command": command}
+  return results
+
+
+def _write_sweep(folder: str, results: dict) -> None:
+  """effects.png drawn again, then results.json and REPORT.md (with the plots it listed)."""
   plots = _listed_plots(os.path.join(folder, "REPORT.md"), folder)
   headline = results.get("headline", [results["primary_metric"]])
   drawn = report.plot_effects(results, headline, os.path.join(folder, "effects.png"))
@@ -124,17 +147,21 @@ def rerender_sweep(folder: str, command: str = "") -> dict:
     plots.remove("effects.png")
   sweep.write_json(os.path.join(folder, "results.json"), results)
   report.write_atomic(os.path.join(folder, "REPORT.md"), report.markdown(results, plots))
-  return results
 
 
-def rerender(folder: str, command: str = "") -> str:
-  """A sweep's folder, or a `run_all` folder (every ablation it lists, then the combined
-  report); returns the path of the REPORT.md written last."""
+def _prepare(folder: str, command: str) -> Callable[[], str]:
+  """Renders a sweep's folder, or a `run_all` folder (every ablation it lists, then the
+  combined report), in memory; the function returned writes it all and returns the path of
+  the REPORT.md written last. Nothing is written until every statistic is computed."""
   results = _load(folder)
   if "ablation" in results:
-    rerender_sweep(folder, command)
-    return os.path.join(folder, "REPORT.md")
-  check(folder)   # every sweep it lists, before anything is rewritten
+    fresh = _recompute(folder, command)
+
+    def write_one() -> str:
+      _write_sweep(folder, fresh)
+      return os.path.join(folder, "REPORT.md")
+    return write_one
+  check(folder)   # every sweep it lists
   path = os.path.join(folder, "REPORT.md")
   presets = {_load(os.path.join(folder, name))["preset"] for name in results}
   old = ""
@@ -142,11 +169,25 @@ def rerender(folder: str, command: str = "") -> str:
     with open(path, encoding="utf-8") as f:
       old = f.read()
   ran = re.search(r"^Command:\n\n    (.*)$", old, re.M)
-  entries = [(name, rerender_sweep(os.path.join(folder, name), command)) for name in results]
-  sweep.write_json(os.path.join(folder, "results.json"), dict(entries))
-  report.write_atomic(path, report.combined_markdown(entries, folder, presets.pop(),
-                                                     ran.group(1) if ran else ""))
-  return path
+  entries = [(name, _recompute(os.path.join(folder, name), command)) for name in results]
+  preset = presets.pop()
+
+  def write_all() -> str:
+    for name, sweep_results in entries:
+      _write_sweep(os.path.join(folder, name), sweep_results)
+    sweep.write_json(os.path.join(folder, "results.json"), dict(entries))
+    # after the sweeps: the combined report shows the effect plots that now exist
+    report.write_atomic(path, report.combined_markdown(entries, folder, preset,
+                                                       ran.group(1) if ran else ""))
+    return path
+  return write_all
+
+
+def rerender(folder: str, command: str = "") -> str:
+  """A sweep's folder, or a `run_all` folder (every ablation it lists, then the combined
+  report); returns the path of the REPORT.md written last. Every statistic is computed
+  before any file is rewritten."""
+  return _prepare(folder, command)()
 
 
 def main(argv) -> None:
@@ -166,8 +207,9 @@ def main(argv) -> None:
     except RerenderError as e:
       sweep.usage_error(str(e), flags_hint=False)
   command = sweep.command_line()
-  for folder in folders:
-    print(f"wrote {rerender(folder, command)}")
+  writes = [_prepare(folder, command) for folder in folders]   # all computed, then written
+  for write in writes:
+    print(f"wrote {write()}")
 
 
 if __name__ == "__main__":

@@ -344,6 +344,15 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
   assert (folder / "REPORT.md").read_text() == before
 
 
+def _sweep_json(per_seed=(0.5, None), metrics=("m",), seeds=(0, 1), **extra) -> str:
+  """A sweep's results.json, well formed but for what the arguments change."""
+  found = {"ablation": "x", "preset": "cpu", "baseline": "a", "primary_metric": "m",
+           "metrics": list(metrics), "seeds": None if seeds is None else list(seeds),
+           "variants": {"a": {"arm": "a", "cell": "", "metrics": {"m": {"per_seed":
+                                                                         list(per_seed)}}}}}
+  return json.dumps({**found, **extra})
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"ablation": "x", "variants": {', "cannot be read (JSONDecodeError"),
     ("[1]", "holds a list, not a sweep's results"),
@@ -361,6 +370,12 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
      '"metrics": {"m": {"per_seed": []}}}}, "metrics": ["m"], "preset": "cpu", '
      '"baseline": "a"}', "its 'primary_metric' None is none of its metrics"),
     ('{"one": {}}', "one holds no results.json"),   # a run_all folder: each sweep checked
+    (_sweep_json(seeds=None), "names no 'seeds' list"),
+    (_sweep_json(conditions={"lr": ["lo"]}), "has 'conditions' but no 'arms' list"),
+    (_sweep_json(metrics=["m", "n"]), "variant 'a' has no per-seed values of 'n'"),
+    (_sweep_json(per_seed=[0.5]), "variant 'a' has 1 per-seed values of 'm' for its 2 seeds"),
+    (_sweep_json(per_seed=[0.5, "0.6"]), "neither a number nor null: '0.6'"),
+    (_sweep_json(per_seed=[0.5, True]), "neither a number nor null: True"),
 ])
 def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, message):
   """A results.json that rendering cannot read is refused by name, before any file of any
@@ -379,6 +394,42 @@ def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, messa
     rerender.main(["rerender", str(good), str(bad)])
   assert stop.value.code == 2
   assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+
+
+def test_rerender_computes_every_sweep_before_writing_any(tmp_path, monkeypatch):
+  """Where a statistic fails after the checks pass, in a `run_all` folder's third sweep or
+  in the second of two folders named, no file of any folder has been rewritten."""
+  import shutil
+  from ablations import rerender
+  from ablations import analysis as analysis_module
+  assert rerender.check(str(_write(tmp_path / "ok", _sweep_json()))) is None
+  folder, single = tmp_path / "results", tmp_path / "single"
+  shutil.copytree(os.path.join(REPO, "docs", "results"), folder)
+  shutil.copytree(os.path.join(REPO, "docs", "results", "gqa_ratio"), single)
+  files = lambda: {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  before = files()
+  compare, calls = analysis_module.compare, []
+
+  def failing_compare(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError("planted failure")
+    return compare(*args, **kwargs)
+  monkeypatch.setattr(analysis_module, "compare", failing_compare)
+  with pytest.raises(RuntimeError, match="planted failure"):
+    rerender.rerender(str(folder), "x")
+  assert calls == [1, 1, 1] and files() == before
+  calls.clear()
+  calls.append(1)   # counted in advance: the third call is the second folder's first sweep
+  with pytest.raises(RuntimeError, match="planted failure"):
+    rerender.main(["rerender", str(single), str(folder)])
+  assert files() == before
+
+
+def _write(folder, text: str):
+  folder.mkdir()
+  (folder / "results.json").write_text(text)
+  return folder
 
 
 def test_sweep_results_stats_and_report(tmp_path):
