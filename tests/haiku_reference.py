@@ -8,7 +8,10 @@ yardstick the parity tests hold our Equinox code to. Module names are chosen so 
 `hk.transform(...).init` yields exactly the release's parameter tree. Every parameter is
 zero-initialised (the release zeroes only the transformer's Linear weights and RMSNorm
 scales); initial values never matter here, as the tests load random values before
-comparing.
+comparing. The specification is silent on three roundings to the forward dtype that the
+release makes, of the action and product-surface embeddings and of the logits it returns;
+this file keeps them in float32, as `phoenix_flax` does, so in bfloat16 both differ from
+the release there (docs/models.md, "How close to the release").
 
 Batches and embeddings are read by attribute only (`batch.user_hashes`, ...), so the
 `RecsysBatch` / `RecsysEmbeddings` containers of any implementation can be passed in.
