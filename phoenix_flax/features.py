@@ -161,6 +161,8 @@ def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
   Hashes outside `[0, num_buckets)` are an error when they are concrete (an eager call);
   under `jit` they cannot be checked and are clipped to the table, so validate traced
   ones before (the synthetic world draws them in range)."""
+  if not isinstance(hashes, jax.Array):   # a Python int or list, as hash_ids takes
+    hashes = np.asarray(hashes)
   if jnp.ndim(table_ND) != 2:   # a [N] table broadcast its rows against the padding mask
     raise ValueError(f"table must be [num_buckets, D], got shape {jnp.shape(table_ND)}")
   if not jnp.issubdtype(jnp.result_type(hashes), jnp.integer):

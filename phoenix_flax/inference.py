@@ -151,6 +151,11 @@ def _mask_summary(mask: Array) -> tuple[Array, Array]:
   return jnp.all((rows == 0) | (rows == 1)), jnp.count_nonzero(rows, axis=-1)
 
 
+def _host_or_device(x) -> Union[np.ndarray, Array]:
+  """A `jax.Array` as it is (checks then run where it lives), anything else as NumPy."""
+  return x if isinstance(x, jax.Array) else np.asarray(x)
+
+
 def _check_finite(prefix: str, name: str, x) -> None:
   """Floats must be finite: one NaN embedding makes every score it reaches NaN (and a
   NaN corpus row tops every retrieval). A device array is reduced where it lives, so only
@@ -529,9 +534,10 @@ class RankingRunner:
                    if getattr(batch, f) is not None},
                   {f: getattr(embeddings, f) for f in CANDIDATE_EMBEDDING_FIELDS})
     candidates = _padded_candidates(candidates, pad)
-    # Host (NumPy) context fields go to the device once, not with every chunk.
-    context_batch, context_emb = jax.tree.map(jnp.asarray,
-                                              _without_candidates(batch, embeddings))
+    # Host (NumPy) context fields and cache (a stored one, say) go to the device once,
+    # explicitly, not with every chunk; device ones stay as they are.
+    context_batch, context_emb, cache = jax.device_put(
+        (*_without_candidates(batch, embeddings), cache))
     c = self.config
     outputs, scored = _empty_outputs(np.shape(batch.candidate_post_hashes)[0], C + pad,
                                      chunk_size, c.num_actions, c.num_continuous_actions)
@@ -549,7 +555,7 @@ class RankingRunner:
 class RetrievalResult(NamedTuple):
   """The model's `RetrievalOutput` plus the post ids of the retrieved corpus rows."""
 
-  user_representation: Array  # [B, D], unit norm
+  user_representation: Array  # [B, D], unit norm (zero for a padding row: types.py)
   top_k_indices: Array        # [B, K] int32 rows of the corpus
   top_k_scores: Array         # [B, K] sorted descending
   top_k_post_ids: Array       # [B, K] post ids of those rows
@@ -605,7 +611,7 @@ class RetrievalRunner:
     return self.model.config
 
   def encode_user(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> Array:
-    """Unit-norm user representations `[B, D]`."""
+    """Unit-norm user representations `[B, D]` (zero for a row with no valid token)."""
     batch, _, _ = _accepted(self.config, batch, embeddings, with_candidates=False)
     return self._encode(self.model, *_without_candidates(batch, embeddings))
 
@@ -616,7 +622,7 @@ class RetrievalRunner:
     hash embeddings (the same lookup as a candidate's). One compiled program per N.
     """
     hc, D = self.config.hash_config, self.config.emb_size
-    post, author = np.asarray(post_embeddings), np.asarray(author_embeddings)
+    post, author = _host_or_device(post_embeddings), _host_or_device(author_embeddings)
     N = post.shape[0] if post.ndim else 0
     for name, x, h in (("post_embeddings", post, hc.num_item_hashes),
                        ("author_embeddings", author, hc.num_author_hashes)):
@@ -629,9 +635,11 @@ class RetrievalRunner:
     return self._tower(self.model.candidate_tower, jnp.asarray(post), jnp.asarray(author))
 
   def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
-    """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`, distinct."""
+    """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`, distinct. Arrays
+    already on the device are checked there and kept, not copied (only the ids' check reads
+    them on the host); host arrays are copied to the device once."""
     D = self.config.emb_size
-    emb = np.asarray(embeddings)
+    emb = _host_or_device(embeddings)   # a device corpus is checked and kept where it is
     if emb.ndim != 2 or emb.shape[1] != D or emb.shape[0] < 1:
       raise ValueError(f"corpus embeddings has shape {emb.shape}, expected [N >= 1, {D}]")
     if not jnp.issubdtype(emb.dtype, jnp.floating):
@@ -651,7 +659,8 @@ class RetrievalRunner:
     _check_values("post_ids", ids, repeated, "post ids must be distinct (it appears earlier "
                   "too)", "corpus")
     self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
-    self.corpus_post_ids = jnp.asarray(ids)
+    self.corpus_post_ids = (post_ids if isinstance(post_ids, jax.Array)   # checked on a copy
+                            else jnp.asarray(ids))
 
   def retrieve(self, batch: RecsysBatch, embeddings: RecsysEmbeddings, top_k: int,
                corpus_mask: Optional[ArrayLike] = None) -> RetrievalResult:

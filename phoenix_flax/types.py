@@ -71,11 +71,12 @@ class RecsysModelOutput(NamedTuple):
 
 
 class RetrievalOutput(NamedTuple):
-  """The retrieval model's output: unit-norm `user_representation` `[B, D]`, and per user
-  the `top_k_indices` `[B, K]` (int32 rows of the corpus) with their `top_k_scores`
-  `[B, K]` (dot products, best first; a masked item scores -1e12)."""
+  """The retrieval model's output: unit-norm `user_representation` `[B, D]` (zero for a
+  row with no valid token, whose items all score 0 and whose top k are the corpus's first
+  rows), and per user the `top_k_indices` `[B, K]` (int32 rows of the corpus) with their
+  `top_k_scores` `[B, K]` (dot products, best first; a masked item scores -1e12)."""
 
-  user_representation: Array        # [B, D], unit norm
+  user_representation: Array        # [B, D], unit norm (zero for a padding row)
   top_k_indices: Array              # [B, K] int32 in [0, N)
   top_k_scores: Array               # [B, K], sorted descending
 

@@ -261,6 +261,10 @@ def test_lookup_hash_embeddings_pads_with_zeros_without_gradient():
   total, grad = jax.value_and_grad(lambda t: pf.lookup_hash_embeddings(t, hashes).sum())(bad)
   assert np.isfinite(float(total))
   np.testing.assert_array_equal(grad[:, 0], [0.0, 0.0, 1.0, 1.0])
+  # A Python int or list, as `hash_ids` takes them (they failed on `(3 != 0)[..., None]`).
+  np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, 3), table[3])
+  np.testing.assert_array_equal(pf.lookup_hash_embeddings(table, [[0, 2], [3, 0]]),
+                                pf.lookup_hash_embeddings(table, hashes))
 
 
 def test_lookup_hash_embeddings_rejects_bad_table_or_hashes():

@@ -249,15 +249,18 @@ def test_chunked_scoring_keeps_device_inputs_on_the_device(ranker):
   """Candidates already on the device are padded, cut into chunks and joined there: no
   chunk goes through a NumPy copy that the compiled scorer would have to send back (an
   implicit host-to-device transfer, which the guard refuses). The chunks' offsets are
-  the only transfers, and explicit."""
+  the only transfers, and explicit. A cache kept on the host (a stored one, say) goes to
+  the device once, explicitly, not with every chunk."""
   batch, emb = _batch(batch_size=2, num_candidates=150)
   cache = ranker.encode_context(batch, emb)
+  host_cache = jax.tree.map(np.asarray, cache)
   expected = ranker.rank_chunked(batch, emb, chunk_size=64)   # compiled outside the guard
   ranker.score_candidates(cache, batch, emb, chunk_size=64)
   with jax.transfer_guard_host_to_device("disallow"):
     chunked = ranker.rank_chunked(batch, emb, chunk_size=64)
     scored = ranker.score_candidates(cache, batch, emb, chunk_size=64)
-  for got in (chunked, scored):
+    from_host = ranker.score_candidates(host_cache, batch, emb, chunk_size=64)
+  for got in (chunked, scored, from_host):
     assert all(isinstance(x, jax.Array) for x in got[:2])
     np.testing.assert_array_equal(got.scores, expected.scores)
     np.testing.assert_array_equal(got.ranked_indices, expected.ranked_indices)
@@ -561,6 +564,44 @@ def test_encode_corpus_is_the_candidate_tower(retriever):
                                 flat(emb.candidate_author_embeddings))
   np.testing.assert_allclose(got, flat(expected), rtol=0, atol=1e-6)
   np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, rtol=1e-5)
+
+
+def test_a_device_corpus_stays_on_the_device():
+  """`encode_corpus` and `set_corpus` check device arrays where they live and keep them
+  there: `set_corpus(runner.encode_corpus(...), ids)` makes no round trip through the host
+  (the guard refuses the implicit host-to-device transfers a NumPy copy would need)."""
+  runner = RetrievalRunner.from_config(RETRIEVAL, key=jax.random.key(0))
+  batch, emb = _batch(RETRIEVAL, batch_size=2)
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])
+  post, author = flat(emb.candidate_post_embeddings), flat(emb.candidate_author_embeddings)
+  assert isinstance(post, jax.Array) and isinstance(author, jax.Array)
+  ids = jnp.arange(1, post.shape[0] + 1, dtype=jnp.int32)
+  runner.set_corpus(runner.encode_corpus(post, author), ids)   # compiled outside the guard
+  expected = runner.retrieve(batch, emb, top_k=3)
+  runner.corpus_embeddings = runner.corpus_post_ids = None
+  with jax.transfer_guard_host_to_device("disallow"):
+    runner.set_corpus(runner.encode_corpus(post, author), ids)
+    got = runner.retrieve(batch, emb, top_k=3)
+  assert runner.corpus_post_ids is ids
+  np.testing.assert_array_equal(got.top_k_post_ids, expected.top_k_post_ids)
+  np.testing.assert_array_equal(got.top_k_scores, expected.top_k_scores)
+
+
+def test_a_user_with_no_valid_token_gets_the_zero_vector(retriever, corpus):
+  """A padding row (user hash 0, no history) pools nothing: its vector is zero, as in the
+  release, every item scores 0, and its top k are the corpus's first rows (as documented
+  in `types.RetrievalOutput`), while the other users' results are untouched."""
+  batch, emb = _batch(RETRIEVAL, batch_size=2, history_lengths=[0, 5])
+  padded = batch._replace(user_hashes=np.asarray(batch.user_hashes) * np.array([[0], [1]]))
+  retriever.set_corpus(*corpus)
+  got = retriever.retrieve(padded, emb, top_k=3)
+  whole = retriever.retrieve(batch, emb, top_k=3)
+  np.testing.assert_array_equal(got.user_representation[0], 0.0)
+  np.testing.assert_array_equal(got.top_k_scores[0], 0.0)
+  np.testing.assert_array_equal(got.top_k_indices[0], [0, 1, 2])
+  np.testing.assert_array_equal(got.top_k_indices[1], whole.top_k_indices[1])
+  np.testing.assert_allclose(np.linalg.norm(whole.user_representation, axis=-1), 1.0,
+                             rtol=1e-5)
 
 
 def test_retrieval_runner_rejects_bad_inputs(corpus):
