@@ -128,6 +128,26 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   assert "train/loss" not in _accumulator(run_dir).Tags()["scalars"]
 
 
+def test_a_run_directory_named_like_a_glob_touches_only_its_own_files(tmp_path):
+  """`exp[1]` names a folder, not a pattern: starting and resuming a run there, and writing
+  an extra event file, leave the files of `exp1` as they were (its event files were
+  deleted, or cut back to the resume step)."""
+  other = tmp_path / "exp1"
+  writer = RunWriter(str(other), {"model.num_layers": 2}, None)
+  for step in (10, 20, 30):
+    writer.log(step, {"train/loss": float(step)}, 1.0)
+  writer.close(finished=True)
+  writers.write_event_file(str(other), "probes", {"probe": 1.0}, 30)
+  before = {p.name: p.read_bytes() for p in other.iterdir()}
+  run_dir = str(tmp_path / "exp[1]")
+  RunWriter(run_dir, {"model.num_layers": 2}, None).close(finished=False)
+  RunWriter(run_dir, {"model.num_layers": 2}, resume_step=10).close(finished=False)
+  assert writers.event_file_name(run_dir, "probes") is None
+  writers.write_event_file(run_dir, "probes", {"probe": 2.0}, 30)
+  assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+  assert writers.event_file_name(run_dir, "probes").startswith(run_dir)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files via /proc")
 @pytest.mark.parametrize("failing", ["the session start", "the session end"])
 def test_a_writer_whose_write_fails_leaves_no_file_open(tmp_path, monkeypatch, failing):

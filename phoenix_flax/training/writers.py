@@ -134,9 +134,15 @@ def write_json(path: str, payload: Any, indent: int = 2, sort_keys: bool = True)
     f.write("\n")
 
 
+def matching(folder: str, pattern: str) -> list[str]:
+  """The paths in `folder` whose names match the glob `pattern`, sorted; `folder` is taken
+  literally (a workdir named `runs/exp[1]` must not match, and lose files of, `runs/exp1`)."""
+  return sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
+
+
 def event_file_name(run_dir: str, name: str) -> Optional[str]:
   """The run's extra event file `name` (see `write_event_file`), or None."""
-  found = sorted(glob.glob(os.path.join(run_dir, f"events.out.tfevents.*.{name}")))
+  found = matching(run_dir, f"events.out.tfevents.*.{name}")
   return found[-1] if found else None
 
 
@@ -146,7 +152,7 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
   TensorBoard reads every event file of a folder as one run, so values measured after
   training (an ablation's probes) join the run's curves and its HParams metrics. The file
   is written in a temporary folder and moved in whole."""
-  for stale in glob.glob(os.path.join(run_dir, f".{name}.*")):   # a killed writer's
+  for stale in matching(run_dir, f".{name}.*"):   # a killed writer's
     shutil.rmtree(stale, ignore_errors=True)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir)
   try:
@@ -155,7 +161,7 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
       if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         events.write_event(_scalar_event(key, value, step))
     events.close()
-    (written,) = glob.glob(os.path.join(tmp, "events.out.tfevents.*"))
+    (written,) = matching(tmp, "events.out.tfevents.*")
     old = event_file_name(run_dir, name)
     path = os.path.join(run_dir, os.path.basename(written))
     os.replace(written, path)
@@ -287,12 +293,12 @@ class RunWriter:
     self.run_dir = run_dir
     self.metrics_path = os.path.join(run_dir, METRICS_FILE)
     if resume_step is None:
-      for old in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+      for old in matching(run_dir, "events.out.tfevents.*"):
         os.remove(old)
       rows = []
     else:
       rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
-      for old in glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
+      for old in matching(run_dir, "events.out.tfevents.*"):
         drop_events_after(old, resume_step)
     with atomic_file(self.metrics_path) as f:
       f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in rows)
