@@ -208,7 +208,18 @@ def test_a_run_refuses_a_directory_of_files_no_run_wrote(tmp_path):
   (own / "checkpoint").mkdir(parents=True)
   (own / ".lock").write_text("")
   (own / ".config.json.tmp.12345").write_text("")
+  (own / "checkpoint" / ".step_000000010.eqx.tmp.12345").write_text("")   # a killed save's
   runner.check_run_dirs(config, str(own))
+  # A `checkpoint` of someone else's: TensorFlow's checkpoint-state file, or a folder of
+  # other files (a plain file there once trained in full and then crashed at the first save).
+  for name, make in [("tf_file", lambda p: p.write_text("model_checkpoint_path: x")),
+                     ("tf_folder", lambda p: (p.mkdir(), (p / "model.ckpt-100.index")
+                                              .write_text("")))]:
+    (tmp_path / name).mkdir()
+    make(tmp_path / name / "checkpoint")
+    with pytest.raises(ConfigError, match=rf"{name} holds files that no run wrote "
+                                          r"\(checkpoint\)"):
+      runner.check_run_dirs(config, str(tmp_path / name))
   # One seed where several trained (their seed folders), and several seeds: the run
   # directories are the seed folders then, not the workdir.
   (own / "seed_0").mkdir()

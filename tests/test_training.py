@@ -721,6 +721,8 @@ OUT_OF_RANGE = [
      "mesh.coordinator_address='localhost' is invalid: use 'host:port'"),
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
+    ("ranking", {"num_seeds": 2, "output.seed_subdirs": 0},   # 0 == False let it through
+     r"output.seed_subdirs=0 is invalid: must be None \(auto\), True or False"),
     ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
     ("ranking", {"task": "ranker"}, "config.task='ranker' is invalid"),
     ("ranking", {"optim.b2": 1.0}, r"optim.b2=1.0 is invalid: must be in \[0, 1\)"),
@@ -1093,6 +1095,20 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   assert together[0]["examples_per_second"] == result["examples_per_second"]
   loaded = load_run(str(tmp_path / "both" / "seed_1"))
   assert loaded.step == 40
+  # A run trained on a mesh (tables sharded, several hosts) loads on one device all the
+  # same: mesh.* describes where it trained, not its parameters.
+  import shutil
+  meshed = tmp_path / "meshed"
+  shutil.copytree(tmp_path / "both" / "seed_1", meshed)
+  stored = json.loads((meshed / "config.json").read_text())
+  stored["mesh"].update(num_devices=-1, shard_hash_tables=True, distributed=True,
+                        coordinator_address="10.0.0.1:1234", num_processes=2, process_id=0)
+  (meshed / "config.json").write_text(json.dumps(stored))
+  again = load_run(str(meshed))
+  assert again.step == 40 and again.trainer.spec.config.mesh.num_devices == 1
+  for a, b in zip(jax.tree.leaves(eqx.filter(again.system, eqx.is_array)),
+                  jax.tree.leaves(eqx.filter(loaded.system, eqx.is_array))):
+    np.testing.assert_array_equal(a, b)
   # The workdir of several seeds is no run: the error names the runs under it.
   with pytest.raises(FileNotFoundError, match=r"both is not a run directory \(no config"
                                                r"\.json\); it holds the runs seed_0, seed_1: "

@@ -80,9 +80,9 @@ def save(run_dir: str, step: int, tree: Any, keep: int = 2) -> str:
   """
   if keep < 1:
     raise ValueError(f"keep={keep} must be >= 1")
-  os.makedirs(checkpoint_dir(run_dir), exist_ok=True)
   path = checkpoint_path(run_dir, step)
   try:
+    os.makedirs(checkpoint_dir(run_dir), exist_ok=True)   # its failure is reported as below
     with writers.atomic_file(path, "wb") as f:
       f.write(MAGIC)
       payload = _Hashing(f)

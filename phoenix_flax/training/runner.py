@@ -83,8 +83,9 @@ from phoenix_flax.synthetic import make_world
 from phoenix_flax.training import checkpoint, provenance, writers
 from phoenix_flax.training.loop import Trainer, TrainState, unstack
 from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, ExperimentSpec,
-                                          check_config, default_fprop_dtype, flatten, hparams,
-                                          parse_config, seed_config, with_defaults)
+                                          base_config, check_config, default_fprop_dtype,
+                                          flatten, hparams, parse_config, seed_config,
+                                          with_defaults)
 from phoenix_flax.training.sharding import (TABLE_FIELDS, Placement, initialize_from,
                                             make_placement, table_of, to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
@@ -342,6 +343,14 @@ def read_result(path: str) -> dict:
 _SEED_DIR = re.compile(r"seed_\d+")   # `seed_dir`'s
 
 
+def _ours(run_dir: str, name: str) -> bool:
+  """Whether `run_dir/name` is a folder holding no more than a killed writer's temporaries
+  (the checkpoint folder of a run killed before its first checkpoint), not a file or a
+  folder of someone else's (TensorFlow's `checkpoint` file, say)."""
+  path = os.path.join(run_dir, name)
+  return os.path.isdir(path) and all(writers.is_temporary(n) for n in os.listdir(path))
+
+
 def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -> None:
   """Raises `ConfigError` if `run_dir` holds a run of another config, or checkpoints or a
   result without the config that made them; `locked`: this process holds its lock."""
@@ -365,9 +374,9 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
     # metrics.jsonl.
     try:
       foreign = sorted(name for name in os.listdir(run_dir)
-                       if name not in (LOCK_FILE, checkpoint.CHECKPOINT_DIR)
-                       and not writers.is_temporary(name)
-                       and not _SEED_DIR.fullmatch(name))
+                       if name != LOCK_FILE and not writers.is_temporary(name)
+                       and not _SEED_DIR.fullmatch(name)
+                       and not (name == checkpoint.CHECKPOINT_DIR and _ours(run_dir, name)))
     except (FileNotFoundError, NotADirectoryError):   # a new run (or a refused path)
       return
     if foreign:
@@ -1035,7 +1044,7 @@ class LoadedRun(NamedTuple):
 
 def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   """The system of a run from its config.json and checkpoint (the newest, or `step`),
-  on one device. `run_dir` is one seed's run: a workdir of several seeds, or a sweep's,
+  on one device, whatever mesh trained it. `run_dir` is one seed's run: a workdir of several seeds, or a sweep's,
   is refused with the run directories found under it."""
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
@@ -1045,8 +1054,11 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
             f"one of them, e.g. {os.path.join(run_dir, found[0])}" if found else "")
     raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE}){hint}")
   cfg = with_defaults(_read_run_file(path, advice=False))
-  cfg.mesh.num_devices = 1
-  cfg.mesh.distributed = False
+  # One device, whatever mesh trained it (sharded tables, several hosts): the parameters
+  # are the same arrays either way.
+  one_device = base_config(cfg.task).mesh
+  for name in one_device:
+    cfg.mesh[name] = one_device[name]
   steps = checkpoint.available_steps(run_dir)
   if not steps:
     raise FileNotFoundError(f"{run_dir} has no checkpoint")

@@ -495,8 +495,8 @@ def _check_mesh(m: ml_collections.ConfigDict) -> None:
 def _check_output(c: ml_collections.ConfigDict) -> None:
   """The `output` section."""
   out = c.output
-  _check(out.seed_subdirs in (None, True, False), "output.seed_subdirs", out.seed_subdirs,
-         "must be None (auto), True or False")
+  _check(out.seed_subdirs is None or isinstance(out.seed_subdirs, bool),   # not 0 or 1
+         "output.seed_subdirs", out.seed_subdirs, "must be None (auto), True or False")
   _check(out.seed_subdirs is not False or c.num_seeds == 1, "output.seed_subdirs",
          out.seed_subdirs, "False needs num_seeds=1 (several seeds need one directory each)")
   _check(_is_int(out.keep_checkpoints) and out.keep_checkpoints >= 1,
