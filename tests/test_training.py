@@ -708,6 +708,7 @@ OUT_OF_RANGE = [
     ("ranking", {"seed": 2**32}, r"seed=4294967296 is invalid: must be an integer in \[0, 2\*\*32\)"),
     ("ranking", {"world_seed": -1}, r"world_seed=-1 is invalid"),
     ("ranking", {"eval_seed": 2**64}, r"eval_seed=18446744073709551616 is invalid"),
+    ("ranking", {"eval_seed": 0}, r"eval_seed=0 is invalid: must differ from world_seed"),
     ("ranking", {"seed": 2**32 - 2, "num_seeds": 3}, r"num_seeds=3 is invalid: seeds "
      "4294967294..4294967296 pass"),
     ("ranking", {"optim.warmup_steps": 40}, "optim.warmup_steps=40 is invalid: must be below "

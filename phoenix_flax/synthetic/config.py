@@ -72,7 +72,9 @@ class WorldConfig:
       (small = only the last items count; 1 = every item alike).
     interest_mix: weight of the current (history) interest against the long-term taste;
       0 makes history order irrelevant.
-    topic_switch_prob: chance that the history's topic chain jumps at each step.
+    topic_switch_prob: chance that the history's topic chain draws its topic afresh at
+      each step (from the taste, or uniformly: `explore_prob`), which may give the same
+      topic again (at the cpu preset 0.3 changed the topic at 22% of steps).
     explore_prob: share of topic draws that ignore the user's taste (uniform topic).
     taste_concentration: sharpness of each user's long-term topic distribution.
     author_style, post_noise: author- and post-specific parts of a post's latent vector.

@@ -11,7 +11,8 @@ command line as `--config.<section>.<field>=value`):
                       draws the model init and the training batches; one seed writes into
                       the workdir itself, several into `<workdir>/seed_<k>/`.
   world_seed          the synthetic world, shared by every seed.
-  eval_seed           the fixed evaluation batches, shared by every seed and split.
+  eval_seed           the fixed evaluation batches, shared by every seed and split; not
+                      world_seed (whose random numbers they would reuse).
   world.*             `phoenix_flax.synthetic.WorldConfig` fields (entity counts, S, C,
                       hashing and bucket sizes, the action link).
   train_split.*       `SplitConfig` of the training batches.
@@ -518,6 +519,11 @@ def parse_config(config: ml_collections.ConfigDict) -> ExperimentSpec:
   # JAX's PRNG keys take 32-bit seeds: PRNGKey(2**32) is PRNGKey(0).
   for f in ("seed", "world_seed", "eval_seed"):
     _check(_is_int(c[f]) and 0 <= c[f] < 2**32, f, c[f], "must be an integer in [0, 2**32)")
+  # split(key)[i] is fold_in(key, i), so evaluation batches 0 and 1 would be drawn from
+  # the very random numbers that drew the world (batch 1's users from its post authors).
+  _check(c.eval_seed != c.world_seed, "eval_seed", c.eval_seed,
+         "must differ from world_seed: the evaluation lists would reuse the world's random "
+         "numbers")
   _check(_is_int(c.num_seeds) and c.num_seeds >= 1, "num_seeds", c.num_seeds,
          "must be an integer >= 1")
   _check(c.seed + c.num_seeds <= 2**32, "num_seeds", c.num_seeds,
