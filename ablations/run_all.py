@@ -50,7 +50,7 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
   path = os.path.join(workdir, "REPORT.md")
   if not sweep.writes_outputs():
     return path
-  previous = sweep.read_json_if_exists(os.path.join(workdir, "results.json")) or {}
+  previous = sweep.previous_results(workdir)
   dropped = sorted(set(previous) - set(names))
   if dropped:
     logging.warning("the combined results.json and REPORT.md now cover %s only, no longer "

@@ -398,6 +398,16 @@ def read_json_if_exists(path: str) -> Optional[dict]:
   return read_json(path)
 
 
+def previous_results(folder: str) -> dict:
+  """The results.json a report in `folder` wrote before, or {} where there is none or it
+  is no JSON object (damaged from outside: it is replaced)."""
+  try:
+    found = read_json_if_exists(os.path.join(folder, "results.json"))
+  except ValueError:
+    return {}
+  return found if isinstance(found, dict) else {}
+
+
 def check_report_folder(folder: str, is_ours: Callable[[dict], bool], writer: str) -> None:
   """Raises ValueError where `folder` holds a report that `writer` did not write, which
   writing its own would replace: a results.json that `is_ours` rejects, or a REPORT.md
@@ -406,6 +416,8 @@ def check_report_folder(folder: str, is_ours: Callable[[dict], bool], writer: st
   try:
     found = read_json_if_exists(os.path.join(folder, "results.json"))
   except ValueError:
+    return
+  if found is not None and not isinstance(found, dict):
     return
   if found is None and os.path.exists(os.path.join(folder, "REPORT.md")):
     raise ValueError(f"{folder} holds a REPORT.md but no results.json, so {writer} did not "
@@ -483,6 +495,7 @@ class Sweep:
     self.subset = len(self.variants) < len(ablation.variants(preset))
     self._runner = runner
     self._reprobe = reprobe
+    self._measured: set[str] = set()   # run dirs whose probes this process wrote
     cfg = apply_overrides(preset_config(preset, ablation.experiment),
                           ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
@@ -627,10 +640,7 @@ class Sweep:
       return results
     remove_temporaries(self.workdir, keep_live_writers=True)   # of a killed earlier writer
     path = os.path.join(self.workdir, "results.json")
-    try:
-      before = read_json_if_exists(path) or {}
-    except ValueError:   # damaged: it is replaced
-      before = {}
+    before = previous_results(self.workdir)
     lost_variants = sorted(set(before.get("variants") or ()) - set(results["variants"]))
     lost_seeds = sorted(set(before.get("seeds") or ()) - set(results["seeds"]))
     if lost_variants or lost_seeds:
@@ -685,6 +695,8 @@ class Sweep:
     tag = _probe_tag(name)
     if not writes_outputs():
       return
+    if fresh:
+      self._measured.add(run_dir)
     if fresh or event_file_name(run_dir, tag) is None:
       write_event_file(run_dir, tag, read_json_if_exists(os.path.join(run_dir, name)) or {},
                        result_if_finished(run_dir)["steps"])
@@ -732,15 +744,18 @@ class Sweep:
         if events is not None:
           os.remove(events)
 
-  def per_seed(self, variant: Variant) -> tuple[dict[str, list], list, set, list, dict]:
+  def per_seed(self, variant: Variant
+               ) -> tuple[dict[str, list], list, set, list, dict, dict[str, list[str]]]:
     """metric -> per-seed values (None for a diverged run), the divergence steps, every
     metric name the finished runs provide, the code version each run recorded (None for
     runs from before `result.json` held it, or from outside a git checkout without
-    `PHOENIX_FLAX_CODE_VERSION`), and metric ->
-    the Bayes-optimal value each finished run reported beside it (`bayes_counterpart`)."""
+    `PHOENIX_FLAX_CODE_VERSION`), metric ->
+    the Bayes-optimal value each finished run reported beside it (`bayes_counterpart`),
+    and metric -> the finished runs that report no such key at all (a null is a measured
+    NaN; no key, results of older code)."""
     values = {m: [] for m in self.ablation.metrics}
     bayes = {m: [] for m in self.ablation.metrics}
-    diverged_at, available, codes = [], set(), []
+    diverged_at, available, codes, lacking = [], set(), [], {}
     for seed in self.seeds:
       run_dir = self.run_dir(variant, seed)
       result = result_if_finished(run_dir)
@@ -756,11 +771,15 @@ class Sweep:
       if self.ablation.derived is not None:
         derived = flatten_metrics(self.ablation.derived(found))
         found.update(derived)
-        if (not diverged and writes_outputs()
-            and (self._reprobe or event_file_name(run_dir, "derived") is None)):
+        if (not diverged and writes_outputs()   # again whenever its probes were measured
+            and (self._reprobe or run_dir in self._measured
+                 or event_file_name(run_dir, "derived") is None)):
           write_event_file(run_dir, "derived", derived, result["steps"])   # TensorBoard's copy
       if not diverged:
         available.update(k for k, v in found.items() if v is not None)
+        for m in self.ablation.metrics:
+          if m != "diverged" and m not in found:
+            lacking.setdefault(m, []).append(run_dir)
       for m in values:
         if m == "diverged":
           values[m].append(float(diverged))
@@ -769,7 +788,8 @@ class Sweep:
           ceiling = bayes_counterpart(m, found)
           if ceiling is not None and not diverged and found[ceiling] is not None:
             bayes[m].append(found[ceiling])
-    return values, diverged_at, available, codes, {m: b for m, b in bayes.items() if b}
+    return (values, diverged_at, available, codes, {m: b for m, b in bayes.items() if b},
+            lacking)
 
   def training(self) -> dict:
     """How long the base config trains and what it evaluates on (results.json's
@@ -782,9 +802,11 @@ class Sweep:
   def results(self) -> dict:
     """The results.json dict (see the module docstring)."""
     ab = self.ablation
-    variants, available, finished, run_codes = {}, set(), False, {}
+    variants, available, finished, run_codes, lacking = {}, set(), False, {}, {}
     for v in self.variants:
-      values, diverged_at, found, codes, bayes = self.per_seed(v)
+      values, diverged_at, found, codes, bayes, lacks = self.per_seed(v)
+      for m, dirs in lacks.items():
+        lacking.setdefault(m, []).extend(dirs)
       for code in codes:   # how many runs each code version trained
         run_codes[code or "not recorded"] = run_codes.get(code or "not recorded", 0) + 1
       available |= found
@@ -805,6 +827,17 @@ class Sweep:
           + ("; finished runs keep the probes.json and joint_probes.json of the probe code "
              "that measured them: if a probe changed since, run again with --reprobe"
              if stale else ""))
+    # Some runs report a metric that others lack: older code made the latter, and their
+    # missing values would pass for diverged runs in the statistics.
+    partial = {m: dirs for m, dirs in lacking.items() if m in available}
+    if partial:
+      dirs = sorted({d for found in partial.values() for d in found})
+      raise SweepError(
+          f"{ab.name}: {len(dirs)} finished run(s) lack metrics {sorted(partial)} that "
+          f"other runs report ({', '.join(dirs[:3])}{', ...' * (len(dirs) > 3)}): older "
+          "code made them. A probe's metric: run again with --reprobe, which measures "
+          "every run's probes afresh; a metric of result.json: delete those runs' folders "
+          "to train them again")
     axes = ab.conditions(self.preset) if ab.conditions else {}
     return {"ablation": ab.name, "experiment": ab.experiment, "preset": self.preset,
             "baseline": ab.baseline,

@@ -806,6 +806,21 @@ def test_probes_are_cached_and_skip_diverged_runs(tmp_path, monkeypatch, caplog)
                                              r"'probe/value'\?\) are in no run's .*run again "
                                              r"with --reprobe"):
     sweep.Sweep(changed, "smoke", str(tmp_path), runner=runner).run()
+  # A probe that gained a metric, run with a seed more: the new runs report it and the
+  # cached ones lack it, whose values passed for diverged runs' (n = 1 of 3) until the
+  # check named them.
+  def grown(ctx):
+    calls.append((ctx.variant.name, ctx.seed))
+    return {"probe": {"value": float(ctx.seed), "extra": 1.0}}
+  more = dataclasses.replace(ab, probe=grown,
+                             metrics=("auc_mean", "probe/value", "probe/extra", "diverged"))
+  with pytest.raises(sweep.SweepError, match=r"5 finished run\(s\) lack metrics \['probe/"
+                                             r"extra'\] that other runs report \(.*a/seed_0, "
+                                             r".*a/seed_1, .*b/seed_1, \.\.\.\): older code "
+                                             r"made them\. .*run again with --reprobe"):
+    sweep.Sweep(more, "smoke", str(tmp_path), seeds=3, runner=runner).run()
+  assert sorted(calls[5:]) == [("a", 2), ("b", 2), ("c", 2)]
+  del calls[5:]
   # --reprobe (after a probe changed): every finished run is measured again.
   sweep.Sweep(ab, "smoke", str(tmp_path), runner=runner, reprobe=True).run()
   assert sorted(calls[5:]) == sorted(calls[:5])
@@ -832,6 +847,31 @@ def test_derived_metrics_reach_tensorboard(tmp_path):
   ((step, value),) = _probe_scalars(tmp_path / "c" / "seed_1", "derived")["gap/auc"]
   assert step == 20 and value == pytest.approx(gap)
   assert writers.event_file_name(str(tmp_path / "b" / "seed_0"), "derived") is None
+
+
+def test_a_derived_metric_follows_its_probes_when_they_are_measured_again(tmp_path,
+                                                                          monkeypatch):
+  """An arm added later measures every run of its seeds' joint probe again, without
+  --reprobe: the derived metric's TensorBoard copy is rewritten with them (it kept the
+  first measurement's value, against the report's)."""
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d, seeds: (
+      type("T", (), {"spec": None, "world": None}), [None] * len(seeds)))
+  rounds = []
+
+  def joint_probe(contexts):
+    rounds.append(len(contexts))
+    return [{"speed": 100.0 * len(rounds) + i} for i in range(len(contexts))]
+  twice = lambda found: {"twice": None if found.get("speed") is None else 2 * found["speed"]}
+  kw = dict(joint_probe=joint_probe, derived=twice,
+            metrics=("auc_mean", "speed", "twice", "diverged"))
+  two_arms = toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2}},
+                          **kw)
+  sweep.Sweep(two_arms, "smoke", str(tmp_path), seeds=1, runner=fake_runner()).run()
+  results = sweep.Sweep(toy_ablation(**kw), "smoke", str(tmp_path), seeds=1,
+                        runner=fake_runner()).run()
+  assert rounds == [2, 3]
+  assert results["variants"]["a"]["metrics"]["twice"]["per_seed"] == [400.0]
+  assert _probe_scalars(tmp_path / "a" / "seed_0", "derived") == {"twice": [(20, 400.0)]}
 
 
 def test_joint_probes_measure_each_seed_once_over_all_variants(tmp_path, monkeypatch):
@@ -1157,6 +1197,16 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
   run_all.make_sweeps(["toy"], str(combined), make_sweep=make)
   (other / "results.json").write_text("{damaged")
   make(toy_ablation(), str(other))
+  # So is one that is JSON but no object (it raised AttributeError), in a sweep's folder and
+  # in run_all's, whose combined results.json is read again after every sweep has run.
+  (other / "results.json").write_text("[]")
+  make(toy_ablation(), str(other))
+  run_all.make_sweeps(["toy"], str(other), make_sweep=make)
+  for damaged in ("[]", "{damaged"):
+    (combined / "results.json").write_text(damaged)
+    run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
+                    str(combined))
+    assert set(json.loads((combined / "results.json").read_text())) == {"toy"}
 
 
 def test_cli_rejects_bad_flags_before_work(tmp_path):
