@@ -241,11 +241,23 @@ class EquinoxModule(nnx.Module):
     structure = vars(self).get("structure")
     if (structure is not None and not name.startswith("_")
         and name not in ("params", "structure") and hasattr(structure.static, name)):
-      raise AttributeError(
-          f"{name!r} belongs to the wrapped {type(structure.static).__name__}: set a "
-          f"parameter through `.params` (e.g. model.params.{name}[...] = new), or build a "
-          "new wrapper with to_nnx(...) for another config")
+      raise AttributeError(f"{name!r} belongs to the wrapped "
+                           f"{type(structure.static).__name__}: {self._how_to_set(name)}")
     super().__setattr__(name, value)
+
+  def _how_to_set(self, name: str) -> str:
+    """What to do instead of assigning the wrapped module's field `name`."""
+    node = getattr(vars(self).get(PARAMS), name, None)
+    if _is_variable(node):
+      return f"set its value through `.params` (model.params.{name}[...] = new)"
+    if node is not None:   # a submodule: its arrays are Variables below it
+      path = ".".join(map(str, nnx.to_flat_state(nnx.state(node))[0][0]))
+      return (f"set its arrays through `.params` (e.g. model.params.{name}.{path}[...] = "
+              "new)")
+    if inspect.isfunction(inspect.getattr_static(type(self.structure.static), name, None)):
+      return "a method cannot be replaced"
+    return ("it is no array but part of the graph definition: build a new wrapper with "
+            "to_nnx(...) from a module with the value you want")
 
   def __dir__(self):
     structure = vars(self).get("structure")

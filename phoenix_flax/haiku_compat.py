@@ -36,7 +36,9 @@ other logits: `attn_output_multiplier` (the release sets it, e.g. 0.125 for key 
 split of the hashes between posts and authors (`HashConfig.num_item_hashes` and
 `num_author_hashes`: the input projections fix only their sum), `attn_logit_cap` (the
 release always caps at 30.0), `candidate_isolation` (always on in the release),
-`right_anchored_rope` (later release) and `fprop_dtype` (the release serves in bfloat16).
+`right_anchored_rope` (later release), the later release's `dwell_time_norm` (no
+parameter) and `post_age_granularity_mins` (the table fixes only `4800 // g + 2` rows,
+the same for g = 98 and 99), and `fprop_dtype` (the release serves in bfloat16).
 Import accepts any such settings, so a released checkpoint can start a variant; a switch
 that removes a release parameter (leaves its module None) makes that entry of the tree an
 extra one, named in the error. Export refuses a model

@@ -427,8 +427,18 @@ def test_methods_and_fields_follow_the_parameters():
   assert bool(jnp.all(jitted == 0))
   with pytest.raises(ValueError, match="bound methods"):
     nnx.jit(model.forward)(batch, emb)
-  for name, value in (("unembeddings", jnp.ones((4, 19))), ("config", config)):
-    with pytest.raises(AttributeError, match=f"'{name}' belongs to the wrapped PhoenixModel"):
-      setattr(model, name, value)
+  # Each refusal says what works for that field (the array example once followed for the
+  # config, a submodule or a method failed in turn).
+  for name, how in [
+      ("unembeddings", r"set its value through `.params` \(model.params.unembeddings\[...\]"),
+      ("final_norm", r"set its arrays through `.params` \(e.g. model.params.final_norm.scale"
+                     r"\[...\] = new\)"),
+      ("forward", "a method cannot be replaced"),
+      ("config", "it is no array but part of the graph definition: build a new wrapper")]:
+    with pytest.raises(AttributeError, match=f"'{name}' belongs to the wrapped PhoenixModel: "
+                                             + how):
+      setattr(model, name, None)
+  model.params.final_norm.scale[...] = 2.0   # as the message says
+  assert bool(jnp.all(flax_nnx.to_equinox(model).final_norm.scale == 2.0))
   with pytest.raises(TypeError, match="flax_nnx.to_equinox"):
     pf.RankingRunner(model)
