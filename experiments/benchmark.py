@@ -176,7 +176,9 @@ def useful_flops(model: pf.PhoenixModel, batch: int, candidates: int,
 
   `dense=True` counts instead the matmul work the dense reference executes: every token's
   projections and GeGLU in every layer, and attention products over all `T = N + C` keys
-  for every token, `L * 4*H*d * T*T`, masked or not.
+  for every token, `L * 4*H*d * T*T`, masked or not. The one-hot surface lookup, which
+  both paths run as a product (`2*V*D` a history item or candidate, V = 16: 0.5% of
+  `demo`'s dense count, under 0.2% elsewhere), is in neither count.
   """
   c, tc = model.config, model.config.model
   if c.dwell_time_norm is not None or c.num_continuous_actions:
@@ -430,7 +432,7 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
             "iters": iters, "warmup": warmup, "min_seconds": min_seconds,
             "configs": {n: bench_case(n, cases[n], iters, warmup, min_seconds, seed,
                                       matmul_size, dense_iters) for n in names}}
-  kv_name = "serve" if "serve" in cases else names[0]
+  kv_name = "serve" if "serve" in cases else (names or list(cases))[0]
   report["kv_cache"] = kv_cache_table(cases[kv_name])
   report["kv_cache_config"] = {"name": kv_name, "layers": cases[kv_name].layers,
                                "key_size": KEY_SIZE}
@@ -445,6 +447,43 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
 
 def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
+  mib = lambda b: b / 2 ** 20
+  lines = _forward_lines(report) if report["configs"] else []
+  kv = report.get("kv_cache_config")
+  where = f" ({kv['name']}: {kv['layers']} layers, key {kv['key_size']})" if kv else ""
+  lines += ["", f"| q heads | kv heads | KV cache per user context{where}, fp32 | bf16 |",
+            "|---|---|---|---|"]
+  for row in report["kv_cache"]:
+    lines.append(f"| {row['q_heads']} | {row['kv_heads']} "
+                 f"| {row['float32_bytes'] / 1024:.0f} KiB ({row['context_len']} tokens) "
+                 f"| {row['bfloat16_bytes'] / 1024:.0f} KiB |")
+  if "compile_scaling" in report:
+    cs = report["compile_scaling"]
+    shallow, deep = (str(n) for n in cs["layers"])
+    lines += ["", f"compile time of the fast forward, {deep} vs {shallow} layers: "
+              f"{cs['seconds'][deep]:.2f} s vs "
+              f"{cs['seconds'][shallow]:.2f} s = {cs['ratio']:.2f}x"]
+  if report.get("training"):
+    rows = report["training"]
+    join = lambda key: " / ".join(sorted({str(r[key]) for r in rows}))
+    steps = ", ".join(dict.fromkeys(f"{r['preset']} {r['steps_per_round']}" for r in rows))
+    lines += ["", f"training ({report['device']}, {report['machine']}, {join('fprop_dtype')}): "
+              f"medians of {join('rounds')} alternating rounds (steps a round: {steps})",
+              "", "| training preset | seeds | scanned loop ex/s | plain loop, numpy sampler "
+              "ex/s | scanned/plain | plain loop, device-sampled ex/s | scanned/that |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["training"]:
+      lines.append(f"| {r['preset']} | {r['num_seeds']} "
+                   f"| {r['scanned_examples_per_second']:,.0f} "
+                   f"| {r['plain_examples_per_second']:,.0f} | {r['speedup']:.2f}x "
+                   f"| {r['plain_device_sampled_examples_per_second']:,.0f} "
+                   f"| {r['speedup_vs_device_sampled']:.2f}x |")
+  lines += ["", f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB"]
+  return "\n".join(lines).lstrip("\n")
+
+
+def _forward_lines(report: dict) -> list[str]:
+  """The forward table, the paths' kinds, and the chunked case's one-call time."""
   mib = lambda b: b / 2 ** 20
   dtypes = sorted({r[path]["fprop_dtype"] for r in report["configs"].values()
                    for path in ("fast", "reference")})
@@ -486,32 +525,7 @@ def format_table(report: dict) -> str:
       lines.append(f"{name}: {kind(r['one_call'])} {1e3 * r['one_call']['median_s']:.1f} ms "
                    f"= {r['speedup_vs_one_call']:.2f}x the chunked time; dense timed over "
                    f"{r['reference']['iters']} call{'s' * (r['reference']['iters'] != 1)}")
-  kv = report.get("kv_cache_config")
-  where = f" ({kv['name']}: {kv['layers']} layers, key {kv['key_size']})" if kv else ""
-  lines += ["", f"| q heads | kv heads | KV cache per user context{where}, fp32 | bf16 |",
-            "|---|---|---|---|"]
-  for row in report["kv_cache"]:
-    lines.append(f"| {row['q_heads']} | {row['kv_heads']} "
-                 f"| {row['float32_bytes'] / 1024:.0f} KiB ({row['context_len']} tokens) "
-                 f"| {row['bfloat16_bytes'] / 1024:.0f} KiB |")
-  if "compile_scaling" in report:
-    cs = report["compile_scaling"]
-    shallow, deep = (str(n) for n in cs["layers"])
-    lines += ["", f"compile time of the fast forward, {deep} vs {shallow} layers: "
-              f"{cs['seconds'][deep]:.2f} s vs "
-              f"{cs['seconds'][shallow]:.2f} s = {cs['ratio']:.2f}x"]
-  if report.get("training"):
-    lines += ["", "| training preset | seeds | scanned loop ex/s | plain loop, numpy sampler "
-              "ex/s | scanned/plain | plain loop, device-sampled ex/s | scanned/that |",
-              "|---|---|---|---|---|---|---|"]
-    for r in report["training"]:
-      lines.append(f"| {r['preset']} | {r['num_seeds']} "
-                   f"| {r['scanned_examples_per_second']:,.0f} "
-                   f"| {r['plain_examples_per_second']:,.0f} | {r['speedup']:.2f}x "
-                   f"| {r['plain_device_sampled_examples_per_second']:,.0f} "
-                   f"| {r['speedup_vs_device_sampled']:.2f}x |")
-  lines += ["", f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB"]
-  return "\n".join(lines)
+  return lines
 
 
 def _ints(name: str) -> list[int]:

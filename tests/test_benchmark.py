@@ -166,6 +166,22 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert ("persistent compilation cache was on" in table) is report["persistent_compilation_cache"]
 
 
+def test_a_training_only_report_prints_no_forward_table():
+  """With no forward configuration (`--configs=`, as the README's training command runs)
+  the table names no forward timing that never ran, and says how the training rows were
+  timed; `run_benchmark` picks its KV-cache model among the cases it has."""
+  report = json.load(open(os.path.join(REPO, "docs", "results",
+                                       "train_throughput_cpu_774575f.json")))
+  assert report["configs"] == {}
+  table = benchmark.format_table(report)
+  assert "median over at least" not in table and "fast vs reference" not in table
+  assert ("float32): medians of 7 alternating rounds (steps a round: cpu 400, smoke 20)"
+          in table)
+  assert table.startswith("| q heads | kv heads |")
+  no_serve = benchmark.run_benchmark([], cases={"full": TINY["full"]}, matmul_size=64)
+  assert no_serve["kv_cache_config"]["name"] == "full"
+
+
 def test_time_rounds_runs_iters_then_until_min_seconds():
   calls = []
   call = lambda: (calls.append(1), time.sleep(0.01))[0]
