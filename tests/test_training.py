@@ -720,6 +720,10 @@ OUT_OF_RANGE = [
     ("ranking", {"mesh.num_devices": -2}, "mesh.num_devices=-2 is invalid"),
     ("ranking", {"mesh.distributed": True, "mesh.coordinator_address": "localhost"},
      "mesh.coordinator_address='localhost' is invalid: use 'host:port'"),
+    *[("ranking", {"mesh.distributed": True, "mesh.coordinator_address": address},
+       f"mesh.coordinator_address='{address}' is invalid: use 'host:port' \\(a port in "
+       "1..65535\\)")   # 'localhost:abc' crashed the process in gRPC, not a refusal
+      for address in ("localhost:abc", "localhost:", "localhost:99999", ":1234")],
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": 0},   # 0 == False let it through

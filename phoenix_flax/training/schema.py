@@ -468,15 +468,24 @@ def _check_metric_settings(c: ml_collections.ConfigDict, world: WorldConfig) -> 
          f"change nothing; leave it at {default_decay!r}")
 
 
+def _host_port(address: Any) -> bool:
+  """Whether `address` is 'host:port' with a port number (gRPC crashed the process, not
+  refused it, on 'localhost:abc')."""
+  if not isinstance(address, str):
+    return False
+  host, _, port = address.rpartition(":")
+  return bool(host) and port.isascii() and port.isdigit() and 0 < int(port) < 65536
+
+
 def _check_mesh(m: ml_collections.ConfigDict) -> None:
   """The `mesh` section: devices, hash-table sharding, multi-host settings."""
   _check(_is_int(m.num_devices) and (m.num_devices >= 1 or m.num_devices == -1),
          "mesh.num_devices", m.num_devices, "must be -1 (all devices) or an integer >= 1")
   for f in ("shard_hash_tables", "distributed"):
     _check(isinstance(m[f], bool), f"mesh.{f}", m[f], "must be a bool")
-  _check(m.coordinator_address is None or (isinstance(m.coordinator_address, str)
-                                           and m.coordinator_address.rpartition(":")[0]),
-         "mesh.coordinator_address", m.coordinator_address, "use 'host:port', or None")
+  _check(m.coordinator_address is None or _host_port(m.coordinator_address),
+         "mesh.coordinator_address", m.coordinator_address,
+         "use 'host:port' (a port in 1..65535), or None")
   _check(m.num_processes is None or (_is_int(m.num_processes) and m.num_processes >= 1),
          "mesh.num_processes", m.num_processes, "must be an integer >= 1, or None")
   _check(m.process_id is None or (_is_int(m.process_id) and 0 <= m.process_id
