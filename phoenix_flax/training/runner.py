@@ -1044,8 +1044,8 @@ class LoadedRun(NamedTuple):
 
 def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   """The system of a run from its config.json and checkpoint (the newest, or `step`),
-  on one device, whatever mesh trained it. `run_dir` is one seed's run: a workdir of several seeds, or a sweep's,
-  is refused with the run directories found under it."""
+  on one device, whatever mesh trained it. `run_dir` is one seed's run: a workdir of
+  several seeds, or a sweep's, is refused with the run directories found under it."""
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
     found = sorted(os.path.relpath(os.path.dirname(p), run_dir) for p in glob.glob(
