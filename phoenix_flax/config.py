@@ -92,11 +92,20 @@ def _check_key(owner: str, key: Any) -> None:
                   "jax.random.PRNGKey(seed)), one key, not a batch of them")
 
 
-def _positive_float(cls: str, field: str, value: Any) -> None:
+def _positive_float(cls: str, field: str, value: Any, most: Optional[float] = None,
+                    why: str = "") -> None:
   # A bool would count as 1.0 and a string fail in a comparison; inf or NaN gives NaN
   # scores (inf * tanh(0)).
   if not _is_real(value) or not math.isfinite(value) or value <= 0:
     _fail(cls, field, value, "must be a finite number > 0")
+  if most is not None and value > most:
+    _fail(cls, field, value, f"must be at most {most:g}{why}")
+
+
+# Attention scales and caps are applied in float32: past 1e6 a cap turns its logits into
+# flushed subnormals (1e37) or inf * tanh(0) = NaN (above float32's range), and a
+# multiplier overflows them; no reachable attention logit needs either.
+MAX_ATTENTION_SCALE = 1e6
 
 
 def _bool(cls: str, field: str, value: Any) -> None:
@@ -178,9 +187,11 @@ class TransformerConfig:
     _positive_float(c, "widening_factor", self.widening_factor)
     if ffn_size(self.emb_size, self.widening_factor) < 1:
       _fail(c, "widening_factor", self.widening_factor, "must give a positive ffn_size")
-    _positive_float(c, "attn_output_multiplier", self.attn_output_multiplier)
+    _positive_float(c, "attn_output_multiplier", self.attn_output_multiplier,
+                    MAX_ATTENTION_SCALE, " (the float32 logits overflow)")
     if self.attn_logit_cap is not None:
-      _positive_float(c, "attn_logit_cap", self.attn_logit_cap)
+      _positive_float(c, "attn_logit_cap", self.attn_logit_cap, MAX_ATTENTION_SCALE,
+                      " (a cap above any reachable logit is no cap: use None)")
     if self.norm_layout not in NORM_LAYOUTS:
       _fail(c, "norm_layout", self.norm_layout, f"use one of {NORM_LAYOUTS}")
     if self.param_init not in PARAM_INITS:
@@ -301,10 +312,7 @@ class PhoenixModelConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       _fail(c, "attention_impl", self.attention_impl, f"use one of {ATTENTION_IMPLS}")
     if self.micro_batch_rows not in (None, "auto"):
-      if not isinstance(self.micro_batch_rows, int):
-        _fail(c, "micro_batch_rows", self.micro_batch_rows,
-              'use an integer >= 1, None or "auto"')
-      _positive_int(c, "micro_batch_rows", self.micro_batch_rows)
+      _int_at_least(c, "micro_batch_rows", self.micro_batch_rows, 1, ', None or "auto"')
     if self.post_age_granularity_mins is not None:
       # Above POST_AGE_MAX_MINUTES every known age shares bucket 1 (a table of 2 rows), as
       # the release's formula gives: degenerate, but the release's.

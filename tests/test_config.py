@@ -4,6 +4,7 @@ import dataclasses
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import phoenix_flax as pf
@@ -111,6 +112,10 @@ BAD_CONFIGS = [
     ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=float("inf"))),
     ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=True)),
     ("attn_output_multiplier", lambda: transformer_config(attn_output_multiplier=float("nan"))),
+    # past float32's reach: NaN logits above 3.4e38, flushed (uniform) attention near 1e37
+    ("attn_logit_cap", lambda: transformer_config(attn_logit_cap=1e39)),
+    ("attn_output_multiplier", lambda: transformer_config(attn_output_multiplier=1e39)),
+    ("micro_batch_rows", lambda: ranking_config(micro_batch_rows=np.int64(4))),
     ("widening_factor", lambda: transformer_config(widening_factor="2")),
     ("widening_factor", lambda: transformer_config(widening_factor=float("inf"))),
     ("norm_scale", lambda: pf.NormConfig(norm_scale=float("inf"))),
