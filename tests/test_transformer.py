@@ -413,10 +413,11 @@ def test_zeros_init_matches_release_placeholders():
 def test_no_cap_equals_huge_cap():
   args = (inputs() * 4, dense_mask(), positions())
   out = {}
-  for cap in (None, 1e9, 1.0):
+  huge = pf.config.MAX_ATTENTION_SCALE   # the largest cap the config takes
+  for cap in (None, huge, 1.0):
     cfg = transformer_config(attn_logit_cap=cap, attn_output_multiplier=1.0)
     out[cap] = call(lambda a, *xs: a(*xs), decoder_layer(cfg, seed=7).attention, *args)
-  np.testing.assert_allclose(out[None][0], out[1e9][0], atol=1e-5)
+  np.testing.assert_allclose(out[None][0], out[huge][0], atol=1e-5)
   assert float(out[None][1]) > 1.0
   assert max_abs_diff(out[None][0], out[1.0][0]) > 1e-2
 
