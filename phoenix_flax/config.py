@@ -148,7 +148,8 @@ class TransformerConfig:
   """Grok transformer shape plus the architecture switches.
 
   Attributes:
-    attn_logit_cap: soft cap ``c * tanh(logits / c)`` on attention logits; None = off.
+    attn_logit_cap: soft cap ``c * tanh(logits / c)`` on attention logits, c in (0, 1e6];
+      None = off.
     norm_layout: "sandwich" (release: norm before and after each block), "pre", "post".
     param_init: "variance_scaling" (trainable), "zeros" (the release's placeholders, whose
       transformer gets exactly zero gradients and never trains), "rezero" (variance-scaled
