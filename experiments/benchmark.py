@@ -445,9 +445,12 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   return report
 
 
+def _mib(size: float) -> float:
+  return size / 2 ** 20
+
+
 def format_table(report: dict) -> str:
   """The report as markdown tables (times in ms, memory in MiB)."""
-  mib = lambda b: b / 2 ** 20
   lines = _forward_lines(report) if report["configs"] else []
   kv = report.get("kv_cache_config")
   where = f" ({kv['name']}: {kv['layers']} layers, key {kv['key_size']})" if kv else ""
@@ -478,13 +481,12 @@ def format_table(report: dict) -> str:
                    f"| {r['plain_examples_per_second']:,.0f} | {r['speedup']:.2f}x "
                    f"| {r['plain_device_sampled_examples_per_second']:,.0f} "
                    f"| {r['speedup_vs_device_sampled']:.2f}x |")
-  lines += ["", f"process peak RSS: {mib(report['process_max_rss_bytes']):.0f} MiB"]
+  lines += ["", f"process peak RSS: {_mib(report['process_max_rss_bytes']):.0f} MiB"]
   return "\n".join(lines).lstrip("\n")
 
 
 def _forward_lines(report: dict) -> list[str]:
   """The forward table, the paths' kinds, and the chunked case's one-call time."""
-  mib = lambda b: b / 2 ** 20
   dtypes = sorted({r[path]["fprop_dtype"] for r in report["configs"].values()
                    for path in ("fast", "reference")})
   lines = [
@@ -505,7 +507,7 @@ def _forward_lines(report: dict) -> list[str]:
         f"| {name} | {1e3 * fast['median_s']:.1f} | {1e3 * ref['median_s']:.1f} "
         f"| {r['speedup']:.2f}x | {r['flop_ratio']:.2f}x | {r['candidates_per_s']:,.0f} "
         f"| {fast['compile_s']:.1f} / {ref['compile_s']:.1f} "
-        f"| {mib(fast['peak_bytes']):.1f} / {mib(ref['peak_bytes']):.1f} "
+        f"| {_mib(fast['peak_bytes']):.1f} / {_mib(ref['peak_bytes']):.1f} "
         f"| {r['useful_gflop']:.2f} | {r['achieved_gflops']:.0f} | {r['matmul_gflops']:.0f} "
         f"| {100 * r['mfu']:.0f}% |")
   def kind(r):

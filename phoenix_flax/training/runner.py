@@ -60,7 +60,6 @@ skipped run keeps of them is complete.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import math
@@ -1048,8 +1047,8 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   several seeds, or a sweep's, is refused with the run directories found under it."""
   path = os.path.join(run_dir, CONFIG_FILE)
   if not os.path.exists(path):
-    found = sorted(os.path.relpath(os.path.dirname(p), run_dir) for p in glob.glob(
-        os.path.join(glob.escape(run_dir), "**", CONFIG_FILE), recursive=True))
+    found = sorted(os.path.relpath(os.path.dirname(p), run_dir)
+                   for p in writers.matching(run_dir, os.path.join("**", CONFIG_FILE)))
     hint = (f"; it holds the runs {', '.join(found[:4])}{', ...' * (len(found) > 4)}: pass "
             f"one of them, e.g. {os.path.join(run_dir, found[0])}" if found else "")
     raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG_FILE}){hint}")

@@ -135,9 +135,10 @@ def write_json(path: str, payload: Any, indent: int = 2, sort_keys: bool = True)
 
 
 def matching(folder: str, pattern: str) -> list[str]:
-  """The paths in `folder` whose names match the glob `pattern`, sorted; `folder` is taken
-  literally (a workdir named `runs/exp[1]` must not match, and lose files of, `runs/exp1`)."""
-  return sorted(glob.glob(os.path.join(glob.escape(folder), pattern)))
+  """The paths in `folder` whose names match the glob `pattern` (`**` spans folders),
+  sorted; `folder` is taken literally (a workdir named `runs/exp[1]` must not match, and
+  lose files of, `runs/exp1`)."""
+  return sorted(glob.glob(os.path.join(glob.escape(folder), pattern), recursive=True))
 
 
 def event_file_name(run_dir: str, name: str) -> Optional[str]:
