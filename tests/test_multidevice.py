@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from experiments.configs import ranking, retrieval
-from phoenix_flax.training import Trainer, make_placement, parse_config, run_experiment
+from phoenix_flax.training import (ConfigError, Trainer, make_placement, parse_config,
+                                   run_experiment)
 from phoenix_flax.training import runner
 
 assert jax.device_count() == 8, jax.devices()
@@ -108,6 +109,15 @@ for name, placement in (("retrieval", make_placement(1, False)),
   out[name + "_eval"] = {k: np.asarray(ev["eval/" + k]).tolist()
                          for k in ("loss", "auc", "recall@5", "recall@200", "bayes_recall@5",
                                    "bayes_recall@200", "popularity_recall@200")}
+# A Trainer built by hand on a mesh that does not divide a sharded table's rows names the
+# field to change before it traces anything.
+bad = ranking.get_config("smoke")
+bad.world.post_buckets = 500
+try:
+  Trainer(parse_config(bad), make_placement(8, True))
+  out["indivisible"] = None
+except ConfigError as e:
+  out["indivisible"] = str(e)
 print("RESULT" + json.dumps(out))
 """
 
@@ -156,6 +166,8 @@ def test_eight_devices_match_one_device(tmp_path):
             "popularity_recall@200"):
     np.testing.assert_allclose(mesh[k], single[k], atol=2e-3, err_msg=k)
   assert min(single["recall@200"]) > 0 and min(single["bayes_recall@5"]) > 0, single
+  assert out["indivisible"] == ("config.world.post_buckets=500 is invalid: sharding the hash "
+                                "tables needs a multiple of the 8 devices"), out["indivisible"]
 
 
 def _free_port() -> int:

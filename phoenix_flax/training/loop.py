@@ -32,7 +32,7 @@ from phoenix_flax.training import metrics
 from phoenix_flax.training.loss import (first_positive_rows, is_positive, ranking_loss,
                                         update_sampling_counts)
 from phoenix_flax.training.schema import ExperimentSpec, check_optim
-from phoenix_flax.training.sharding import TABLE_FIELDS, Placement
+from phoenix_flax.training.sharding import TABLE_FIELDS, Placement, check_tables
 from phoenix_flax.training.system import RankingSystem, RetrievalSystem
 from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, RecsysBatch, RecsysModelOutput
 
@@ -281,7 +281,10 @@ class Trainer:
   def __init__(self, spec: ExperimentSpec, placement: Placement = Placement(),
                world: Optional[World] = None):
     """`world`: the spec's world when it is at hand (an abstract one, of
-    `jax.ShapeDtypeStruct`s, serves to trace); built from `world_seed` otherwise."""
+    `jax.ShapeDtypeStruct`s, serves to trace); built from `world_seed` otherwise.
+    Raises `ConfigError` for a placement that cannot shard the spec's hash tables
+    (`check_tables`)."""
+    check_tables(spec, placement)
     self.spec = spec
     self.placement = placement
     c = spec.config

@@ -85,8 +85,9 @@ from phoenix_flax.training.schema import (RUNTIME_SECTIONS, ConfigError, Experim
                                           base_config, check_config, default_fprop_dtype,
                                           flatten, hparams, parse_config, seed_config,
                                           with_defaults)
-from phoenix_flax.training.sharding import (TABLE_FIELDS, Placement, initialize_from,
-                                            make_placement, table_of, to_host)
+from phoenix_flax.training.sharding import (TABLE_FIELDS, Placement, check_tables,
+                                            initialize_from, make_placement, table_of,
+                                            to_host)
 from phoenix_flax.training.writers import (RunWriter, jsonable, nearest_existing, read_json,
                                            read_metrics, remove_temporaries, write_json)
 
@@ -425,16 +426,12 @@ def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
 
 
 def _validate_placement(spec: ExperimentSpec, placement: Placement) -> None:
-  n, t, w = placement.num_devices, spec.config.train, spec.world
+  n, t = placement.num_devices, spec.config.train
   for f in ("batch_size", "eval_batch_size"):
     if t[f] % n:
       raise ConfigError(f"config.train.{f}={t[f]} is invalid: must be a multiple of the "
                         f"{n} devices of the mesh")
-  if placement.shard_hash_tables:
-    for f in ("user_buckets", "post_buckets", "author_buckets"):
-      if getattr(w, f) % n:
-        raise ConfigError(f"config.world.{f}={getattr(w, f)} is invalid: sharding the hash "
-                          f"tables needs a multiple of the {n} devices")
+  check_tables(spec, placement)
   check_memory(spec, placement)
 
 

@@ -176,6 +176,20 @@ class Placement:
     return jax.tree.map(pin(P(DATA_AXIS)), jax.tree.map(pin(P()), tree))
 
 
+def check_tables(spec: Any, placement: Placement) -> None:
+  """Raises `ConfigError` unless `spec`'s (an `ExperimentSpec`) hash tables split over the
+  placement's mesh: with `shard_hash_tables`, each table's buckets a multiple of its
+  devices. `Trainer` calls it, so a mesh built with `make_placement` fails with the field
+  to change, not in XLA's sharding code. (A batch that does not divide runs, in uneven
+  shards; `run_experiment` refuses one all the same.)"""
+  n, w = placement.num_devices, spec.world
+  if placement.shard_hash_tables:
+    for f in ("user_buckets", "post_buckets", "author_buckets"):
+      if getattr(w, f) % n:
+        raise ConfigError(f"config.world.{f}={getattr(w, f)} is invalid: sharding the "
+                          f"hash tables needs a multiple of the {n} devices")
+
+
 def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
   """A data-parallel mesh over the first `num_devices` devices (-1 = all; 1 = no mesh).
 
