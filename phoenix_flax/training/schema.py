@@ -49,10 +49,11 @@ command line as `--config.<section>.<field>=value`):
                       its group of `batch_size` users, as training does, where
                       `batch_size` divides `eval_batch_size`; with the whole evaluation
                       batch otherwise), `action_weights` (ranking: None or one weight
-                      >= 0 per action, for the loss), `score_consistency` (ranking:
-                      re-score the primary eval split's lists with the candidates of
-                      every other slot taken from another user's list, and report the
-                      mean |logit change|; retrieval runs ignore it).
+                      in [0, 1e6] per action, for the loss; a sum >= 1e-6),
+                      `score_consistency` (ranking: re-score the primary eval split's
+                      lists with the candidates of every other slot taken from another
+                      user's list, and report the mean |logit change|; retrieval runs
+                      ignore it).
   ranking.*           `top_k`: the K of ndcg@K, recall@K and bayes_recall@K of the favorite
                       ranking of each evaluation list (one or more; a K at or above a
                       list's size ranks the whole list, where recall is 1.0).
@@ -204,6 +205,9 @@ def _check(ok: bool, path: str, value: Any, fix: str) -> None:
 
 def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
+
+
+MAX_ACTION_WEIGHT = 1e6
 
 
 def _is_num(x: Any) -> bool:
@@ -432,10 +436,13 @@ def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[t
          "retrieval.positive_action alone, so leave it None")
   if t.action_weights is not None:
     weights = tuple(t.action_weights) if isinstance(t.action_weights, (tuple, list)) else ()
-    _check(len(weights) == world.num_actions and all(_is_num(w) and w >= 0 for w in weights)
-           and sum(weights) > 0, "train.action_weights", t.action_weights,
-           f"give {world.num_actions} weights >= 0 (one per action) with a positive sum, "
-           "or None")
+    # (Only their ratios matter. The bounds keep the loss's float32 sums finite: 1e39
+    # became inf, and the loss NaN; a sum under 1e-6 met the loss's 1e-9 floor.)
+    _check(len(weights) == world.num_actions
+           and all(_is_num(w) and 0 <= w <= MAX_ACTION_WEIGHT for w in weights)
+           and sum(weights) >= 1e-6, "train.action_weights", t.action_weights,
+           f"give {world.num_actions} weights in [0, {MAX_ACTION_WEIGHT:g}] (one per "
+           "action, only their ratios matter) with a sum >= 1e-6, or None")
     weights = tuple(float(w) for w in weights)
   return weights
 
