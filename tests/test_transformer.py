@@ -226,6 +226,9 @@ def test_softmax_skips_the_row_max_only_where_the_cap_allows():
   assert shift_free(39.0, jnp.float32, 130) and not shift_free(40.0, jnp.float32, 130)
   assert not shift_free(None, jnp.float32, 130)
   assert not shift_free(30.0, jnp.float16, 130)
+  # float16 with one key: exp(5) * 1 fits (5 <= log(max)/2 = 5.55) but exp(-5) falls
+  # below the square root of its smallest normal (5 > -log(tiny)/2 = 4.85).
+  assert shift_free(4.8, jnp.float16, 1) and not shift_free(5.0, jnp.float16, 1)
 
 
 def _isolated_attention_args(cfg, seed=0, context_mask=None, candidate_mask=None,
