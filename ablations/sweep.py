@@ -84,7 +84,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from absl import flags, logging
 import jax
-import jax.numpy as jnp
 import jaxlib
 import ml_collections
 import numpy as np
@@ -465,7 +464,7 @@ def load_systems(config: ml_collections.ConfigDict, variant_dir: str,
       raise FileNotFoundError(f"{run_dir} has no final checkpoint (step "
                               f"{spec.config.train.num_steps}); the run has not finished")
     state, _ = load_checkpoint(trainer, run_dir, spec.config.train.num_steps, like)
-    systems.append(trainer.system(jax.tree.map(jnp.asarray, state.params)))
+    systems.append(trainer.system(jax.device_put(state.params)))
   return trainer, systems
 
 

@@ -571,9 +571,11 @@ def _encode_corpus(tower, post_NID: Array, author_NAD: Array) -> Array:
   return tower(jnp.concatenate([post_NID, author_NAD], axis=1)[None])[0]
 
 
-def _retrieve(model: PhoenixRetrievalModel, batch: RecsysBatch, embeddings: RecsysEmbeddings,
-              corpus_ND: Array, post_ids_N: Array, top_k: int, corpus_mask: Optional[Array]):
-  out = model(batch, embeddings, corpus_ND, top_k, corpus_mask)
+def _retrieve(model: PhoenixRetrievalModel, user_BD: Array, corpus_ND: Array,
+              post_ids_N: Array, top_k: int, corpus_mask: Optional[Array]):
+  """The top k of users already encoded: a program apart from the user tower's, so a new
+  `top_k`, corpus size or mask form compiles this small one only."""
+  out = model.retrieve(user_BD, corpus_ND, top_k, corpus_mask)
   return RetrievalResult(out.user_representation, out.top_k_indices, out.top_k_scores,
                          post_ids_N[out.top_k_indices])
 
@@ -632,7 +634,9 @@ class RetrievalRunner:
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"{name} has dtype {x.dtype}, expected floats")
       _check_finite("corpus", name, x)
-    return self._tower(self.model.candidate_tower, jnp.asarray(post), jnp.asarray(author))
+    # (jax.device_put copies host arrays; jnp.asarray of a NumPy array compiles a program
+    # per shape on jax 0.10. Device ones stay as they are.)
+    return self._tower(self.model.candidate_tower, *jax.device_put((post, author)))
 
   def set_corpus(self, embeddings: ArrayLike, post_ids: ArrayLike) -> None:
     """Stores the corpus: item vectors `[N, D]` and their post ids `[N]`, distinct. Arrays
@@ -658,9 +662,10 @@ class RetrievalRunner:
     repeated[order[1:]] = ids[order[1:]] == ids[order[:-1]]
     _check_values("post_ids", ids, repeated, "post ids must be distinct (it appears earlier "
                   "too)", "corpus")
-    self.corpus_embeddings = jnp.asarray(emb, jnp.float32)
+    self.corpus_embeddings = (emb.astype(jnp.float32) if isinstance(emb, jax.Array)
+                              else jax.device_put(emb.astype(np.float32)))
     self.corpus_post_ids = (post_ids if isinstance(post_ids, jax.Array)   # checked on a copy
-                            else jnp.asarray(ids))
+                            else jax.device_put(ids))
 
   def retrieve(self, batch: RecsysBatch, embeddings: RecsysEmbeddings, top_k: int,
                corpus_mask: Optional[ArrayLike] = None) -> RetrievalResult:
@@ -696,5 +701,6 @@ class RetrievalRunner:
         raise ValueError(f"top_k={top_k} exceeds the {int(kept_B.min())} corpus items "
                          f"corpus_mask keeps{who}")
       corpus_mask = jnp.asarray(mask, bool)
-    return self._retrieve(self.model, *_without_candidates(batch, embeddings),
-                          self.corpus_embeddings, self.corpus_post_ids, top_k, corpus_mask)
+    user_BD = self._encode(self.model, *_without_candidates(batch, embeddings))
+    return self._retrieve(self.model, user_BD, self.corpus_embeddings, self.corpus_post_ids,
+                          top_k, corpus_mask)

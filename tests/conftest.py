@@ -3,9 +3,12 @@ test session's XLA settings."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import select
 import shutil
 import signal
@@ -523,6 +526,26 @@ def float32_ulp(x) -> float:
   unit in which two programs of one computation are compared, `max_abs_diff(a, b) <= 16 *
   float32_ulp(b)`, which holds across the jaxlib versions and kernels tried."""
   return rounding(float(np.finfo(np.float32).eps * jnp.max(jnp.abs(jnp.asarray(x)))))
+
+
+@contextlib.contextmanager
+def compiled_programs():
+  """Yields a list that collects the name of each XLA program compiled inside the block
+  (`jax.log_compiles`' messages, read from the "jax" logger)."""
+  names = []
+
+  class Collect(logging.Handler):
+    def emit(self, record):
+      found = re.match(r"Finished XLA compilation of (.+) in ", record.getMessage())
+      if found:
+        names.append(found.group(1))
+  handler, logger = Collect(), logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      yield names
+  finally:
+    logger.removeHandler(handler)
 
 
 def jaxpr_equations(jaxpr, into_loops=True):

@@ -15,7 +15,7 @@ from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingRunner, Re
                                     validate_inputs, weighted_score)
 from phoenix_flax.transformer import ContextCache
 
-from conftest import max_abs_diff
+from conftest import compiled_programs, max_abs_diff
 
 TRANSFORMER = TransformerConfig(emb_size=32, key_size=16, num_q_heads=2, num_kv_heads=1,
                                 num_layers=1, widening_factor=2.0, attn_output_multiplier=0.25)
@@ -553,6 +553,21 @@ def test_retrieval_runner_retrieve(retriever, corpus, monkeypatch):
   other, other_emb = _batch(RETRIEVAL, batch_size=3, num_candidates=9)
   retriever.retrieve(other, other_emb, top_k=10)
   assert retriever.trace_counts["retrieve"] == traces
+  # The user tower is encode_user's program (traced for a new batch shape), and a new k,
+  # mask form or corpus size traces the top-k program again, not the tower.
+  encoded, traces = retriever.trace_counts["encode_user"], retriever.trace_counts["retrieve"]
+  four, four_emb = _batch(RETRIEVAL, batch_size=4)
+  retriever.retrieve(four, four_emb, top_k=10)
+  assert retriever.trace_counts["encode_user"] == encoded + 1
+  encoded, traces = retriever.trace_counts["encode_user"], traces + 1
+  retriever.retrieve(batch, emb, top_k=11)
+  retriever.set_corpus(corpus_ND[:90], ids_N[:90])
+  np.testing.assert_array_equal(
+      retriever.retrieve(batch, emb, top_k=10).user_representation, out.user_representation)
+  assert retriever.trace_counts["encode_user"] == encoded
+  assert retriever.trace_counts["retrieve"] == traces + 2
+  np.testing.assert_array_equal(retriever.encode_user(batch, emb), out.user_representation)
+  retriever.set_corpus(corpus_ND, ids_N)   # the fixture is shared
 
 
 def test_encode_corpus_is_the_candidate_tower(retriever):
@@ -564,6 +579,17 @@ def test_encode_corpus_is_the_candidate_tower(retriever):
                                 flat(emb.candidate_author_embeddings))
   np.testing.assert_allclose(got, flat(expected), rtol=0, atol=1e-6)
   np.testing.assert_allclose(np.linalg.norm(got, axis=-1), 1.0, rtol=1e-5)
+  # Host arrays go to the device with a copy, compiling nothing (jnp.asarray of a NumPy
+  # array compiled a program per shape): a new N compiles the tower's program alone.
+  fresh = RetrievalRunner(retriever.model)   # (the fixture's corpus stays)
+  post, author = flat(emb.candidate_post_embeddings)[:5], flat(emb.candidate_author_embeddings)[:5]
+  with compiled_programs() as compiled:
+    vectors = fresh.encode_corpus(post, author)
+    fresh.set_corpus(np.asarray(vectors, np.float64), np.arange(1, 6))
+  assert len(compiled) == 1, compiled
+  assert fresh.corpus_embeddings.dtype == jnp.float32
+  np.testing.assert_array_equal(fresh.corpus_embeddings, vectors)
+  np.testing.assert_array_equal(fresh.corpus_post_ids, np.arange(1, 6))
 
 
 def test_a_device_corpus_stays_on_the_device():

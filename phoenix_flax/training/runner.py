@@ -73,7 +73,6 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -1061,4 +1060,4 @@ def load_run(run_dir: str, step: Optional[int] = None) -> LoadedRun:
   step = steps[-1] if step is None else _count("step", step, 0)
   trainer = Trainer(parse_config(cfg))
   state, _ = load_checkpoint(trainer, run_dir, step)
-  return LoadedRun(trainer.system(jax.tree.map(jnp.asarray, state.params)), trainer, step)
+  return LoadedRun(trainer.system(jax.device_put(state.params)), trainer, step)

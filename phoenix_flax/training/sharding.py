@@ -16,7 +16,6 @@ import threading
 from typing import Any, Iterator, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -135,8 +134,8 @@ class Placement:
     whole to one device first, and with no collective between processes (which
     `jax.device_put` of a host array runs to check that every process holds the same);
     without a mesh they go to the default device."""
-    if self.mesh is None:
-      return jax.tree.map(jnp.asarray, tree)
+    if self.mesh is None:   # (jnp.asarray would compile a program per leaf shape)
+      return jax.device_put(tree)
 
     def place(path, x):
       sharding = self._state_sharding(path, x, seed_axis=True)
