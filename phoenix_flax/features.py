@@ -54,7 +54,9 @@ def compute_post_age_bucket(impression_ts: Array, post_ts: Array,
   minutes = (impression_ts - post_ts) // 60
   top = POST_AGE_MAX_MINUTES // granularity_mins + 1
   bucket = jnp.clip(minutes // granularity_mins + 1, 0, top)
-  missing = (minutes < 0) | (impression_ts == 0) | (post_ts == 0)
+  # A newer post, found by comparing (`minutes < 0` in signed integers): unsigned ones
+  # wrap on the subtraction, and a post 10 minutes newer got the oldest bucket.
+  missing = (post_ts > impression_ts) | (impression_ts == 0) | (post_ts == 0)
   return jnp.where(missing, 0, bucket).astype(jnp.int32)
 
 
@@ -159,8 +161,9 @@ def lookup_hash_embeddings(table_ND: Array, hashes: Array) -> Array:
   """`table[hashes]` `[..., D]`, with hash 0 (padding) giving zeros and no gradient to row 0.
 
   Hashes outside `[0, num_buckets)` are an error when they are concrete (an eager call);
-  under `jit` they cannot be checked and are clipped to the table, so validate traced
-  ones before (the synthetic world draws them in range)."""
+  traced ones (under `jit`, `vmap` or `grad`) cannot be checked and are clipped to the
+  table: one too large reads the last row, a negative one row 0, unmasked (its gradient
+  reaches row 0). Validate them before (the synthetic world draws them in range)."""
   if not isinstance(hashes, jax.Array):   # a Python int or list, as hash_ids takes
     hashes = np.asarray(hashes)
   if jnp.ndim(table_ND) != 2:   # a [N] table broadcast its rows against the padding mask

@@ -178,8 +178,8 @@ class PhoenixRetrievalModel(eqx.Module):
     if corpus_ND.shape[1] != user_BD.shape[1]:
       raise ValueError(f"corpus_embeddings has dim {corpus_ND.shape[1]}, user representation "
                        f"has {user_BD.shape[1]}")
-    if not 1 <= top_k <= corpus_ND.shape[0]:
-      raise ValueError(f"top_k={top_k} must lie in [1, corpus size {corpus_ND.shape[0]}]")
+    # (an integer: True passed as 1, and 2.0 failed inside lax.top_k, or not, by the cache)
+    top_k = _count("top_k", top_k, 1, corpus_ND.shape[0], " (corpus size)")
     scores = self.scores(user_BD, corpus_ND)
     if corpus_mask is not None:
       N, B = corpus_ND.shape[0], user_BD.shape[0]

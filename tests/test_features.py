@@ -32,6 +32,16 @@ def test_post_age_bucket_floors_seconds_to_whole_minutes():
   assert [bucket(post=NOW - age) for age in ages_s] == [1, 1, 2, 2, 0]
 
 
+def test_post_age_bucket_of_unsigned_timestamps():
+  """uint32 epoch seconds: a post newer than the impression is bucket 0 as with int32 (the
+  subtraction wrapped, and it got the oldest bucket), and older ones age as usual."""
+  now = 1_700_000_000
+  for dtype in (np.uint32, np.int32):
+    found = pf.compute_post_age_bucket(np.array([[now]], dtype),
+                                       np.array([[now + 600, now - 3600, now]], dtype), 60)
+    np.testing.assert_array_equal(found, [[0, 2, 1]])
+
+
 def test_post_age_bucket_granularity():
   assert bucket(90, granularity=30) == 4
   assert bucket(10_000, granularity=30) == 4800 // 30 + 1

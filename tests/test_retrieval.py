@@ -172,11 +172,12 @@ def test_retrieve_checks_arguments():
     retrieve(user, corpus()[None], 3)
   with pytest.raises(ValueError, match="corpus_embeddings"):
     retrieve(user, corpus()[:, :16], 3)
-  too_many = rf"top_k={CORPUS + 1} must lie in \[1, corpus size {CORPUS}\]"
+  too_many = rf"top_k={CORPUS + 1} must be an integer in \[1, {CORPUS}\] \(corpus size\)"
   with pytest.raises(ValueError, match=too_many):   # ours, not lax.top_k's own error
     retrieve(user, corpus(), CORPUS + 1)
-  with pytest.raises(ValueError, match="top_k=0"):
-    retrieve(user, corpus(), 0)
+  for bad in (0, True, 2.0):   # True read as 1; 2.0 failed inside lax.top_k, or passed
+    with pytest.raises(ValueError, match=rf"top_k={bad!r} must be an integer"):
+      retrieve(user, corpus(), bad)
   whole = retrieve(user, corpus(), CORPUS)     # the whole corpus, best first
   np.testing.assert_array_equal(np.sort(whole.top_k_indices[0]), np.arange(CORPUS))
   assert np.all(np.diff(np.asarray(whole.top_k_scores), axis=1) <= 0)
