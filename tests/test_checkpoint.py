@@ -8,6 +8,7 @@ import gc
 import glob
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -840,15 +841,38 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   run_dir = str(tmp_path)
   path = tmp_path / "config.json"
   for text, why in (('{"task": "ranking", ', "Expecting"), ("[1, 2]", "a list, not an object"),
-                    ('{"task": 3}', "config.task=3 is invalid")):
+                    ('{"task": 3}', "config.task=3 is invalid"),
+                    ('{"model": 3}', "it names no task")):
     path.write_text(text)
     with pytest.raises(ConfigError, match=rf"config.json (cannot be read|is not a run's "
-                                          rf"config).*{why}.*delete it"):
+                                          rf"config).*{why}.*delete it, or the run's"):
       runner.check_run_dirs(config, run_dir)
-  path.write_text('{"model": 3}')   # a config, of another shape: every differing key counted
+  # A config, of another shape: every differing key counted.
+  path.write_text('{"task": "ranking", "model": 3}')
   with pytest.raises(ConfigError, match=r"differs in \[.model., .*\] and \d+ more: model 3 "
                                         r"there, absent here; [^;]*; [^;]*\)"):
     runner.check_run_dirs(config, run_dir)
+  # Beside files no run writes (another tool's model, say), it may be another tool's
+  # directory: deleting it is never said to lose nothing.
+  (tmp_path / "model.bin").write_bytes(b"weights")
+  for text, match in (('{"hidden_size": 768}', r"config.json is not a run's config \("
+                       r"ValueError: it names no task\); it also holds files that no run "
+                       r"wrote \(model.bin\), so it may be another tool's directory: use a "
+                       r"new or empty one$"),
+                      ('{"task": "ranking", "model": 3}', r"use another workdir: it also "
+                       r"holds files that no run wrote \(model.bin\), so it may be another "
+                       r"tool's directory$")):
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+      runner.check_run_dirs(config, run_dir)
+  # Beside checkpoints, deleting config.json alone would be refused next: restore it.
+  checkpoint.save(run_dir, 20, {"a": np.zeros(2, np.float32)})
+  path.write_text('{"task": "ranking", ')
+  with pytest.raises(ConfigError, match=r"cannot be read \(Expecting.*\); restore config.json, "
+                                        r"or delete the directory to train the run afresh"):
+    runner.check_run_dirs(config, run_dir)
+  os.remove(tmp_path / "model.bin")
+  shutil.rmtree(tmp_path / "checkpoint")
   # Another config, never checkpointed: deleting it loses nothing, and the error says so.
   other = ranking_configs.get_config("smoke")
   other.optim.learning_rate = 1e-4

@@ -314,9 +314,9 @@ def _read_run_file(path: str, advice: bool = True) -> dict:
     found = e
   if not isinstance(found, dict):
     what = found if isinstance(found, Exception) else f"a {type(found).__name__}, not an object"
-    fix = ("" if not advice else "; delete it" + (
-        " and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
-        else ", or the run's directory, to start the run afresh"))
+    fix = ("" if not advice else
+           "; delete it and the run resumes from its checkpoints" if path.endswith(RESULT_FILE)
+           else "; " + _unusable_config_advice(os.path.dirname(path)))
     raise ConfigError(f"{path} cannot be read ({what}){fix}")
   return found
 
@@ -350,6 +350,42 @@ def _ours(run_dir: str, name: str) -> bool:
   return os.path.isdir(path) and all(writers.is_temporary(n) for n in os.listdir(path))
 
 
+def _foreign_files(run_dir: str, with_config: bool = False) -> list[str]:
+  """What `run_dir` holds that no run writes before its first checkpoint: beyond its lock,
+  temporaries, seed folders and a checkpoint folder of temporaries (`_ours`), and, with
+  `with_config`, its config.json, metrics.jsonl and event files. [] for no directory."""
+  own = {LOCK_FILE} | ({CONFIG_FILE, writers.METRICS_FILE} if with_config else set())
+  try:
+    names = os.listdir(run_dir)
+  except (FileNotFoundError, NotADirectoryError):   # a new run (or a refused path)
+    return []
+  return sorted(name for name in names
+                if name not in own and not writers.is_temporary(name)
+                and not _SEED_DIR.fullmatch(name)
+                and not (name == checkpoint.CHECKPOINT_DIR and _ours(run_dir, name))
+                and not (with_config and name.startswith("events.out.tfevents.")))
+
+
+def _listed(names: list[str]) -> str:
+  more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+  return ", ".join(names[:5]) + more
+
+
+def _unusable_config_advice(run_dir: str) -> str:
+  """The way out for a run directory whose config.json is damaged or another tool's:
+  deleting the file alone leaves checkpoints or a result no config vouches for (refused
+  next), and a directory holding other files may be another tool's."""
+  if (checkpoint.available_steps(run_dir)
+      or os.path.exists(os.path.join(run_dir, RESULT_FILE))):
+    return (f"restore {CONFIG_FILE}, or delete the directory to train the run afresh (it "
+            "holds checkpoints or a result that this config alone vouches for)")
+  foreign = _foreign_files(run_dir, with_config=True)
+  if foreign:
+    return (f"it also holds files that no run wrote ({_listed(foreign)}), so it may be "
+            "another tool's directory: use a new or empty one")
+  return "delete it, or the run's directory, to start the run afresh"
+
+
 def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -> None:
   """Raises `ConfigError` if `run_dir` holds a run of another config, or checkpoints or a
   result without the config that made them; `locked`: this process holds its lock."""
@@ -371,26 +407,23 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
     # several); anything else is someone else's (`--workdir=~`, a folder of other logs),
     # and a fresh run would write among it, deleting event files and replacing
     # metrics.jsonl.
-    try:
-      foreign = sorted(name for name in os.listdir(run_dir)
-                       if name != LOCK_FILE and not writers.is_temporary(name)
-                       and not _SEED_DIR.fullmatch(name)
-                       and not (name == checkpoint.CHECKPOINT_DIR and _ours(run_dir, name)))
-    except (FileNotFoundError, NotADirectoryError):   # a new run (or a refused path)
-      return
+    foreign = _foreign_files(run_dir)
     if foreign:
-      more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
-      raise ConfigError(f"{run_dir} holds files that no run wrote ({', '.join(foreign[:5])}"
-                        f"{more}) and no {CONFIG_FILE}: a run's directory holds that run "
-                        "alone, and a new one would delete event files and replace "
-                        f"{writers.METRICS_FILE} there; use a new or empty directory")
+      raise ConfigError(f"{run_dir} holds files that no run wrote ({_listed(foreign)}) and "
+                        f"no {CONFIG_FILE}: a run's directory holds that run alone, and a "
+                        f"new one would delete event files and replace {writers.METRICS_FILE} "
+                        "there; use a new or empty directory")
     return
   stored = _read_run_file(path)
   try:
+    # Every run's config names its task (with_defaults would read a missing one as
+    # "ranking", and so take another tool's config.json, a model's say, for a run's).
+    if "task" not in stored:
+      raise ValueError("it names no task")
     stored = with_defaults(stored).to_dict()
   except (KeyError, TypeError, ValueError, AttributeError) as e:
-    raise ConfigError(f"{path} is not a run's config ({type(e).__name__}: {e}); delete it, "
-                      "or the run's directory, to start the run afresh") from e
+    raise ConfigError(f"{path} is not a run's config ({type(e).__name__}: {e}); "
+                      f"{_unusable_config_advice(run_dir)}") from e
   found = flatten(jsonable(stored), skip=RUNTIME_SECTIONS)
   wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
   # config.json holds the forward dtype a None resolved to on the platform that started
@@ -400,18 +433,23 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
   found[FPROP_KEY] = found.get(FPROP_KEY) or wanted[FPROP_KEY]
   diff = sorted(k for k in set(found) | set(wanted) if found.get(k) != wanted.get(k))
   if diff:
-    never = ("; another process is training it now" if not locked and _in_use(run_dir) else
-             "; it stopped before its first checkpoint, so deleting it loses nothing"
-             if not checkpoint.available_steps(run_dir)
-             and not os.path.exists(os.path.join(run_dir, RESULT_FILE)) else "")
+    advice = "use another workdir, or delete that run to start it again"
+    if not locked and _in_use(run_dir):
+      advice += "; another process is training it now"
+    elif not (checkpoint.available_steps(run_dir)
+              or os.path.exists(os.path.join(run_dir, RESULT_FILE))):
+      foreign = _foreign_files(run_dir, with_config=True)
+      advice = (f"use another workdir: it also holds files that no run wrote "
+                f"({_listed(foreign)}), so it may be another tool's directory" if foreign else
+                advice + "; it stopped before its first checkpoint, so deleting it loses "
+                "nothing")
     more = f" and {len(diff) - 8} more" if len(diff) > 8 else ""
     shown = lambda values, k: repr(values[k]) if k in values else "absent"
     values = "; ".join(f"{k} {shown(found, k)} there, {shown(wanted, k)} here" for k in diff[:3])
     dtype = (f"; it computed in {found[FPROP_KEY]}: pass --config.model.fprop_dtype="
              f"{found[FPROP_KEY]} to resume it here" if FPROP_KEY in diff else "")
     raise ConfigError(f"{run_dir} holds a run of another config (differs in {diff[:8]}{more}: "
-                      f"{values}){dtype}; use another workdir, or delete that run to start "
-                      f"it again{never}")
+                      f"{values}){dtype}; {advice}")
 
 
 def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
