@@ -447,7 +447,11 @@ def test_metrics_are_float32_and_the_same_with_x64_on():
   narrow = run()
   with jax.enable_x64(True):
     wide = run()
-  assert set(wide) == set(narrow)
+    # Float64 labels (a user's own, from NumPy) too: the log-loss came out float64.
+    labels = labels.astype(np.float64)
+    wide_labels = run()
+  assert set(wide) == set(narrow) == set(wide_labels)
   for name, v in narrow.items():
-    assert wide[name].dtype == v.dtype == np.float32, (name, wide[name].dtype)
-    np.testing.assert_array_equal(wide[name], v, err_msg=name)
+    for found in (wide, wide_labels):
+      assert found[name].dtype == v.dtype == np.float32, (name, found[name].dtype)
+      np.testing.assert_array_equal(found[name], v, err_msg=name)

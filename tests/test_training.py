@@ -108,8 +108,11 @@ def test_ranking_loss_is_weighted_masked_bce():
   bce = np.logaddexp(0, logits) - labels * logits
   expected = (bce * w * mask[..., None]).sum() / (mask.sum() * w.sum())
   np.testing.assert_allclose(ranking_loss(logits, labels, mask, w), expected, rtol=1e-5)
-  # The weights are relative: scaling them all leaves the loss as it is.
-  np.testing.assert_allclose(ranking_loss(logits, labels, mask, 3 * w), expected, rtol=1e-5)
+  # The weights are relative: scaling them all leaves the loss as it is (down to 1e-12,
+  # where a floor of 1e-9 on count * sum(w) made it 10 times too small).
+  for scale in (3.0, 1e-9, 1e-12):
+    np.testing.assert_allclose(ranking_loss(logits, labels, mask, scale * w), expected,
+                               rtol=1e-5)
   np.testing.assert_allclose(ranking_loss(logits, labels, mask),
                              bce[mask].mean(), rtol=1e-5)
 
@@ -123,6 +126,11 @@ def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
   y = (rng.random(64) < 0.5).astype(np.float32)
   np.testing.assert_array_equal(binary_cross_entropy(x, y),
                                 optax.sigmoid_binary_cross_entropy(x, y))
+  # Its gradient in the labels is -logit, at labels 0 and 1 as in between (for labels that
+  # are learned); replacing the terms of those labels by constants cut it there.
+  soft = jnp.asarray(np.where(np.arange(64) % 3 == 0, 0.5, y), jnp.float32)
+  np.testing.assert_allclose(jax.grad(lambda l: binary_cross_entropy(x, l).sum())(soft), -x,
+                             rtol=1e-5, atol=1e-6)
   labels = jnp.array([[[1.0], [0.0], [1.0]]])
   mask = jnp.array([[True, True, False]])
   want = float(ranking_loss(jnp.array([[[0.5], [-1.0], [0.0]]]), labels, mask))

@@ -15,12 +15,18 @@ def binary_cross_entropy(logits: Array, labels: Array) -> Array:
 
   The same values as `optax.sigmoid_binary_cross_entropy` for finite logits, and the
   limits at infinite ones: 0 where the label agrees, +inf where it does not (optax's
-  `0 * inf` gives NaN there, and so would `softplus(x) - y x`).
+  `0 * inf` gives NaN there, and so would `softplus(x) - y x`). Its gradient in the
+  labels is `-logit` (for soft labels learned, say), at labels 0 and 1 too.
   """
   logits = jnp.asarray(logits)
   labels = jnp.asarray(labels, logits.dtype)
-  agree_p = -jnp.where(labels == 0, 0.0, labels * jax.nn.log_sigmoid(logits))
-  return agree_p - jnp.where(labels == 1, 0.0, (1.0 - labels) * jax.nn.log_sigmoid(-logits))
+  # A log is set to 0 only where it is -inf and its label weight 0 (an infinite logit that
+  # agrees): replacing the whole term where the label is 0 or 1 also cut its derivative in
+  # the label.
+  log_p, log_q = jax.nn.log_sigmoid(logits), jax.nn.log_sigmoid(-logits)
+  log_p = jnp.where((labels == 0) & jnp.isneginf(log_p), 0.0, log_p)
+  log_q = jnp.where((labels == 1) & jnp.isneginf(log_q), 0.0, log_q)
+  return -labels * log_p - (1.0 - labels) * log_q
 
 
 def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
@@ -56,7 +62,9 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   per_BCA = binary_cross_entropy(logits, jnp.asarray(labels_BCA, jnp.float32))
   total = jnp.sum(jnp.where(kept, per_BCA * w_A, 0.0))
   count = jnp.sum(jnp.asarray(mask_BC, jnp.float32))
-  return total / jnp.maximum(count * jnp.sum(w_A), 1e-9)
+  # (A floor on the count alone: one on the product, 1e-9, rescaled the loss of weights
+  # summing below 1e-9 / count.)
+  return total / (jnp.maximum(count, 1.0) * jnp.sum(w_A))
 
 
 def is_positive(labels: Array) -> Array:

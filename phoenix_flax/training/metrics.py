@@ -74,6 +74,7 @@ def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
   """Mean binary cross-entropy with logits over valid candidates and all actions; an
   infinite logit counts its limit (0 where the label agrees, +inf where it does not)."""
   logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
+  labels_BCA = jnp.asarray(labels_BCA, jnp.float32)   # (float64 ones, under x64, promoted)
   bce_BCA = jax.nn.softplus(logits_BCA) - labels_BCA * logits_BCA
   plain = _masked_mean(bce_BCA, mask_BC)
   # `softplus(x) - y x` is inf - inf or 0 * inf at an infinite x: such entries take the
