@@ -700,7 +700,8 @@ class RetrievalRunner:
         who = "" if mask.ndim == 1 else f" for user {int(np.argmin(kept_B))}"
         raise ValueError(f"top_k={top_k} exceeds the {int(kept_B.min())} corpus items "
                          f"corpus_mask keeps{who}")
-      corpus_mask = jnp.asarray(mask, bool)
+      corpus_mask = (jnp.asarray(mask, bool) if on_device   # (as it is, if bool already)
+                     else jax.device_put(mask.astype(bool)))
     user_BD = self._encode(self.model, *_without_candidates(batch, embeddings))
     return self._retrieve(self.model, user_BD, self.corpus_embeddings, self.corpus_post_ids,
                           top_k, corpus_mask)

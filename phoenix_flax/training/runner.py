@@ -377,8 +377,8 @@ def _unusable_config_advice(run_dir: str) -> str:
   next), and a directory holding other files may be another tool's."""
   if (checkpoint.available_steps(run_dir)
       or os.path.exists(os.path.join(run_dir, RESULT_FILE))):
-    return (f"restore {CONFIG_FILE}, or delete the directory to train the run afresh (it "
-            "holds checkpoints or a result that this config alone vouches for)")
+    return (f"restore {CONFIG_FILE}, or delete the directory to train the run afresh (its "
+            "checkpoints or result are refused without the config that trained them)")
   foreign = _foreign_files(run_dir, with_config=True)
   if foreign:
     return (f"it also holds files that no run wrote ({_listed(foreign)}), so it may be "
