@@ -14,8 +14,8 @@ import pytest
 import phoenix_flax as pf
 from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
                                     sample_batch, true_logits, user_interest)
-from phoenix_flax.synthetic.sampling import MAX_AGE_S, _ages_s, _history_lengths
-from phoenix_flax.synthetic.world import history_weights
+from phoenix_flax.synthetic.sampling import MAX_AGE_S, _ages_s, _history_lengths, _randint
+from phoenix_flax.synthetic.world import UNIFORM_VALUES, history_weights, ids_in_topic
 from phoenix_flax.training.metrics import per_action_auc
 
 SMALL = WorldConfig(num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8,
@@ -408,6 +408,31 @@ def _fingerprint(tree) -> dict:
     total = np.sum(np.abs(x.astype(np.float64)).ravel() * (1 + np.arange(x.size) % 7))
     out[jax.tree_util.keystr(path)] = int(total) if x.dtype.kind in "biu" else float(total)
   return out
+
+
+def test_ids_and_hashes_beyond_a_float32_uniform_reach_every_integer():
+  """A float32 uniform takes 2**23 values, so ids and hashes drawn from one over a larger
+  range came from a grid: 2**26 post buckets held only every 8th bucket (the collisions
+  of 2**23), and of 3 * 2**23 users a sixth had ids not divisible by 3. Beyond 2**23
+  they come from jax.random.randint; below it, from the uniform as before."""
+  cfg = WorldConfig(num_users=8, num_posts=4096, num_authors=8, num_topics=2, latent_dim=4,
+                    post_buckets=2 ** 26)
+  hashes = np.asarray(make_world(cfg, jax.random.PRNGKey(0)).post_hashes_PK)
+  assert hashes.min() >= 1 and hashes.max() < 2 ** 26
+  assert len(np.unique((hashes - 1) % 8)) == 8   # every residue: no grid of step 8
+  u, key = jax.random.uniform(jax.random.PRNGKey(1), (60_000,)), jax.random.PRNGKey(2)
+  n = 3 * UNIFORM_VALUES
+  ids = np.asarray(jax.jit(_randint, static_argnums=(1, 2))(u, 0, n, key))
+  assert ids.min() >= 0 and ids.max() < n
+  np.testing.assert_allclose(np.bincount(ids % 3) / len(ids), 1 / 3, atol=0.02)
+  # Posts of one topic among 2 topics: every id of the topic, each residue alike.
+  posts = np.asarray(ids_in_topic(jnp.zeros(60_000, jnp.int32), 2 * n, 2, u, key))
+  assert np.all(posts % 2 == 0) and posts.max() < 2 * n
+  np.testing.assert_allclose(np.bincount(posts // 2 % 3) / len(posts), 1 / 3, atol=0.02)
+  # Up to 2**23 integers the uniform itself gives them (the draws of every preset).
+  np.testing.assert_array_equal(_randint(u, 0, 1000, key), np.floor(np.asarray(u) * 1000))
+  with pytest.raises(ValueError, match="needs a key"):
+    _randint(u, 0, n)
 
 
 def test_the_default_world_and_its_batches_are_unchanged():

@@ -88,7 +88,13 @@ class WorldConfig:
       `SplitConfig.list_correlation = 1`.
     post_age: whether positive actions decay with post age (visible to the model only
       through the timestamps); `age_decay_per_day` logits per day of age,
-      `mean_post_age_hours` the mean of the exponential age distribution.
+      `mean_post_age_hours` the mean of the exponential age distribution before its
+      ages are clipped to [1 minute, 80 hours] (the model's oldest post-age bucket,
+      `POST_AGE_MAX_MINUTES`), so that the ages' mean is about `m (1 - exp(-80 / m))`
+      hours for a set mean m: 11.98 at 12 and 15.89 at 16, but 55.07 at 100, where
+      exp(-0.8) = 45% of the ages sit at 80 hours.
+    Ids and hashes are drawn uniformly at any size (above 2**23 of them with
+    `jax.random.randint`: `world.uniform_below`).
   """
 
   num_users: int = 1000

@@ -9,7 +9,8 @@ probabilities and 0/1 labels, and finally the split's slot order and padding.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,9 @@ from jaxtyping import Array, PRNGKeyArray
 
 from phoenix_flax.config import _count
 from phoenix_flax.synthetic.config import SplitConfig
-from phoenix_flax.synthetic.world import (World, _float32, history_weights, ids_in_topic,
-                                          mix_interest, random_blocks, true_logits,
-                                          user_interest)
+from phoenix_flax.synthetic.world import (UNIFORM_VALUES, World, _float32, history_weights,
+                                          ids_in_topic, mix_interest, random_blocks,
+                                          true_logits, uniform_below, user_interest)
 from phoenix_flax.types import RecsysBatch
 
 IMPRESSION_EPOCH_S = 1_700_000_000
@@ -49,10 +50,12 @@ class SyntheticBatch(NamedTuple):
   interest: Array              # [B, L] float32
 
 
-def _randint(u: Array, lo, hi) -> Array:
-  """Integers uniform in [lo, hi) from uniforms u."""
-  n = jnp.asarray(hi) - jnp.asarray(lo)
-  return (lo + jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)).astype(jnp.int32)
+def _randint(u: Array, lo: int, hi: int, key: Optional[PRNGKeyArray] = None) -> Array:
+  """Integers uniform in [lo, hi) from uniforms u; over more than `UNIFORM_VALUES` of
+  them from `key` (`uniform_below`), which a range that large needs."""
+  if key is None and hi - lo > UNIFORM_VALUES:
+    raise ValueError(f"drawing among {hi - lo} integers needs a key (uniform_below)")
+  return (lo + uniform_below(u, hi - lo, hi - lo, key)).astype(jnp.int32)
 
 
 def _categorical(u: Array, logits: Array) -> Array:
@@ -112,7 +115,9 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   # of existing configs stay as they are.
   u = random_blocks(key, _float32(jax.random.uniform), uniform_shapes(B, S, C, A))
 
-  user_ids_B = _randint(u["user"], 0, c.num_users)
+  # (Keys folded from `key` draw the ids of worlds too large for a float32 uniform.)
+  fine = functools.partial(jax.random.fold_in, key)
+  user_ids_B = _randint(u["user"], 0, c.num_users, fine(1))
   topic_logits_BT = world.user_topic_logits_UT[user_ids_B]
   taste_BL = world.user_taste_UL[user_ids_B]
   bias_B = world.user_bias_U[user_ids_B]
@@ -121,11 +126,11 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   # History: a topic chain that jumps with topic_switch_prob, one post per step.
   s_S = jnp.arange(S)
   switch_BS = (u["switch"] < c.topic_switch_prob).at[:, 0].set(True)
-  drawn_BS = jnp.where(u["explore"] < c.explore_prob, _randint(u["explore_topic"], 0, T),
+  drawn_BS = jnp.where(u["explore"] < c.explore_prob, _randint(u["explore_topic"], 0, T, fine(2)),
                        _categorical(u["taste_topic"], topic_logits_BT[:, None, :]))
   last_switch_BS = jax.lax.cummax(jnp.where(switch_BS, s_S, 0), axis=1)
   topic_BS = jnp.take_along_axis(drawn_BS, last_switch_BS, axis=1)
-  hist_post_BS = ids_in_topic(topic_BS, P, T, u["hist_post"])
+  hist_post_BS = ids_in_topic(topic_BS, P, T, u["hist_post"], fine(3))
   hist_valid_BS = s_S < history_len_B[:, None]
 
   # History actions follow the link with the interest held just before each item.
@@ -133,7 +138,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   interest_BSL = mix_interest(world, taste_BL[:, None, :],
                               jnp.broadcast_to(prior_weights_SS, (B, S, S)),
                               world.post_vecs_PL[hist_post_BS][:, None, :, :])
-  hist_surface_BS = _randint(u["hist_surface"], 0, V)
+  hist_surface_BS = _randint(u["hist_surface"], 0, V, fine(4))
   hist_logits_BSA = true_logits(world, interest_BSL, hist_post_BS, hist_surface_BS,
                                 _hours(_ages_s(world, u["hist_age"])), bias_B[:, None])
   hist_actions_BSA = ((u["hist_action"] < jax.nn.sigmoid(hist_logits_BSA))
@@ -150,9 +155,9 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   rel_topic_BC = jnp.where(u["use_session"] < split.list_correlation, session_topic_B[:, None],
                            _categorical(u["rel_topic"], retrieval_logits_BT[:, None, :]))
   relevant_BC = u["relevant"] < split.relevant_fraction
-  post_BC = jnp.where(relevant_BC, ids_in_topic(rel_topic_BC, P, T, u["rel_post"]),
-                      _randint(u["rand_post"], 0, P))
-  surface_BC = _randint(u["surface"], 0, V)
+  post_BC = jnp.where(relevant_BC, ids_in_topic(rel_topic_BC, P, T, u["rel_post"], fine(5)),
+                      _randint(u["rand_post"], 0, P, fine(6)))
+  surface_BC = _randint(u["surface"], 0, V, fine(7))
   impression_ts_B = IMPRESSION_EPOCH_S + _randint(u["impression"], 0, IMPRESSION_SPAN_S)
   age_s_BC = _ages_s(world, u["age"])
   logits_BCA = true_logits(world, interest_BL[:, None, :], post_BC, surface_BC,

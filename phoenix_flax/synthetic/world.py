@@ -44,10 +44,28 @@ def _unit(x: Array) -> Array:
   return x / jnp.sqrt(jnp.maximum(jnp.sum(x * x, axis=-1, keepdims=True), 1e-12))
 
 
-def ids_in_topic(topic: Array, num_ids: int, num_topics: int, u: Array) -> Array:
-  """The id `topic + T * j` with j uniform among the ids of that topic (u in [0, 1))."""
+# A float32 uniform in [0, 1) takes 2**23 values (multiples of 2**-23), so `floor(u * n)`
+# reaches at most 2**23 of n integers: a draw among more comes from `jax.random.randint`.
+UNIFORM_VALUES = 2 ** 23
+
+
+def uniform_below(u: Array, n, bound: int, key: PRNGKeyArray) -> Array:
+  """int32 integers uniform in `[0, n)`, of u's shape (`n` an int, or an int array that
+  broadcasts against u, at most the static `bound`): `floor(u * n)` from the float32
+  uniforms `u`, or, where `bound` exceeds `UNIFORM_VALUES`, `jax.random.randint` of `key`
+  (u unused), so that every integer can come up. Below the bound the draws of existing
+  worlds stay as they were."""
+  if bound > UNIFORM_VALUES:
+    return jax.random.randint(key, jnp.shape(u), 0, n, dtype=jnp.int32)
+  return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+
+
+def ids_in_topic(topic: Array, num_ids: int, num_topics: int, u: Array,
+                 key: PRNGKeyArray) -> Array:
+  """The id `topic + T * j` with j uniform among the ids of that topic (u in [0, 1); `key`
+  draws j instead where a topic has more than `UNIFORM_VALUES` ids)."""
   count = (num_ids - 1 - topic) // num_topics + 1
-  j = jnp.minimum(jnp.floor(u * count).astype(jnp.int32), count - 1)
+  j = uniform_below(u, count, -(-num_ids // num_topics), key)
   return (topic + num_topics * j).astype(jnp.int32)
 
 
@@ -84,7 +102,10 @@ def _make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
       "author_hashes": (W, cfg.num_author_hashes)})
   topic_vecs_TL = _unit(z["topic"])
   post_topic_P = jnp.arange(P, dtype=jnp.int32) % T
-  post_author_P = ids_in_topic(post_topic_P, W, T, u["author_of_post"])
+  # (Keys folded from `key` draw the ids and hashes of worlds too large for a float32
+  # uniform, `uniform_below`.)
+  post_author_P = ids_in_topic(post_topic_P, W, T, u["author_of_post"],
+                               jax.random.fold_in(key, 1))
   post_vecs_PL = _unit(topic_vecs_TL[post_topic_P]
                        + cfg.author_style * z["author"][post_author_P] / jnp.sqrt(L)
                        + cfg.post_noise * z["post"] / jnp.sqrt(L))
@@ -92,8 +113,8 @@ def _make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
   negative_A = np.isin(np.arange(A), cfg.negative_actions)
   rates_A = jnp.asarray(cfg.base_rates, jnp.float32)
 
-  def hashes(u_NK, buckets):  # uniform in [1, buckets)
-    return jnp.minimum(1 + jnp.floor(u_NK * (buckets - 1)).astype(jnp.int32), buckets - 1)
+  def hashes(u_NK, buckets, tag):  # uniform in [1, buckets)
+    return 1 + uniform_below(u_NK, buckets - 1, buckets - 1, jax.random.fold_in(key, tag))
 
   return World(
       cfg=cfg,
@@ -109,9 +130,9 @@ def _make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
       quality_weight_A=0.25 + 0.75 * u["quality"],
       surface_effect_VA=cfg.surface_scale * z["surface"],
       action_sign_A=jnp.asarray(np.where(negative_A, -1.0, 1.0), jnp.float32),
-      user_hashes_UK=hashes(u["user_hashes"], cfg.user_buckets),
-      post_hashes_PK=hashes(u["post_hashes"], cfg.post_buckets),
-      author_hashes_WK=hashes(u["author_hashes"], cfg.author_buckets),
+      user_hashes_UK=hashes(u["user_hashes"], cfg.user_buckets, 2),
+      post_hashes_PK=hashes(u["post_hashes"], cfg.post_buckets, 3),
+      author_hashes_WK=hashes(u["author_hashes"], cfg.author_buckets, 4),
   )
 
 
