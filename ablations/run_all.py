@@ -76,7 +76,7 @@ def main(argv):
   if FLAGS.variants:
     sweep.usage_error("--variants selects variants of one ablation; run that "
                          "ablation's script instead")
-  workdir = FLAGS.workdir or sweep.default_workdir(FLAGS.preset)
+  workdir = sweep.workdir_from_flags()
   with sweep.exit_on_interrupt():   # a Ctrl-C while it checks the sweeps, too
     try:
       sweeps = make_sweeps(FLAGS.ablations, workdir)

@@ -517,7 +517,7 @@ class Sweep:
                        f"{ablation.name!r} sets it itself (its arms or conditions)")
     check_workdir(workdir)
     check_report_folder(workdir, lambda r: r.get("ablation") == ablation.name,
-                        f"the {ablation.name} sweep")
+                        f"the {ablation.name} sweep")   # (and again before writing)
     configs = [self.config(variant) for variant in self.variants]
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
       for cfg in configs:
@@ -638,6 +638,10 @@ class Sweep:
     if not writes_outputs():
       return results
     remove_temporaries(self.workdir, keep_live_writers=True)   # of a killed earlier writer
+    # Checked again: another sweep, started in this workdir while this one trained, may
+    # have written its report since (both passed the check at the start).
+    check_report_folder(self.workdir, lambda r: r.get("ablation") == self.ablation.name,
+                        f"the {self.ablation.name} sweep")
     path = os.path.join(self.workdir, "results.json")
     before = previous_results(self.workdir)
     lost_variants = sorted(set(before.get("variants") or ()) - set(results["variants"]))
@@ -948,7 +952,7 @@ flags.DEFINE_list("variants", [], "Comma-separated variants or arms to run (defa
                   "correction then covers fewer comparisons than the whole sweep's.")
 flags.DEFINE_multi_string("override", [],
                           "Config override for every variant, repeatable, e.g. "
-                          "--override=train.num_steps=500 --override=optim.warmup_steps=50. "
+                          "--override=train.num_steps=600 --override=optim.warmup_steps=50. "
                           "The ablated switch and the condition axes are set after it; "
                           "an override that every variant sets itself is refused.")
 flags.DEFINE_bool("reprobe", False,
@@ -999,6 +1003,16 @@ def default_workdir(preset: str, name: Optional[str] = None) -> str:
   return os.path.join(DEFAULT_ROOT, preset, *([name] if name else []))
 
 
+def workdir_from_flags(name: Optional[str] = None) -> str:
+  """--workdir, or `default_workdir` where the flag is left out. An empty one
+  (`--workdir=$WD` with WD unset) exits with a usage error: read as the default, it
+  trained into, and resumed from, the shared default folder."""
+  if FLAGS.workdir == "":
+    usage_error("--workdir is empty: give a directory, or leave the flag out for "
+                f"{default_workdir(FLAGS.preset, name)}")
+  return FLAGS.workdir or default_workdir(FLAGS.preset, name)
+
+
 def command_line() -> str:
   """The command that started this process, as `python -m module ...`."""
   spec = getattr(sys.modules.get("__main__"), "__spec__", None)
@@ -1015,7 +1029,7 @@ def where_to_look(report: str, workdir: str) -> str:
 def sweep_from_flags(ablation: Ablation, workdir: Optional[str] = None) -> Sweep:
   """A `Sweep` configured by the command-line flags."""
   return Sweep(ablation, FLAGS.preset,
-               workdir or FLAGS.workdir or default_workdir(FLAGS.preset, ablation.name),
+               workdir or workdir_from_flags(ablation.name),
                seeds=FLAGS.seeds, variants=FLAGS.variants,
                overrides=dict(parse_override(o) for o in FLAGS.override),
                command=command_line(), reprobe=FLAGS.reprobe)

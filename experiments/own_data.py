@@ -27,6 +27,7 @@ user's last impression is held out for evaluation:
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import sys
 import time
@@ -384,8 +385,11 @@ def main(argv) -> None:
   num_users = inspect.signature(make_logs).parameters["num_users"].default
   if FLAGS.num_steps < 10:
     usage_error(f"--num_steps={FLAGS.num_steps}: use at least 10")
-  if not FLAGS.init_scale > 0:
-    usage_error(f"--init_scale={FLAGS.init_scale}: must be > 0")
+  if not (math.isfinite(FLAGS.init_scale) and FLAGS.init_scale > 0):
+    usage_error(f"--init_scale={FLAGS.init_scale}: must be a finite number > 0")
+  if not FLAGS.workdir:
+    usage_error("--workdir is empty: give a directory, or leave the flag out for its "
+                "default")
   if not 1 <= FLAGS.batch_size <= num_users:
     usage_error(f"--batch_size={FLAGS.batch_size}: use 1 to {num_users}")
   if not 0 <= FLAGS.seed < 2 ** 32:

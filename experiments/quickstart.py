@@ -8,6 +8,8 @@ no meaning yet; the demo shows the calls and what they return.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import numpy as np
 
@@ -74,10 +76,14 @@ def retrieval_demo(corpus_size: int = 1000, top_k: int = 5) -> None:
     print(f"  user {b}: {items}")
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
+  if argv[1:]:   # it has no flags: a typo, or --help, would otherwise run the whole demo
+    print(f"error: experiments.quickstart takes no arguments, got {argv[1:]}\n"
+          f"{__doc__.strip()}", file=sys.stderr)
+    sys.exit(2)
   rank_demo()
   retrieval_demo()
 
 
 if __name__ == "__main__":
-  main()
+  main(sys.argv)

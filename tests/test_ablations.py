@@ -1190,6 +1190,15 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
   make(toy_ablation(), str(mine))
   with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
     make(toy_ablation(name="toy2"), str(mine))
+  # Two sweeps started at once in one folder both pass that check: the one that finishes
+  # second is refused when it comes to write, leaving the other's report as it was.
+  both = tmp_path / "both"
+  second = make(toy_ablation(name="toy2"), str(both))
+  make(toy_ablation(), str(both)).run()
+  written = (both / "results.json").read_text()
+  with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
+    second.run()
+  assert (both / "results.json").read_text() == written
   # run_all's combined report, made by run_all, and a damaged results.json are replaced.
   combined = tmp_path / "combined"
   run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
@@ -1221,9 +1230,13 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
           (["--override=model.num_layerz=2"], "num_layerz"),
           (["--override=model.num_kv_heads=1"], "would change nothing"),
           (["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
-          ([f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory")],
+          ([f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory"),
+          # (--workdir=$WD with WD unset trained into the default folder)
+          (["--workdir="], "--workdir is empty: give a directory, or leave the flag out "
+                           "for /tmp/phoenix_ablations/cpu/gqa_ratio")],
       "run_all": [
           ([f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
+          (["--workdir="], "--workdir is empty"),
           (["--ablations="], "--ablations is empty"),
           (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")]}
   with ForkServer(env, preload=["ablations.sweep"]) as server:

@@ -163,7 +163,9 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
 @pytest.mark.parametrize("flag, message", [
     ("--num_steps=5", "--num_steps=5: use at least 10"),
     ("--batch_size=0", "--batch_size=0: use 1 to 2000"),
-    ("--init_scale=0", "--init_scale=0.0: must be > 0"),
+    ("--init_scale=0", "--init_scale=0.0: must be a finite number > 0"),
+    ("--init_scale=inf", "--init_scale=inf: must be a finite number > 0"),   # (a traceback)
+    ("--workdir=", "--workdir is empty"),   # (a traceback from os.makedirs(''))
     ("--seed=-1", "--seed=-1: use 0 to 2**32 - 1"),
     ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written"),
     # an experiments.run run directory, whose checkpoints the example's save would replace

@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import ablations
 from conftest import needs_flax, subprocess_env
 from phoenix_flax import haiku_compat
@@ -245,6 +247,17 @@ def test_quickstart_runs():
   assert "user 1:" in result.stdout
   diff = float(re.search(r"all at once = (\S+)", result.stdout).group(1))
   assert diff <= 1e-5
+
+
+def test_quickstart_refuses_arguments(capsys):
+  """It has no flags: a typo, or --help, ran the whole demo."""
+  from experiments import quickstart
+  with pytest.raises(SystemExit) as exit:
+    quickstart.main(["quickstart", "--help"])
+  assert exit.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: experiments.quickstart takes no arguments, got ['--help']")
+  assert "python -m experiments.quickstart" in err
 
 
 def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
