@@ -436,8 +436,8 @@ def _check_train(c: ml_collections.ConfigDict, world: WorldConfig) -> Optional[t
          "retrieval.positive_action alone, so leave it None")
   if t.action_weights is not None:
     weights = tuple(t.action_weights) if isinstance(t.action_weights, (tuple, list)) else ()
-    # (Only their ratios matter. The bounds keep the loss's float32 sums finite: 1e39
-    # became inf, and the loss NaN; a sum under 1e-6 met the loss's 1e-9 floor.)
+    # (Only their ratios matter. The bounds keep the loss's float32 products and sums
+    # finite and far from float32's smallest numbers: 1e39 became inf, and the loss NaN.)
     _check(len(weights) == world.num_actions
            and all(_is_num(w) and 0 <= w <= MAX_ACTION_WEIGHT for w in weights)
            and sum(weights) >= 1e-6, "train.action_weights", t.action_weights,
