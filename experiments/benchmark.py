@@ -441,8 +441,15 @@ def run_benchmark(names: Sequence[str], cases: dict[str, Case] = CASES, iters: i
   if train:
     report["training"] = [training_throughput(p, n, train_rounds, train_chunks)
                           for p, n in train]
-  report["process_max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  report["process_max_rss_bytes"] = max_rss_bytes()
   return report
+
+
+def max_rss_bytes() -> int:
+  """This process's peak resident memory in bytes (`ru_maxrss` counts bytes on macOS and
+  KiB on Linux)."""
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return rss if sys.platform == "darwin" else rss * 1024
 
 
 def _mib(size: float) -> float:

@@ -166,6 +166,16 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert ("persistent compilation cache was on" in table) is report["persistent_compilation_cache"]
 
 
+def test_max_rss_is_in_bytes_on_linux_and_macos(monkeypatch):
+  """`ru_maxrss` counts KiB on Linux and bytes on macOS: times 1024 on macOS read 1024
+  times the memory used."""
+  usage = types.SimpleNamespace(ru_maxrss=2048)
+  monkeypatch.setattr(benchmark.resource, "getrusage", lambda who: usage)
+  for platform, expected in (("linux", 2048 * 1024), ("darwin", 2048)):
+    monkeypatch.setattr(benchmark.sys, "platform", platform)
+    assert benchmark.max_rss_bytes() == expected
+
+
 def test_a_training_only_report_prints_no_forward_table():
   """With no forward configuration (`--configs=`, as the README's training command runs)
   the table names no forward timing that never ran, and says how the training rows were
