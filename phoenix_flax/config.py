@@ -77,6 +77,14 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
   return jax.random.key_data(jax.random.key(0, impl=impl)).shape
 
 
+def _nnx_hint(model: Any) -> str:
+  """The way out, for a TypeError's message, where a Flax NNX wrapper was passed in place
+  of its Equinox model (a runner's or the Haiku export's); "" for anything else."""
+  if not type(model).__name__.startswith("NNX"):
+    return ""
+  return "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
+
+
 def _check_key(owner: str, key: Any) -> None:
   """A TypeError naming `owner`'s `key` argument unless it is a PRNG key: a typed one
   (`jax.random.key(seed)`) or the raw `uint32` key data of `jax.random.PRNGKey(seed)`

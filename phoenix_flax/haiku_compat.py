@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig,
-                                 TransformerConfig, field_default)
+                                 TransformerConfig, _nnx_hint, field_default)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 
@@ -361,12 +361,14 @@ def retrieval_model_from_haiku(params: Mapping, config: PhoenixRetrievalModelCon
 def ranking_model_to_haiku(model: PhoenixModel) -> Params:
   """The model's parameters as a release-named Haiku tree (see module docstring)."""
   if not isinstance(model, PhoenixModel):
-    raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}")
+    raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}"
+                    + _nnx_hint(model))
   return _to_tree(model, _ranking_slots(model), "PhoenixModel")
 
 
 def retrieval_model_to_haiku(model: PhoenixRetrievalModel) -> Params:
   """The model's parameters as a release-named Haiku tree (see module docstring)."""
   if not isinstance(model, PhoenixRetrievalModel):
-    raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}")
+    raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}"
+                    + _nnx_hint(model))
   return _to_tree(model, _retrieval_slots(model), "PhoenixRetrievalModel")

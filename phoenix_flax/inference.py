@@ -24,7 +24,7 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from phoenix_flax import xla_options
 from phoenix_flax.config import (PhoenixModelConfig, PhoenixRetrievalModelConfig,
-                                 _beyond_int32, _count)
+                                 _beyond_int32, _count, _nnx_hint)
 from phoenix_flax.ranking import PhoenixModel
 from phoenix_flax.retrieval import PhoenixRetrievalModel
 from phoenix_flax.transformer import ContextCache, check_cache
@@ -41,7 +41,6 @@ ACTIONS = (
 NEGATIVE_ACTIONS = ACTIONS[14:18]
 PRIMARY_ACTION = 0  # favorite_score orders the ranking, as released
 
-_NNX_HINT = "; convert an NNX wrapper with phoenix_flax.flax_nnx.to_equinox(model) first"
 
 
 def _check_float32_params(owner: str, model) -> None:
@@ -424,7 +423,7 @@ class RankingRunner:
   def __init__(self, model: PhoenixModel):
     if not isinstance(model, PhoenixModel):
       raise TypeError(f"model must be a PhoenixModel, got {type(model).__name__}"
-                      + _NNX_HINT * (type(model).__name__.startswith("NNX")))
+                      + _nnx_hint(model))
     _check_float32_params("RankingRunner", model)
     self.model = model
     self.trace_counts = collections.Counter()
@@ -591,7 +590,7 @@ class RetrievalRunner:
   def __init__(self, model: PhoenixRetrievalModel):
     if not isinstance(model, PhoenixRetrievalModel):
       raise TypeError(f"model must be a PhoenixRetrievalModel, got {type(model).__name__}"
-                      + _NNX_HINT * (type(model).__name__.startswith("NNX")))
+                      + _nnx_hint(model))
     _check_float32_params("RetrievalRunner", model)
     self.model = model
     self.corpus_embeddings: Optional[Array] = None

@@ -16,6 +16,7 @@ from conftest import (forward, import_error, needs_flax, ranking_config, retriev
                       transformer_config)
 
 import phoenix_flax as pf
+from phoenix_flax import haiku_compat
 from experiments.configs import ranking as ranking_configs
 from phoenix_flax.training import (RetrievalSystem, Trainer, make_optimizer, make_schedule,
                                    make_system, parse_config, ranking_loss)
@@ -440,5 +441,7 @@ def test_methods_and_fields_follow_the_parameters():
       setattr(model, name, None)
   model.params.final_norm.scale[...] = 2.0   # as the message says
   assert bool(jnp.all(flax_nnx.to_equinox(model).final_norm.scale == 2.0))
-  with pytest.raises(TypeError, match="flax_nnx.to_equinox"):
-    pf.RankingRunner(model)
+  for refuses in (pf.RankingRunner, haiku_compat.ranking_model_to_haiku):
+    with pytest.raises(TypeError, match="got NNXPhoenixModel; convert an NNX wrapper with "
+                                        "phoenix_flax.flax_nnx.to_equinox"):
+      refuses(model)
