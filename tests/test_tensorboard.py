@@ -71,6 +71,9 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
       content["_hparams_/session_start_info"]).session_start_info
   assert start.hparams["model.num_layers"].number_value == 1
   assert start.hparams["model.norm_layout"].string_value == "sandwich"
+  # A field that may be None is a string, set or not (one column type across runs).
+  assert start.hparams["model.attn_logit_cap"].string_value == "30.0"
+  assert start.hparams["model.post_age_granularity_mins"].string_value == "None"
   assert "ranking.top_k" in start.hparams and "mesh.num_devices" not in start.hparams
   assert not any(name.startswith("retrieval.") for name in start.hparams)  # never read
   assert start.group_name == ""   # one seed in the workdir itself: a group of its own
@@ -267,14 +270,15 @@ def _post_json(url: str, body: dict) -> dict:
 def test_tensorboard_server_serves_the_run_scalars(run_dir):
   """The run's scalars, and an HParams view that compares it with a second run: the
   hparams that differ come first, a cap that is 30.0 in one run and None in the other
-  is one string column, and the scalars are the metrics."""
+  is one string column whose filter finds either (with the cap a number in one run, the
+  filter on "30.0" found no run), and the scalars are the metrics."""
   port = _free_port()
   logdir = os.path.dirname(run_dir)
   with open(os.path.join(run_dir, "config.json")) as f:
     hparams = schema.hparams(json.load(f))
   hparams = {k: tuple(v) if isinstance(v, list) else v for k, v in hparams.items()}  # as run
   other = RunWriter(os.path.join(logdir, "other_run"),
-                    {**hparams, "model.attn_logit_cap": None, "model.num_layers": 3}, None)
+                    {**hparams, "model.attn_logit_cap": "None", "model.num_layers": 3}, None)
   other.log(10, {"train/loss": 1.0, "eval/auc_mean": 0.6}, 1.0)
   other.close(finished=True)
   proc = subprocess.Popen(
@@ -282,7 +286,7 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
        "--port", str(port), "--reload_interval", "1"],
       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
-  tags, experiment = {}, {}
+  tags, experiment, groups = {}, {}, {}
   try:
     deadline = time.monotonic() + SERVER_WAIT_S
     while time.monotonic() < deadline:
@@ -297,6 +301,14 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
       time.sleep(0.5)
     experiment = _post_json(f"http://127.0.0.1:{port}/data/plugin/hparams/experiment",
                             {"experimentName": ""})
+    # What the dashboard sends when a value of the cap's filter is ticked alone.
+    groups = {cap: _post_json(
+        f"http://127.0.0.1:{port}/data/plugin/hparams/session_groups",
+        {"experimentName": "", "startIndex": 0, "sliceSize": 10,
+         "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE",
+                             "STATUS_RUNNING"],
+         "colParams": [{"hparam": "model.attn_logit_cap", "filterDiscrete": [cap]}]})
+        for cap in ("30.0", "None")}
   finally:
     proc.terminate()
     try:
@@ -310,6 +322,8 @@ def test_tensorboard_server_serves_the_run_scalars(run_dir):
   assert differing == ["model.attn_logit_cap", "model.num_layers"], differing
   assert [h["name"] for h in infos[:2]] == differing
   assert infos[0]["type"] == "DATA_TYPE_STRING" and infos[1]["type"] == "DATA_TYPE_FLOAT64"
+  for cap, found in groups.items():
+    assert found.get("totalSize") == 1, (cap, found)
   metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
   assert {"train/loss", "eval/auc_mean", "eval/auc/favorite_score"} <= metrics, metrics
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from typing import Any, Mapping, Optional
@@ -616,13 +617,38 @@ def _other_model_switches(task: str) -> set[str]:
   return _fields(other) - _fields(own) - _fields(TransformerConfig)
 
 
+@functools.lru_cache(maxsize=None)
+def _nullable_paths(task: str) -> frozenset:
+  """The dotted paths of `task`'s schema fields that take None or a value (`nullable`)."""
+  found = set()
+
+  def walk(prefix: str, node: ml_collections.ConfigDict) -> None:
+    for key in node.keys():
+      if isinstance(node[key], ml_collections.ConfigDict):
+        walk(f"{prefix}{key}.", node[key])
+      elif node.get_type(key) is object:
+        found.add(f"{prefix}{key}")
+  walk("", base_config(task))
+  return frozenset(found)
+
+
 def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
   """The settings a run logs as its TensorBoard hparams: every leaf of the config but the
   runtime sections, the other task's section and the other task's model switches (a
-  retrieval run has no `candidate_isolation`), which the run never reads."""
+  retrieval run has no `candidate_isolation`), which the run never reads.
+
+  A field that takes None or a value (`nullable`: the soft cap, say) is logged as a string
+  in every run ("30.0", "None"): TensorBoard types a column over all runs, and a column
+  of numbers and "None" became a string column whose filter, comparing strings, hid
+  every numeric run."""
   other = "retrieval" if config["task"] == "ranking" else "ranking"
   skip = {f"model.{k}" for k in _other_model_switches(config["task"])}
-  return {k: v for k, v in flatten(config, skip=RUNTIME_SECTIONS + (other,)).items()
+  nullable = _nullable_paths(config["task"])
+  # (the extra evaluation splits' fields are the eval split's)
+  is_nullable = lambda k: (k in nullable or k.startswith("extra_eval_splits.")
+                           and "eval_split." + k.rsplit(".", 1)[-1] in nullable)
+  return {k: str(v) if is_nullable(k) else v
+          for k, v in flatten(config, skip=RUNTIME_SECTIONS + (other,)).items()
           if k not in skip}
 
 

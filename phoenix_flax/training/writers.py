@@ -274,8 +274,9 @@ class RunWriter:
   "perf/...", and on evaluation steps "eval/..." and "<split>/..."}`. TensorBoard gets the
   same scalars (tags from `tensorboard_tag`) plus the run's hparams (HParams dashboard).
   Only the session's hparams are written, no experiment summary: TensorBoard then derives
-  the experiment from every run under its logdir, types each hparam over all of them (a
-  cap of 30.0 in one run and None in another is a string column), marks the hparams that
+  the experiment from every run under its logdir, types each hparam over all of them (so
+  `schema.hparams` gives a field that may be None a string in every run: numbers beside
+  "None" made a string column whose filter hid the numbers), marks the hparams that
   differ between runs and lists them first, and offers every scalar as a metric. A summary
   per run would make it take one run's, in which nothing differs.
   Events are written in the calling thread (no background queue), so that `flush` puts
