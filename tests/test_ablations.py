@@ -297,6 +297,32 @@ def test_the_committed_results_are_what_the_analysis_computes(path):
   assert json.loads(json.dumps(got)) == {k: results[k] for k in got}
 
 
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))
+def test_the_committed_reports_are_what_their_results_render(path):
+  """Each docs/results/<ablation>/REPORT.md is `report.markdown` of its results.json, with
+  the plots it lists: every number, column and verdict in the tables the README quotes
+  comes from the results, in the place the header says."""
+  from ablations import rerender
+  folder = os.path.dirname(path)
+  with open(path) as f:
+    results = json.load(f)
+  with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+    committed = f.read()
+  plots = rerender._listed_plots(os.path.join(folder, "REPORT.md"), folder)
+  assert report.markdown(results, plots) == committed
+
+
+def test_the_committed_combined_report_is_what_the_sweeps_render():
+  folder = os.path.join(REPO, "docs", "results")
+  with open(os.path.join(folder, "results.json")) as f:
+    entries = list(json.load(f).items())
+  with open(os.path.join(folder, "REPORT.md"), encoding="utf-8") as f:
+    committed = f.read()
+  command = re.search(r"^Command:\n\n    (.*)$", committed, re.M).group(1)
+  (preset,) = {results["preset"] for _, results in entries}
+  assert report.combined_markdown(entries, folder, preset, command) == committed
+
+
 def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path):
   """`python -m ablations.rerender` on a copy of docs/results (results.json, REPORT.md and
   plots only): each sweep's statistics are computed again from its per-seed values, its

@@ -184,6 +184,7 @@ def test_ndcg_and_recall_match_reference(seed, C, levels):
   relevant = rng.random((B, C)) < 0.3
   mask = rng.random((B, C)) < 0.8
   gains[4] = 0  # a list without gain is skipped
+  relevant[3] = False  # and one without a relevant candidate (recall averages the others)
   ndcgs, recalls = [], []
   for b in range(B):
     idx = np.flatnonzero(mask[b])
@@ -303,6 +304,28 @@ def test_ranking_metrics_bayes_and_keys():
   assert float(worse["auc_gap"]) > 0.1
   assert {"calibration_error", "recall@5", "bayes_recall@5", "auc/dwell_time",
           "bayes_auc/report_score", "num_valid_actions"} <= set(out)
+  # The favorite's list AUC ranks each list by its true favorite probability.
+  F = pf.ACTIONS.index("favorite_score")
+  per_list = [pairwise_auc(probs[b, :, F][mask[b]], labels[b, :, F][mask[b]],
+                           np.ones(mask[b].sum())) for b in range(B)]
+  assert float(out["bayes_list_auc"]) == pytest.approx(
+      np.mean([auc for auc, ok in per_list if ok]), abs=1e-6)
+  assert float(worse["bayes_list_auc"]) == float(out["bayes_list_auc"])
+  assert float(worse["list_auc"]) == pytest.approx(1 - float(out["list_auc"]), abs=1e-6)
+
+
+def test_bayes_logloss_clips_the_true_probabilities_at_1e_7():
+  """Certain true probabilities (0 or 1, a world's hard actions) give a finite Bayes
+  log-loss: they are clipped to [1e-7, 1 - 1e-7] (in float32), no further."""
+  probs = np.array([[[0.0, 1.0, 1e-9, 1e-5, 0.3], [1.0, 0.0, 1e-6, 0.999, 0.5]]], np.float32)
+  labels = np.array([[[0, 1, 1, 0, 1], [0, 1, 0, 1, 0]]], np.float32)
+  mask = np.ones((1, 2), bool)
+  out = ranking_metrics_jit(np.zeros_like(probs), labels, probs, mask,
+                            action_names=tuple("abcde"))
+  p = np.clip(probs, np.float32(1e-7), np.float32(1 - 1e-7)).astype(np.float64)
+  want = -np.mean(labels * np.log(p) + (1 - labels) * np.log1p(-p))
+  assert np.isfinite(float(out["bayes_logloss"]))
+  assert float(out["bayes_logloss"]) == pytest.approx(want, rel=1e-4)
 
 
 def test_list_auc_is_the_mean_of_each_lists_own_auc():

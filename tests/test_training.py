@@ -371,9 +371,12 @@ def test_retrieval_evaluation_loss_is_the_mean_over_all_users_with_a_positive():
 def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
   """`eval/recall@K`: per evaluation user with a positive, the share of its positives whose
   post is among the K best-scored corpus items (a brute-force sort here), averaged over
-  those users of every batch; users without a positive count for nothing."""
+  those users of every batch; users without a positive count for nothing. `eval/auc` and
+  `eval/bayes_auc` pool every valid candidate of those batches, labelled by the positive
+  action (here not the default one), scored by the model and by its true probability."""
   cfg = retrieval_configs.get_config("smoke")
   cfg.model.fprop_dtype = "float32"        # (bfloat16 scores, the GPU default, tie often)
+  cfg.retrieval.positive_action = 1
   spec = parse_config(cfg)
   trainer = Trainer(spec)
   state = trainer.init([0])
@@ -388,12 +391,20 @@ def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
     user_BD, _ = system.user_forward(sb.batch)
     corpus_ND = system.corpus_representation(post_h, author_h)
     positive = (sb.labels[..., a] > 0) & sb.candidate_mask
-    return user_BD @ corpus_ND.T, sb.candidate_post_ids, positive
+    cand_BCD, _ = system.candidate_representation(sb.batch)
+    own_BC = jnp.einsum("bd,bcd->bc", user_BD, cand_BCD)
+    return (user_BD @ corpus_ND.T, sb.candidate_post_ids, positive, own_BC,
+            sb.probs[..., a], sb.candidate_mask)
 
   per_user = {k: [] for k in spec.config.retrieval.recall_k}
   without = 0
+  pooled = {"own": [], "probs": [], "positive": []}
   for key in eval_keys(spec.config):
-    s_BN, ids_BC, positive_BC = map(np.asarray, scores(system, key))
+    s_BN, ids_BC, positive_BC, own_BC, probs_BC, mask_BC = map(np.asarray,
+                                                               scores(system, key))
+    pooled["own"].append(own_BC[mask_BC])
+    pooled["probs"].append(probs_BC[mask_BC])
+    pooled["positive"].append(positive_BC[mask_BC])
     for s_N, ids_C, pos_C in zip(s_BN, ids_BC, positive_BC):
       if not pos_C.any():
         without += 1
@@ -404,6 +415,12 @@ def test_retrieval_recall_is_the_mean_over_the_users_with_a_positive():
   assert without > 0     # the check tells a mean over every user apart
   for k, values in per_user.items():
     assert float(got[f"eval/recall@{k}"][0]) == pytest.approx(np.mean(values), rel=1e-5), k
+  pooled = {name: np.concatenate(parts) for name, parts in pooled.items()}
+  for name, key in (("own", "eval/auc"), ("probs", "eval/bayes_auc")):
+    pos, neg = pooled[name][pooled["positive"]], pooled[name][~pooled["positive"]]
+    diff = pos[:, None].astype(np.float64) - neg[None, :]
+    want = np.mean((diff > 0) + 0.5 * (diff == 0))
+    assert float(got[key][0]) == pytest.approx(want, abs=2e-5), key
 
 
 def test_the_evaluations_references_are_computed_once_per_trainer():
@@ -432,6 +449,8 @@ def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
   (`popularity_keys`); posts tied with the K-th share its places. It depends on no
   parameter, so every seed reads the same."""
   spec = parse_config(retrieval_configs.get_config("smoke"))
+  keys = lambda fn: {tuple(k) for k in np.asarray(fn(spec.config)).tolist()}
+  assert not keys(popularity_keys) & keys(eval_keys)   # counted on other lists
   trainer = Trainer(spec)
   got = trainer.evaluate(trainer.init([0, 1]))
   a, N = spec.config.retrieval.positive_action, spec.world.num_posts
