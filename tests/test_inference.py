@@ -153,6 +153,12 @@ def test_rank_orders_by_favorite_with_padding_last(ranker):
   np.testing.assert_array_equal(chunked.ranked_indices, out.ranked_indices)
   with pytest.raises(ValueError, match="valid names: favorite_score, reply_score"):
     out.action("like_score")
+  A = scores.shape[-1]
+  few = out._replace(scores=out.scores[..., :A - 1])   # a model of A - 1 actions
+  np.testing.assert_array_equal(few.action(ACTIONS[A - 2]), scores[..., A - 2])
+  with pytest.raises(ValueError, match=rf"has index {A - 1}, the model predicts only "
+                                       rf"{A - 1} actions"):
+    few.action(ACTIONS[A - 1])
 
 
 def test_ranking_puts_padding_last_in_slot_order(ranker):
@@ -697,6 +703,11 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
   everything = runner.retrieve(batch, emb, top_k=100)    # the whole corpus is allowed
   for row in np.asarray(everything.top_k_indices):
     assert sorted(row.tolist()) == list(range(100))
+  for where in (np.asarray, jnp.asarray):   # and as many as the mask keeps
+    got = runner.retrieve(batch, emb, top_k=2, corpus_mask=where(few))
+    assert np.all(np.sort(np.asarray(got.top_k_indices), axis=-1) == [4, 9])
+    got = runner.retrieve(batch, emb, top_k=2, corpus_mask=where(per_user))
+    np.testing.assert_array_equal(np.sort(np.asarray(got.top_k_indices)[1]), [0, 1])
 
 
 def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):

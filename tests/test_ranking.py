@@ -12,7 +12,7 @@ import pytest
 import phoenix_flax as pf
 from conftest import (EMB, NUM_ACTIONS, call, float32_ulp, forward, index_candidates,
                       jaxpr_equations, layer, make_batch, max_abs_diff, ranking_config,
-                      transformer_config)
+                      retrieval_config, transformer_config)
 from phoenix_flax import haiku_compat
 from phoenix_flax.layers import apply_rope
 from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS
@@ -279,6 +279,32 @@ def test_project_parts_equals_the_concatenated_product():
     pf.ranking.project_parts(parts[:2], proj)
   with pytest.raises(ValueError, match="have 24 features"):
     pf.ranking.project_parts(parts + parts[2:], proj)
+
+
+def test_parameters_outside_the_transformer_start_at_the_documented_scales():
+  """docs/models.md: each projection outside the transformer draws a standard deviation of
+  1/sqrt(its input width) (the first axis: `action_projection` 1/sqrt(A), `unembeddings`
+  1/sqrt(D), the candidate tower's two projections), each embedding table 1/sqrt(D)."""
+  tc = transformer_config(emb_size=128, key_size=32)
+  models = [pf.PhoenixModel(ranking_config(transformer=tc, post_age_granularity_mins=10,
+                                           dwell_time_norm=pf.NormConfig(),
+                                           dwell_hidden_size=64, num_continuous_actions=8),
+                            key=jax.random.key(0)),
+            pf.PhoenixRetrievalModel(retrieval_config(transformer=tc), key=jax.random.key(0))]
+  checked = set()
+  for model in models:
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
+    for path, w in leaves:
+      name = jax.tree_util.keystr(path)
+      if ".transformer" in name or ".final_norm" in name or w.size < 500:
+        continue
+      fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
+      tol = max(0.03, 5 / np.sqrt(w.size))
+      assert np.std(np.asarray(w)) == pytest.approx(1 / np.sqrt(fan_in), rel=tol), name
+      checked.add(name.rsplit(".", 1)[-1])
+  assert {"action_projection", "unembeddings", "proj_mat_1", "proj_mat_2", "proj_mat_3",
+          "product_surface_embedding_table", "post_age_embedding_table", "dwell_proj_2",
+          "continuous_unembeddings", "projection_1", "projection_2"} <= checked, checked
 
 
 def test_later_release_features():

@@ -103,6 +103,21 @@ def test_forward_shapes_unit_norm_and_sorted_top_k():
   np.testing.assert_allclose(scores, np.take_along_axis(full, idx, axis=1), atol=1e-5)
 
 
+def test_user_forward_diagnostics_are_the_user_towers():
+  """`user_forward`'s diagnostics (which retrieval training logs) are its transformer's on
+  the user's context tokens: each layer's max |attention logit| and residual RMS."""
+  model, batch, emb = model_and_batch(history_valid=[4, 1])
+
+  def both(model, batch, emb):
+    _, _, diag = model.user_forward(batch, emb)
+    return diag, model.transformer(*pf.ranking.context_tokens(model, batch, emb))
+  diag, out = call(both, model, batch, emb)
+  assert diag.max_abs_attn_logit.shape == (model.config.model.num_layers,)
+  np.testing.assert_array_equal(diag.max_abs_attn_logit, out.max_abs_attn_logit)
+  np.testing.assert_array_equal(diag.residual_rms, out.residual_rms)
+  assert np.all(np.asarray(diag.max_abs_attn_logit) != np.asarray(diag.residual_rms))
+
+
 def test_user_representation_ignores_padded_history():
   model, batch, emb = model_and_batch(history_valid=[2, 4])
   rep = lambda m, b, e: m.build_user_representation(b, e)
