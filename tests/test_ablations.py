@@ -91,6 +91,12 @@ def test_variants_are_arms_times_conditions():
       ["a_lo", "c_lo", "a_hi", "c_hi"]
   with pytest.raises(ValueError, match="unknown"):
     sweep.select(ab.variants("smoke"), ["zz"], "a")
+  # An arm that sets what a condition sets keeps its own value in every cell.
+  own = toy_ablation(conditions=lr_conditions,
+                     arms={"a": {}, "b": {"optim.learning_rate": 3e-4}})
+  for v in own.variants("smoke"):
+    assert v.overrides == ({"optim.learning_rate": 3e-4} if v.arm == "b" else
+                           lr_conditions("smoke")["lr"][v.cell]), v.name
 
 
 def test_ablation_validation():

@@ -145,7 +145,8 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert set(kv) == {2, 1} and kv[2] == 2 * kv[1]
   assert kv[1] == 2 * 1 * 1 * 64 * 5 * 4          # K and V, 1 layer, 1 head, d=64, N=5
   assert set(report["compile_scaling"]["seconds"]) == {"1", "2"}
-  assert report["compile_scaling"]["ratio"] > 0
+  scaling = report["compile_scaling"]
+  assert scaling["ratio"] == pytest.approx(scaling["seconds"]["2"] / scaling["seconds"]["1"])
   assert report["process_max_rss_bytes"] > 0
   assert report["machine"] == provenance.machine()
   assert report["code"] == provenance.running_code_version()
@@ -157,6 +158,25 @@ def test_run_benchmark_reports_every_field(tmp_path):
   table = benchmark.format_table(report)
   assert "| full |" in table and "| chunked |" in table and "compile time" in table
   assert f"({report['machine']})" in table.splitlines()[0]
+  # Each cell sits under its header, in the unit the header names.
+  cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+  lines = table.splitlines()
+  header = cells(next(line for line in lines if line.startswith("| config |")))
+  for name, r in report["configs"].items():
+    got = dict(zip(header, cells(next(line for line in lines
+                                      if line.startswith(f"| {name} |")))))
+    assert got["fast ms"] == f"{1e3 * r['fast']['median_s']:.1f}", name
+    assert got["dense ms"] == f"{1e3 * r['reference']['median_s']:.1f}", name
+    assert got["dense/fast"] == f"{r['speedup']:.2f}x", name
+    assert got["cand/s"] == f"{r['candidates_per_s']:,.0f}", name
+    assert got["GFLOP/s"] == f"{r['achieved_gflops']:.0f}", name
+    assert got["MFU"] == f"{100 * r['mfu']:.0f}%", name
+  for row in report["kv_cache"]:
+    head = f"| {row['q_heads']} | {row['kv_heads']} |"
+    _, _, fp32, bf16 = cells(next(line for line in lines if line.startswith(head)))
+    assert fp32.startswith(f"{row['float32_bytes'] / 1024:.0f} KiB (")
+    assert bf16 == f"{row['bfloat16_bytes'] / 1024:.0f} KiB"
+  assert f"= {scaling['ratio']:.2f}x" in table
   assert ", float32, compiler options" in table.splitlines()[0]
   mixed = json.loads(json.dumps(report))
   mixed["configs"]["full"]["fast"]["fprop_dtype"] = "bfloat16"

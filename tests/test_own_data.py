@@ -40,6 +40,18 @@ def test_to_batch_lays_out_own_logs(logs, system):
   np.testing.assert_array_equal(mask.sum(axis=1), logs.list_len[rows, impressions])
   assert not labels[~mask].any()
   np.testing.assert_array_equal(labels[mask], logs.list_labels[rows, impressions][mask])
+  # Each field hashes its own column of the logs into its own table.
+  hist_valid = np.arange(own_data.HISTORY) < logs.history_len[rows, None]
+  at = (rows, impressions)
+  for field, ids, table, valid in (
+      ("user_hashes", logs.user_id[rows], "user", None),
+      ("history_post_hashes", logs.history_post[rows], "post", hist_valid),
+      ("history_author_hashes", logs.history_author[rows], "author", hist_valid),
+      ("candidate_post_hashes", logs.list_post[at], "post", mask),
+      ("candidate_author_hashes", logs.list_author[at], "author", mask)):
+    np.testing.assert_array_equal(
+        getattr(batch, field), pf.hash_ids(ids, own_data.BUCKETS[table], valid=valid),
+        err_msg=field)
   # The same raw id hashes alike wherever it appears.
   post = logs.history_post[0, 0]
   where = np.argwhere((logs.list_post[rows, impressions] == post) & mask)
@@ -55,6 +67,21 @@ def test_validate_training_batch_names_what_jit_would_hide(logs, system):
   with pytest.raises(ValueError, match=r"batch.user_hashes holds \d+ at index \(0, 0\); "
                                        r"hashes must be < 4096, the rows of the user table"):
     training.validate_training_batch(system, raw)
+  # Each hash field against its own table, at the boundary: its row count is one too many.
+  rows = {table: getattr(system.tables, f"{table}_table").shape[0]
+          for table in ("user", "post", "author")}
+  assert len(set(rows.values())) == 3   # a field checked against another table shows
+  for field, table in (("user_hashes", "user"), ("history_post_hashes", "post"),
+                       ("history_author_hashes", "author"), ("candidate_post_hashes", "post"),
+                       ("candidate_author_hashes", "author")):
+    values = np.asarray(getattr(batch, field)).copy()
+    where = np.unravel_index(np.flatnonzero(values)[0], values.shape)   # a real item's
+    values[where] = rows[table]
+    with pytest.raises(ValueError, match=rf"batch.{field} holds {rows[table]} at index "
+                       rf".*hashes must be < {rows[table]}, the rows of the {table} table"):
+      training.validate_training_batch(system, batch._replace(**{field: values}))
+    values[where] = rows[table] - 1
+    training.validate_training_batch(system, batch._replace(**{field: values}))
   with pytest.raises(ValueError, match=r"labels_BCA holds 100.0 .*must be finite and in "
                                        r"\[0, 1\]"):
     training.validate_training_batch(system, batch, labels * 100, mask)
@@ -122,7 +149,8 @@ def test_optimizer_from_an_optim_section_is_the_runs_optimizer():
 
 
 @pytest.mark.slow
-def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, capsys):
+def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, capsys,
+                                                            monkeypatch):
   """experiments/own_data.py's steps at a tiny size: what the doc walks through runs, and
   each step's output is what it says."""
   eval_rows = np.arange(40)
@@ -143,6 +171,15 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
   retriever = own_data.train_retriever(logs, num_steps=20, batch_size=16, seed=0)
   recall = own_data.retrieval_recall(retriever, logs, eval_rows, top_k=50)
   assert 0.0 <= recall <= 1.0
+  # Users without a held-out favorite are left out: given a favorite no catalogue holds
+  # (-1), they would miss it, yet the whole catalogue finds every favorite there is.
+  first, has = own_data.held_out_favorite(logs, eval_rows)
+  assert not has.all()
+  monkeypatch.setattr(own_data, "held_out_favorite",
+                      lambda logs, rows: (np.where(has, first, -1), has))
+  everything = len(logs.catalogue_post)
+  assert own_data.retrieval_recall(retriever, logs, eval_rows, top_k=everything) == 1.0
+  monkeypatch.undo()
   # The baseline: the 50 posts favorited most in the training impressions.
   popular = own_data.popularity_recall(logs, eval_rows, top_k=50)
   liked = (logs.list_labels[..., 0] > 0) & (np.arange(own_data.CANDIDATES)

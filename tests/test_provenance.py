@@ -47,6 +47,9 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   (checkout / ".venv").mkdir()
   (checkout / ".venv" / "site.py").write_text("ignored\n")   # ignored by git
   (checkout / "notes.py").write_text("outside the package folders\n")
+  with open(checkout / ".gitignore", "a") as f:   # a scratch file the user told git to ignore
+    f.write("phoenix_flax/scratch_*.py\n")
+  (checkout / "phoenix_flax" / "scratch_1.py").write_text("ignored too\n")
   # Tracked Python files that no run executes: a test, the setup script.
   (checkout / "tests" / "test_layers.py").write_text("def test_x(): assert False\n")
   (checkout / "setup.py").write_text("NAME = 'q'\n")
@@ -57,6 +60,9 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   first = provenance.code_version(str(checkout))
   assert first.startswith(clean + "+changes.") and len(first) == len(clean) + 17
   assert provenance.code_version(str(checkout)) == first      # deterministic
+  _git(checkout, "add", str(layers))                # staged but not committed: the same
+  assert provenance.code_version(str(checkout)) == first
+  _git(checkout, "reset", "-q", "--", str(layers))
   layers.write_text("x = 3\n")
   second = provenance.code_version(str(checkout))
   assert second.startswith(clean + "+changes.") and second != first

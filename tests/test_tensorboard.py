@@ -151,6 +151,20 @@ def test_a_run_directory_named_like_a_glob_touches_only_its_own_files(tmp_path):
   assert writers.event_file_name(run_dir, "probes").startswith(run_dir)
 
 
+def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path):
+  """`write_event_file` (an ablation's probes) writes the finite numbers it is given, each
+  under `tensorboard_tag` of its name: "@" becomes "_", "-" (a split named "eval-cold")
+  and "/" stay; a probe that measured nothing (NaN, inf: null in result.json) and a
+  value that is not a number are left out."""
+  values = {"probe/ok": 1.5, "probe/nan": float("nan"), "probe/inf": float("inf"),
+            "probe/flag": True, "probe/text": "x", "eval-cold/recall@5": 0.7, "probe/int": 3}
+  writers.write_event_file(str(tmp_path), "probes", values, 30)
+  acc = _accumulator(str(tmp_path))
+  assert set(acc.Tags()["scalars"]) == {"probe/ok", "eval-cold/recall_5", "probe/int"}
+  assert [(e.step, e.value) for e in acc.Scalars("eval-cold/recall_5")] == [
+      (30, pytest.approx(0.7))]
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files via /proc")
 @pytest.mark.parametrize("failing", ["the session start", "the session end"])
 def test_a_writer_whose_write_fails_leaves_no_file_open(tmp_path, monkeypatch, failing):
@@ -350,3 +364,12 @@ def test_the_sessions_of_a_group_log_the_groups_seeds():
   hp = runner.session_hparams(retrieval, schema.seed_config(retrieval, 0), "")
   assert "model.candidate_isolation" not in hp and "model.attention_impl" not in hp
   assert "model.enable_linear_proj" in hp and "model.num_layers" in hp
+  # A nullable field is a string, set or not, in an extra evaluation split too.
+  shifted = ranking_configs.get_config("smoke")
+  shifted.extra_eval_splits.long = schema.split_config(max_history=8)
+  shifted.extra_eval_splits.any = schema.split_config(max_history=None)
+  hp = schema.hparams(shifted)
+  assert hp["eval_split.max_history"] == str(shifted.eval_split.max_history)
+  assert (hp["extra_eval_splits.long.max_history"], hp["extra_eval_splits.any.max_history"]
+          ) == ("8", "None")
+  assert hp["extra_eval_splits.long.min_history"] == shifted.extra_eval_splits.long.min_history

@@ -41,6 +41,8 @@ def smoke_config(**train):
 
 def test_hash_tables_padding_is_zero_and_gets_no_gradient():
   tables = HashEmbeddingTables(5, 7, 3, 4, key=jax.random.PRNGKey(0))
+  for table in (tables.user_table, tables.post_table, tables.author_table):
+    assert not np.any(np.asarray(table[0])) and np.all(np.asarray(table[1:]) != 0)
   hashes = jnp.array([[0, 2], [4, 0]])
   post, _ = tables.post_embeddings(hashes, hashes % 3)
   assert np.all(np.asarray(post[0, 0]) == 0) and np.all(np.asarray(post[1, 1]) == 0)
