@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import types
 
 import equinox as eqx
@@ -325,6 +326,30 @@ def test_a_replaced_trainer_keeps_no_device_array(tmp_path):
   after_one = live()
   run_experiment(config(2e-2), str(tmp_path / "b"))   # another trainer: lr is compiled in
   assert live() == after_one
+
+
+def test_the_compile_counts_in_the_wall_time_and_the_first_chunks_time(tmp_path,
+                                                                      monkeypatch):
+  """`wall_seconds` is the run's time, compiling included; the first chunk, which waited
+  for the compiler, logs that wait in `perf/first_call_seconds` and no rate, and the next
+  chunk's rate leaves it out. (A first run compiles the programs for real: in the second,
+  the compile is the sleep alone, longer than anything else the run does.)"""
+  real = loop.Trainer.compile_chunk
+
+  def slow_compile(self, state):
+    real(self, state)
+    time.sleep(1.5)
+  monkeypatch.setattr(loop.Trainer, "compile_chunk", slow_compile)
+  c = ranking_configs.get_config("smoke")
+  c.train.update(dict(num_steps=20, steps_per_call=10, eval_every=0, checkpoint_every=0,
+                      eval_batches=1))
+  run_experiment(c, str(tmp_path / "first"))
+  result = run_experiment(c, str(tmp_path / "second"))[0]
+  rows = writers.read_metrics(str(tmp_path / "second"))
+  assert rows[0]["perf/first_call_seconds"] >= 1.5
+  assert result["wall_seconds"] >= rows[0]["perf/first_call_seconds"]
+  assert "perf/steps_per_second" not in rows[0] and "perf/first_call_seconds" not in rows[1]
+  assert rows[1]["perf/steps_per_second"] > 10 / 1.5
 
 
 def test_a_resume_on_a_gpu_without_deterministic_programs_is_said_to_vary():
@@ -879,6 +904,11 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
   path.write_text(json.dumps(runner.jsonable(other.to_dict())))
   with pytest.raises(ConfigError, match=r"differs in \['optim.learning_rate'\].*stopped "
                                         r"before its first checkpoint"):
+    runner.check_run_dirs(config, run_dir)
+  longer = ranking_configs.get_config("smoke")   # the train section counts too
+  longer.train.num_steps *= 2
+  path.write_text(json.dumps(runner.jsonable(longer.to_dict())))
+  with pytest.raises(ConfigError, match=r"differs in \['train.num_steps'\]"):
     runner.check_run_dirs(config, run_dir)
   lock = runner.lock_run_dir(run_dir)   # ... unless a process is training it right now
   try:

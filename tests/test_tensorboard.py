@@ -28,11 +28,12 @@ SERVER_WAIT_S = 90
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   """A finished smoke ranking run of experiments/run.py (compiled as the session
-  compiles, conftest.py)."""
+  compiles, conftest.py), evaluated every 30 of its 40 steps: at 30, and at the end."""
   path = str(tmp_path_factory.mktemp("tb") / "smoke_run")
   env = subprocess_env()
   proc = subprocess.run([sys.executable, "-m", "experiments.run", "--quiet",
-                         "--config=experiments/configs/ranking.py:smoke", f"--workdir={path}"],
+                         "--config=experiments/configs/ranking.py:smoke", f"--workdir={path}",
+                         "--config.train.eval_every=30"],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return path
@@ -60,7 +61,8 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
   for event, row in zip(loss, rows):
     assert event.value == pytest.approx(row["train/loss"], rel=1e-6)
   auc = acc.Scalars("eval/auc_mean")
-  assert [e.step for e in auc] == [20, 40]
+  assert [e.step for e in auc] == [30, 40]   # the last step's evaluation is logged too
+  assert [r["step"] for r in rows if "eval/auc_mean" in r] == [30, 40]
   result = json.load(open(os.path.join(run_dir, "result.json")))
   assert auc[-1].value == pytest.approx(result["final"]["auc_mean"], rel=1e-6)
 

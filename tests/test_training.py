@@ -493,6 +493,22 @@ def test_weight_decay_skips_hash_tables_and_norms():
     return opt.update(zero, state, params)[0]               # zero grads: only decay acts
 
   updates = second_update(jax.random.PRNGKey(0))
+  # Decoupled decay alone: -lr(1) * weight_decay * w, with the config's weight decay.
+  o = spec.config.optim
+  params = eqx.filter(make_system(spec, jax.random.PRNGKey(0)), eqx.is_array)
+  np.testing.assert_allclose(updates.model.unembeddings,
+                             -float(make_schedule(spec)(1)) * o.weight_decay
+                             * np.asarray(params.model.unembeddings), rtol=1e-5, atol=1e-12)
+  # Adam's moments after one step of a gradient below the clip norm: (1-b1) g, (1-b2) g^2.
+  grads = jax.tree.map(jnp.zeros_like, params)
+  grads = eqx.tree_at(lambda p: p.model.unembeddings, grads,
+                      jnp.full_like(params.model.unembeddings, 1e-3))
+  _, state = jax.jit(opt.update)(grads, opt.init(params), params)
+  (adam,) = [s for s in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
+  np.testing.assert_allclose(adam.mu.model.unembeddings, (1 - o.b1) * 1e-3, rtol=1e-5)
+  np.testing.assert_allclose(adam.nu.model.unembeddings, (1 - o.b2) * 1e-6, rtol=1e-5)
+  assert o.b1 != o.b2
   assert np.all(np.asarray(updates.tables.post_table) == 0)
   assert np.all(np.asarray(updates.model.final_norm.scale) == 0)
   assert np.all(np.asarray(updates.model.transformer.layers.norm_attn_in.scale) == 0)
@@ -1120,7 +1136,12 @@ def test_vmapped_seeds_differ_and_match_single_seed_runs(tmp_path, cli):
   assert at_k == {f"{m}@{k}" for m in ("ndcg", "recall", "bayes_recall") for k in (1, 3)}
   # Throughput counts the examples of both seeds: batch 8 x 2 per step, over the timed
   # chunks (every chunk after the first, which compiles).
-  rows = [json.loads(line) for line in open(tmp_path / "both" / "seed_1" / "metrics.jsonl")]
+  curves = {k: [json.loads(line) for line in open(tmp_path / "both" / f"seed_{k}"
+                                                    / "metrics.jsonl")] for k in (0, 1)}
+  for k in (0, 1):   # each seed's curve is its own
+    assert curves[k][-1]["train/loss"] == pytest.approx(_finals(together[k])["train/loss"])
+  assert curves[0][-1]["train/loss"] != curves[1][-1]["train/loss"]
+  rows = curves[1]
   # The first chunk compiled: it logs its time, the others their rates.
   assert rows[0]["perf/first_call_seconds"] > 0 and "perf/steps_per_second" not in rows[0]
   timed = rows[1:]
@@ -1179,6 +1200,11 @@ def test_each_seed_initialises_and_evaluates_as_it_would_alone():
   for key, values in together.items():
     assert values.shape == (2,) and same(values[1], by_itself[key][0]), key
   assert not same(together["eval/logloss"][0], together["eval/logloss"][1])
+  # Each seed draws its own training batches, not only its own initial parameters.
+  assert not same(both.data_key[0], both.data_key[1])
+  first = [eqx.filter_jit(trainer.sample_train_batch)(trainer.world, unstack(both, i))
+           for i in (0, 1)]
+  assert not same(first[0].batch.candidate_post_hashes, first[1].batch.candidate_post_hashes)
 
 
 def test_divergence_guard_freezes_a_seed_for_good():
@@ -1209,6 +1235,9 @@ def test_divergence_guard_freezes_a_seed_for_good():
   assert bool(after.diverged) and int(after.diverged_step) == 2 and int(after.step) == 3
   same(after.params, healed.params)
   same(after.opt_state, healed.opt_state)
+  # A later non-finite step leaves the step it first diverged at as it was.
+  again, _ = update(eqx.tree_at(lambda s: s.params, after, poisoned.params), sb)
+  assert bool(again.diverged) and int(again.diverged_step) == 2 and int(again.step) == 4
 
 
 @pytest.mark.parametrize("config", [smoke_config, lambda: _overridden(
@@ -1288,15 +1317,19 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   out = cli("ranking.py:smoke", tmp_path, "--config.optim.learning_rate=1e12",
             "--config.optim.grad_clip_norm=None", "--config.optim.weight_decay=0.0",
             "--config.optim.warmup_steps=0", "--config.train.eval_every=0",
-            "--config.train.checkpoint_every=0")
+            "--config.train.checkpoint_every=0", "--config.train.steps_per_call=1")
   result = _result(tmp_path)
   assert result["diverged"] is True
   assert 1 <= result["diverged_at_step"] <= 40
+  logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  first = next(r["step"] for r in logged   # a step a row each: the first non-finite one
+               if r["train/loss"] is None or r["train/grad_norm"] is None)
+  assert result["diverged_at_step"] == first
   assert f"diverged at step {result['diverged_at_step']}" in out
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert rows and rows[-1]["step"] <= 40
   # Training stops once every seed has diverged; `steps` counts the steps run, and the
-  # throughput is that of the one (compiling) chunk rather than none.
+  # throughput is that of the chunks run (the compiling one too when it is the last).
   assert result["steps"] == max(r["step"] for r in rows) < 40
   assert result["examples_per_second"] > 0
   # Killed after its final checkpoint (result.json missing): the diverged state it restores
@@ -1305,7 +1338,7 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   cli("ranking.py:smoke", tmp_path, "--config.optim.learning_rate=1e12",
       "--config.optim.grad_clip_norm=None", "--config.optim.weight_decay=0.0",
       "--config.optim.warmup_steps=0", "--config.train.eval_every=0",
-      "--config.train.checkpoint_every=0")
+      "--config.train.checkpoint_every=0", "--config.train.steps_per_call=1")
   again = _result(tmp_path)
   assert (again["steps"], again["diverged_at_step"]) == (result["steps"],
                                                          result["diverged_at_step"])
