@@ -303,6 +303,28 @@ def test_the_committed_results_are_what_the_analysis_computes(path):
   assert json.loads(json.dumps(got)) == {k: results[k] for k in got}
 
 
+@pytest.mark.parametrize("module", ablations.modules(), ids=lambda m: m.__name__)
+def test_each_script_builds_the_design_of_its_committed_results(module):
+  """The committed results are what the script runs today: at their preset, the same
+  variants with the same overrides (grids, dtypes, task knobs), the same baseline,
+  metrics and directions of improvement, so a grid changed in a script cannot pass for
+  the documented design."""
+  name = module.__name__.rsplit(".", 1)[-1]
+  with open(os.path.join(REPO, "docs", "results", name, "results.json")) as f:
+    committed = json.load(f)
+  ab = module.ABLATION
+  built = {v.name: {"arm": v.arm, "cell": v.cell, "overrides": v.overrides}
+           for v in ab.variants(committed["preset"])}
+  stored = {k: {"arm": v["arm"], "cell": v["cell"], "overrides": v["overrides"]}
+            for k, v in committed["variants"].items()}
+  assert json.loads(json.dumps(built)) == stored
+  assert ab.baseline == committed["baseline"]
+  assert ab.primary_metric == committed["primary_metric"]
+  assert list(ab.metrics) == committed["metrics"]
+  assert list(ab.headline) == committed["headline"]
+  assert {m: sweep.better(m, ab.better) for m in ab.metrics} == committed["better"]
+
+
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))
 def test_the_committed_reports_are_what_their_results_render(path):
   """Each docs/results/<ablation>/REPORT.md is `report.markdown` of its results.json, with
@@ -329,7 +351,8 @@ def test_the_committed_combined_report_is_what_the_sweeps_render():
   assert report.combined_markdown(entries, folder, preset, command) == committed
 
 
-def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path):
+def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path,
+                                                                     monkeypatch):
   """`python -m ablations.rerender` on a copy of docs/results (results.json, REPORT.md and
   plots only): each sweep's statistics are computed again from its per-seed values, its
   report is rewritten with the plots it listed, and so is the combined report."""
@@ -345,8 +368,22 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path)
   summary = stale["variants"][first]["metrics"]["auc_mean"]
   right_mean, summary["mean"] = summary["mean"], 0.0
   one.write_text(json.dumps(stale))
+  os.remove(folder / "gqa_ratio" / "gqa_tradeoff.png")   # a plot lost since: not linked
+  drawn = {}
+  real_plot = report.plot_effects
+
+  def plot_effects(results, metrics, path):
+    drawn[results["ablation"]] = list(metrics)
+    return real_plot(results, metrics, path)
+  monkeypatch.setattr(report, "plot_effects", plot_effects)
   rerender.rerender(str(folder), "python -m ablations.rerender x")
   fresh = json.loads(one.read_text())
+  listed = json.loads((folder / "results.json").read_text())   # the sweeps run_all ran
+  assert set(drawn) == set(listed)
+  for name in listed:   # each sweep's effects panels: its headline metrics
+    assert drawn[name] == listed[name]["headline"], name
+  gqa = (folder / "gqa_ratio" / "REPORT.md").read_text()
+  assert "![effects](effects.png)" in gqa and "](gqa_tradeoff.png)" not in gqa
   want = analysis.compare(stale["variants"], stale["conditions"], stale["baseline"],
                           stale["metrics"])
   assert {k: fresh[k] for k in want} == json.loads(json.dumps(want))

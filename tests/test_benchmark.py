@@ -244,6 +244,10 @@ def test_time_rounds_medians_the_second_run_of_each_round(monkeypatch):
                               "b": make("b", [100, 3, 100, 3, 100, 30])}, iters=3, warmup=0)
   assert found == {"a": 2, "b": 3}
   assert order == ["a", "a", "b", "b"] * 3
+  # Warmup runs (1000 s each, compiling say) are timed in no round.
+  assert timing.time_rounds({"a": make("a", [1000, 1000, 100, 1])}, iters=1,
+                            warmup=2) == {"a": 1}
+  order.clear()
   # Timed runs of 1 s each, two calls: 10 s in all takes 5 rounds, beyond iters=1.
   order.clear()
   timing.time_rounds({"a": make("a", [0, 1] * 20), "b": make("b", [0, 1] * 20)}, iters=1,

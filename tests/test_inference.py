@@ -107,6 +107,10 @@ def test_example_batch_is_valid_and_deterministic():
   np.testing.assert_array_equal(batch.user_hashes, again.user_hashes)
   plain, _ = _batch(RANKING)
   assert plain.impression_timestamps is None and plain.history_dwell_times is None
+  # Without history_lengths, each user's lies in [S // 2, S] (S = 8 here), both ends drawn.
+  many, _ = _batch(RANKING, batch_size=64)
+  lengths = (np.asarray(many.history_post_hashes[:, :, 0]) != 0).sum(axis=1)
+  assert (lengths.min(), lengths.max()) == (4, 8)
   with pytest.raises(ValueError, match="history_lengths"):
     _batch(history_lengths=[1, 9])
 

@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 import ablations
@@ -275,6 +277,18 @@ def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
     quickstart.rank_demo()
   diff = float(re.search(r"all at once = (\S+)", stdout.getvalue()).group(1))
   assert abs(diff - 0.25) <= 1e-3, stdout.getvalue()
+  # Each row of the table names its candidate and that candidate's post.
+  from phoenix_flax.config import PhoenixModelConfig
+  from phoenix_flax.example import example_batch
+  config = PhoenixModelConfig(model=quickstart.TRANSFORMER, emb_size=64, history_seq_len=16,
+                              candidate_seq_len=32, right_anchored_rope=True)
+  post_hashes = np.asarray(example_batch(config, 2, jax.random.key(1))[0].candidate_post_hashes)
+  rows = [tuple(map(int, m)) for m in re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+0\.",
+                                                 stdout.getvalue(), re.M)]
+  assert [rank for rank, _, _ in rows] == list(range(1, 9))
+  assert len({c for _, c, _ in rows}) == 8
+  for _, c, post in rows:
+    assert post == post_hashes[0, c, 0], (c, post)
 
 
 # Import name -> the distribution that provides it, for every third-party import we use.

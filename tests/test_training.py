@@ -1367,10 +1367,16 @@ def test_every_training_statistic_is_logged():
 
 
 @pytest.mark.slow
-def test_retrieval_task_trains_and_reports_recall(tmp_path, cli):
-  out = cli("retrieval.py:smoke", tmp_path)
-  # The summary line gives the recall at the preset's K (10, 100, as at every preset).
+def test_retrieval_task_trains_and_reports_recall(tmp_path, main):
+  out = main("experiments.run", "--config=experiments/configs/retrieval.py:smoke",
+             f"--workdir={tmp_path}")
+  # The summary line gives the recall at the preset's K (10, 100, as at every preset);
+  # a progress line with an evaluation, the first K's alone.
   assert " recall@10=" in out and " recall@100=" in out and " bayes_recall@100=" in out
+  evaluated = [line for line in out.splitlines()
+               if line.startswith("step ") and "| eval/" in line]
+  assert evaluated and all("| eval/recall@10 " in line and "recall@100" not in line
+                           for line in evaluated), out
   final = _result(tmp_path)["final"]
   for key in ("loss", "recall@10", "recall@100", "bayes_recall@100", "auc", "bayes_auc"):
     assert key in final and final[key] is not None, key
@@ -1406,7 +1412,12 @@ def test_plain_loops_draw_from_their_own_samplers_and_train(monkeypatch):
   """The throughput baseline the issue names takes its batches from the numpy sampler; the
   second plain loop from the device; both train the same single-seed state."""
   from experiments import train_throughput
-  loops = train_throughput._Loops(ranking_configs.get_config("smoke"))
+  config = ranking_configs.get_config("smoke")
+  config.eval_split.num_candidates = config.world.num_candidates - 1   # tells the splits apart
+  loops = train_throughput._Loops(config)
+  assert loops.host_sampler.split == loops.spec.train_split   # the scanned loop's batches
+  assert loops.host_sampler().candidate_mask.shape == (config.train.batch_size,
+                                                       config.world.num_candidates)
   calls = {"host": 0, "device": 0}
   real_host, real_device = loops.host_sampler, loops._device_sampled
 

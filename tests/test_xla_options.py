@@ -71,6 +71,19 @@ def test_filter_jit_matches_default_compilation(clean_env):
                              atol=1e-5)
 
 
+def test_a_top_level_call_compiles_with_the_options_a_nested_one_without(clean_env):
+  """The options reach the compiler of every top-level call, not only `.lower`: with an
+  option XLA refuses, the call fails, while a call inlined into an outer trace (which
+  compiles with the outer program's options) runs."""
+  clean_env.setattr(xla_options, "compiler_options",
+                    lambda backend=None: {"xla_no_such_option_anywhere": "1"})
+  f = xla_options.filter_jit(lambda x: jnp.tanh(x) * 2.0)
+  x = jnp.linspace(-1.0, 1.0, 8)
+  with pytest.raises(Exception, match="xla_no_such_option_anywhere"):
+    f(x)
+  np.testing.assert_allclose(jax.jit(lambda x: f(x))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
+
+
 def test_filter_jit_runs_nested_under_other_traces(clean_env):
   f = xla_options.filter_jit(lambda x: jnp.tanh(x) * 2.0)
   x = jnp.linspace(-1.0, 1.0, 8)
