@@ -476,3 +476,215 @@ def test_world_and_batches_are_the_same_with_x64_on():
     name = jax.tree_util.keystr(path)
     assert np.asarray(b).dtype == np.asarray(a).dtype, (name, b.dtype)
     np.testing.assert_array_equal(b, a, err_msg=name)
+
+
+# Knobs of the link and the latent state at 0 (or at non-default values), on a world
+# small enough that 8 post buckets and 4 user and author buckets all come up.
+KNOBS_OFF = dataclasses.replace(SMALL, user_buckets=4, post_buckets=8, author_buckets=4,
+                                user_bias_scale=0.0, surface_scale=0.0, taste_concentration=0.0,
+                                author_style=0.0, post_noise=0.0, negative_actions=(2, 5))
+KNOBS_UP = dataclasses.replace(SMALL, num_users=2048, latent_dim=32,
+                               product_surface_vocab_size=32, user_bias_scale=2.0,
+                               surface_scale=2.0, taste_concentration=4.0, author_style=2.0,
+                               post_noise=0.0)
+
+
+def _link_drop(w, interest_XL, post_X):
+  """Logits at this interest minus logits at a zero interest (the affinity's part)."""
+  zeros = jnp.zeros(post_X.shape, jnp.int32)
+  return np.asarray(true_logits(w, interest_XL, post_X, zeros, 0.0, 0.0)
+                    - true_logits(w, 0.0 * interest_XL, post_X, zeros, 0.0, 0.0))
+
+
+def test_world_knobs_at_zero_switch_their_effects_off():
+  """user_bias_scale, surface_scale 0: no user or surface effect; taste_concentration 0:
+  every user's topic distribution is uniform; author_style, post_noise 0: a post's vector
+  is its topic's; negative_actions: exactly the configured actions fall with affinity."""
+  cfg = KNOBS_OFF
+  w = world(cfg)
+  assert not np.any(np.asarray(w.user_bias_U))
+  post = jnp.arange(8)
+  logits_V = [true_logits(w, w.user_taste_UL[:8], post, jnp.full(8, v), 0.0, 0.0)
+              for v in range(cfg.product_surface_vocab_size)]
+  for logits in logits_V[1:]:
+    np.testing.assert_array_equal(logits, logits_V[0])
+  np.testing.assert_allclose(jax.nn.softmax(w.user_topic_logits_UT), 1 / cfg.num_topics,
+                             rtol=1e-6)
+  np.testing.assert_allclose(w.user_taste_UL, np.broadcast_to(w.user_taste_UL[0],
+                                                              w.user_taste_UL.shape), atol=1e-6)
+  topic_P = np.arange(cfg.num_posts) % cfg.num_topics
+  np.testing.assert_allclose(w.post_vecs_PL, np.asarray(w.topic_vecs_TL)[topic_P], atol=1e-6)
+  drop = _link_drop(w, w.post_vecs_PL[:8], post)
+  assert set(np.flatnonzero(np.all(drop < 0, axis=0))) == {2, 5}
+  assert np.all(drop[:, [a for a in range(cfg.num_actions) if a not in (2, 5)]] > 0)
+
+
+def test_world_knob_scales_set_the_size_of_their_effects():
+  """At non-default values: user_bias_scale and surface_scale are the std of the user and
+  surface effects; a larger taste_concentration sharpens tastes (the top topic holds about
+  0.76 at 4 against 0.57 at 2); author_style 2 with no post noise leaves a post's cosine
+  with its topic near 1 / sqrt(1 + 2**2) = 0.45 (0.91 at 0.5)."""
+  cfg = KNOBS_UP
+  w = world(cfg)
+  assert 1.75 < np.std(np.asarray(w.user_bias_U)) < 2.25
+  assert 1.6 < np.std(np.asarray(w.surface_effect_VA)) < 2.4
+  top = np.max(np.asarray(jax.nn.softmax(w.user_topic_logits_UT)), axis=1)
+  assert 0.66 < top.mean() < 0.86
+  topic_P = np.arange(cfg.num_posts) % cfg.num_topics
+  cos = np.sum(np.asarray(w.post_vecs_PL) * np.asarray(w.topic_vecs_TL)[topic_P], axis=-1)
+  assert 0.3 < cos.mean() < 0.7
+
+
+def test_hash_functions_differ_and_reach_every_bucket():
+  """An entity's hash functions are drawn independently (two agree on about one id in
+  buckets - 1), and every bucket in [1, buckets) comes up, the last one included."""
+  for table, buckets in ((world().post_hashes_PK, SMALL.post_buckets),
+                         (world().user_hashes_UK, SMALL.user_buckets)):
+    table = np.asarray(table)
+    assert np.mean(table[:, 0] == table[:, 1]) < 0.2, buckets
+  w = world(KNOBS_OFF)
+  for table, buckets in ((w.post_hashes_PK, 8), (w.user_hashes_UK, 4), (w.author_hashes_WK, 4)):
+    assert set(np.unique(np.asarray(table))) == set(range(1, buckets))
+
+
+def test_the_link_adds_each_effect_with_its_sign():
+  """true_logits: positive actions rise with affinity, post quality and the user's bias;
+  negative actions fall with affinity and quality and ignore the bias; surface v adds its
+  row of `surface_effect_VA` to every action."""
+  w, cfg = world(), SMALL
+  negative = np.isin(np.arange(cfg.num_actions), cfg.negative_actions)
+  post = jnp.arange(8)
+  drop = _link_drop(w, w.post_vecs_PL[:8], post)
+  assert np.all(drop[:, ~negative] > 0) and np.all(drop[:, negative] < 0)
+  zeros, interest = jnp.zeros(8, jnp.int32), jnp.zeros((8, cfg.latent_dim))
+  by_quality = np.asarray(true_logits(w, interest, post, zeros, 0.0, 0.0))
+  sign_P = np.sign(np.asarray(w.post_quality_P)[:8] - float(w.post_quality_P[8]))[:, None]
+  rise = sign_P * (by_quality - np.asarray(true_logits(w, interest[:1], 8, 0, 0.0, 0.0)))
+  assert np.all(rise[:, ~negative] > 0) and np.all(rise[:, negative] < 0)
+  base = true_logits(w, w.user_taste_UL[:8], post, zeros, 0.0, 0.0)
+  biased = true_logits(w, w.user_taste_UL[:8], post, zeros, 0.0, 0.75)
+  np.testing.assert_allclose((biased - base)[:, ~negative], 0.75, rtol=1e-5)
+  np.testing.assert_allclose((biased - base)[:, negative], 0.0, atol=1e-6)
+  effect = np.asarray(w.surface_effect_VA)
+  shown = true_logits(w, w.user_taste_UL[:8], post, jnp.full(8, 3), 0.0, 0.0)
+  np.testing.assert_allclose(shown - base, np.broadcast_to(effect[3] - effect[0], (8, 19)),
+                             atol=1e-5)
+  assert np.all(np.abs(effect[3] - effect[0]) > 1e-3)
+
+
+def test_min_candidates_gives_every_list_width_from_min_to_c():
+  """With min_candidates set, a list's valid count is uniform in [min_candidates, C]:
+  every width comes up, C included."""
+  sb = sample(world(), SplitConfig(min_candidates=3), 256, jax.random.PRNGKey(6))
+  count = np.asarray(sb.candidate_mask).sum(1)
+  assert set(np.unique(count)) == set(range(3, SMALL.num_candidates + 1))
+  assert np.all(np.abs(np.bincount(count)[3:] / 256 - 0.25) < 0.17)
+
+
+def test_post_age_reaches_candidate_and_history_actions():
+  """With post_age, the candidates' probabilities are the link's at the ages their
+  timestamps give, and history items' positive actions decay with their (unseen) ages too:
+  from the same key they fire at a subset of the ageless world's slots, far fewer of them,
+  while negative actions are untouched."""
+  w = world()
+  aged = dataclasses.replace(w, cfg=dataclasses.replace(SMALL, post_age=True,
+                                                        age_decay_per_day=2.0))
+  sb = sample(w, SplitConfig(), BIG, jax.random.PRNGKey(2))
+  sb_aged = sample(aged, SplitConfig(), BIG, jax.random.PRNGKey(2))
+  np.testing.assert_array_equal(sb_aged.candidate_post_ids, sb.candidate_post_ids)
+  np.testing.assert_allclose(_probs_from_history(aged, sb_aged, sb_aged.history_post_ids),
+                             sb_aged.probs, atol=1e-5)
+  assert np.all(np.asarray(sb_aged.probs[..., 0]) < np.asarray(sb.probs[..., 0]))
+  negative = np.isin(np.arange(SMALL.num_actions), SMALL.negative_actions)
+  h, h_aged = np.asarray(sb.batch.history_actions), np.asarray(sb_aged.batch.history_actions)
+  np.testing.assert_array_equal(h_aged[..., negative], h[..., negative])
+  assert np.all(h_aged <= h)
+  assert h_aged[..., ~negative].sum() < 0.8 * h[..., ~negative].sum()
+
+
+@functools.lru_cache(maxsize=None)
+def _taste_led_batch():
+  """Histories of one topic drawn from the taste (no exploring, no switching), lists with
+  half their candidates relevant, all of those from the session topic."""
+  cfg = dataclasses.replace(SMALL, explore_prob=0.0, topic_switch_prob=0.0)
+  w = dataclasses.replace(world(), cfg=cfg)
+  split = SplitConfig(relevant_fraction=0.5, list_correlation=1.0)
+  return sample(w, split, BIG, jax.random.PRNGKey(7))
+
+
+def test_history_and_session_topics_are_drawn_from_the_taste():
+  """A history's topic chain (explore_prob 0, topic_switch_prob 0: one topic) and a list's
+  session topic are draws from the user's taste: the taste's mean probability of the
+  drawn topic is E[sum_t p_t**2] (0.49 here), not the 1/T = 0.125 of a uniform topic."""
+  sb, T = _taste_led_batch(), SMALL.num_topics
+  taste_BT = np.asarray(jax.nn.softmax(world().user_topic_logits_UT))[np.asarray(sb.user_ids)]
+  expected = np.mean(np.sum(taste_BT ** 2, axis=1))
+  rows = np.arange(BIG)
+  ids, n = np.asarray(sb.history_post_ids), np.asarray(sb.history_len)
+  valid = np.arange(SMALL.history_len)[None, :] < n[:, None]
+  history_topic = ids[:, 0] % T
+  assert np.all((ids % T == history_topic[:, None])[valid])
+  assert abs(taste_BT[rows, history_topic].mean() - expected) < 0.05
+  relevant = np.asarray(sb.candidate_relevant)
+  lists = relevant.any(1)
+  session_topic = (np.asarray(sb.candidate_post_ids) % T)[rows, relevant.argmax(1)]
+  assert abs(taste_BT[rows, session_topic][lists].mean() - expected) < 0.05
+
+
+def test_every_relevant_candidate_of_a_fully_correlated_list_has_its_session_topic():
+  """list_correlation 1 with relevant_fraction 0.5: the relevant candidates of a list all
+  come from its session topic, whatever the share of relevant candidates."""
+  sb, T = _taste_led_batch(), SMALL.num_topics
+  relevant = np.asarray(sb.candidate_relevant)
+  topic = np.asarray(sb.candidate_post_ids) % T
+  first = topic[np.arange(BIG), relevant.argmax(1)]
+  assert np.all((topic == first[:, None])[relevant])
+  assert relevant.sum() > BIG * SMALL.num_candidates * 0.4
+
+
+@functools.lru_cache(maxsize=None)
+def _interest_led_batch():
+  """One uniformly drawn history topic per user (explore_prob 1, no switching), an
+  interest of the history alone (interest_mix 1), relevant candidates only, in draw order
+  (grouped with every candidate relevant)."""
+  cfg = dataclasses.replace(SMALL, explore_prob=1.0, topic_switch_prob=0.0, interest_mix=1.0)
+  w = dataclasses.replace(world(), cfg=cfg)
+  split = SplitConfig(relevant_fraction=1.0, candidate_order="grouped")
+  return sample(w, split, BIG, jax.random.PRNGKey(4))
+
+
+def test_relevant_candidates_follow_the_interest_not_the_taste():
+  """Without list correlation a relevant candidate's topic is drawn by its affinity with
+  the interest: with the interest all history, of one topic drawn without the taste, most
+  candidates (0.77 here) share that topic, against about 1/T by the taste."""
+  sb, T = _interest_led_batch(), SMALL.num_topics
+  history_topic = np.asarray(sb.history_post_ids)[:, 0] % T
+  share = np.mean(np.asarray(sb.candidate_post_ids) % T == history_topic[:, None])
+  assert share > 0.5, share
+
+
+def test_candidate_labels_are_independent_of_history_actions():
+  """A candidate's labels use uniforms of their own: a history item's actions and the
+  labels of the candidate in the same slot co-occur no more than with another slot's."""
+  sb, C = _interest_led_batch(), SMALL.num_candidates
+  history_BCA = np.asarray(sb.batch.history_actions)[:, :C]
+  labels_BCA = np.asarray(sb.labels)
+  valid_BC = np.arange(C)[None, :] < np.asarray(sb.history_len)[:, None]
+  valid = np.broadcast_to(valid_BC[..., None], labels_BCA.shape)
+  excess = (history_BCA * (labels_BCA - np.roll(labels_BCA, 1, axis=1)))[valid]
+  assert abs(excess.mean()) < 0.006, excess.mean()
+
+
+def test_interest_mix_weighs_the_history_against_the_taste():
+  """interest_mix 0: the interest is the taste whatever the history; 1: the recency-
+  weighted mean of the history's post vectors alone."""
+  w = world()
+  users, lengths = jnp.arange(4), jnp.array([1, 3, 5, 12])
+  ids = jax.random.randint(jax.random.PRNGKey(8), (4, SMALL.history_len), 0, SMALL.num_posts)
+  mix = lambda m: dataclasses.replace(w, cfg=dataclasses.replace(SMALL, interest_mix=m))
+  np.testing.assert_allclose(user_interest(mix(0.0), users, ids, lengths),
+                             w.user_taste_UL[users], atol=1e-6)
+  weights = history_weights(lengths, SMALL.history_len, SMALL.recency_decay)
+  mean = (np.einsum("bs,bsl->bl", weights, np.asarray(w.post_vecs_PL)[np.asarray(ids)])
+          / np.asarray(weights).sum(1, keepdims=True))
+  np.testing.assert_allclose(user_interest(mix(1.0), users, ids, lengths), mean, atol=1e-5)
