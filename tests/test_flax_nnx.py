@@ -397,6 +397,28 @@ def test_any_equinox_module_wraps_with_its_integer_arrays_frozen():
   np.testing.assert_array_equal(flax_nnx.to_equinox(wrapped).index, [2, 0])
 
 
+class _Scaled(eqx.Module):
+  """A float in a plain (not static) field: no parameter, part of the graph definition."""
+
+  weight: jax.Array
+  scale: float
+
+  def __call__(self, x):
+    return self.weight * x * self.scale
+
+
+@needs_flax
+def test_modules_that_differ_only_in_a_plain_field_are_told_apart():
+  """Two wrappers whose modules differ in a non-array leaf have different graph
+  definitions: `nnx.jit` runs each with its own value, and neither changes the other."""
+  a, b = (flax_nnx.to_nnx(_Scaled(jnp.ones(2), scale)) for scale in (2.0, 3.0))
+  run = nnx.jit(lambda module, x: module(x))
+  np.testing.assert_array_equal(run(a, 1.0), [2.0, 2.0])
+  np.testing.assert_array_equal(run(b, 1.0), [3.0, 3.0])
+  np.testing.assert_array_equal(b(1.0), [3.0, 3.0])
+  np.testing.assert_array_equal(a(1.0), [2.0, 2.0])
+
+
 class _Pair(eqx.Module):
   """Arrays in a tuple field."""
 
@@ -421,6 +443,7 @@ def test_methods_and_fields_follow_the_parameters():
   config = ranking_config()
   model = flax_nnx.to_nnx(pf.PhoenixModel(config, key=jax.random.key(0)))
   batch, emb = pf.example_batch(config, 2, jax.random.key(1))
+  assert {"config", "unembeddings", "forward", "params"} <= set(dir(model))  # completion
   kept = model.forward
   model.params.unembeddings[...] = jnp.zeros_like(model.params.unembeddings[...])
   assert bool(jnp.all(kept(batch, emb)[0].logits == 0))

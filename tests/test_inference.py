@@ -392,6 +392,9 @@ BAD_INPUTS = {
                       r"candidate_post_embeddings holds nan at index \(1, 2, 0, 3\)"),
     "inf embedding": (_replace_emb("user_embeddings", _set((0, 0, 0), np.inf)),
                       "user_embeddings holds inf"),
+    "NaN embedding on the device": (
+        _replace_emb("user_embeddings", lambda x: jnp.asarray(_set((0, 0, 0), np.nan)(x))),
+        r"user_embeddings holds nan at index \(0, 0, 0\)"),
     "no users": (lambda b, e: jax.tree.map(lambda x: np.asarray(x)[:0], (b, e)),
                  r"batch.user_hashes holds no users \(B = 0\)"),
 }
@@ -621,6 +624,25 @@ def test_a_device_corpus_stays_on_the_device():
   assert runner.corpus_post_ids is ids
   np.testing.assert_array_equal(got.top_k_post_ids, expected.top_k_post_ids)
   np.testing.assert_array_equal(got.top_k_scores, expected.top_k_scores)
+  # Checked where it lives: a NaN row of a device corpus is named, and a bfloat16 one is
+  # stored in float32, as a host one is.
+  nan_row = runner.encode_corpus(post, author).at[3, 0].set(jnp.nan)
+  with pytest.raises(ValueError, match=r"corpus.embeddings holds nan at index \(3, 0\)"):
+    runner.set_corpus(nan_row, ids)
+  runner.set_corpus(runner.encode_corpus(post, author).astype(jnp.bfloat16), ids)
+  assert runner.corpus_embeddings.dtype == jnp.float32
+
+
+def test_user_side_encoders_take_a_batch_without_candidates(ranker, retriever):
+  """`encode_context` and `encode_user` read the user's side only: a batch whose candidate
+  fields are None (a serving system's, before it has candidates) gives what the whole
+  batch gives."""
+  from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS
+  for config, encode in ((RANKING, ranker.encode_context), (RETRIEVAL, retriever.encode_user)):
+    batch, emb = _batch(config)
+    bare = (batch._replace(**dict.fromkeys(CANDIDATE_BATCH_FIELDS)),
+            emb._replace(**dict.fromkeys(CANDIDATE_EMBEDDING_FIELDS)))
+    jax.tree.map(np.testing.assert_array_equal, encode(*bare), encode(batch, emb))
 
 
 def test_a_user_with_no_valid_token_gets_the_zero_vector(retriever, corpus):
@@ -699,6 +721,9 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
     runner.encode_corpus(np.zeros((3, 2, 32), np.float32), np.zeros((4, 2, 32), np.float32))
   with pytest.raises(ValueError, match="post_embeddings has dtype int32"):
     runner.encode_corpus(np.zeros((3, 2, 32), np.int32), np.zeros((3, 2, 32), np.float32))
+  with pytest.raises(ValueError, match=r"post_embeddings has shape \(0, 2, 32\), expected "
+                                       r"\[N >= 1, 2, 32\]"):
+    runner.encode_corpus(np.zeros((0, 2, 32), np.float32), np.zeros((0, 2, 32), np.float32))
   bad = np.asarray(batch.user_hashes).copy()
   bad[1, 0] = -2
   with pytest.raises(ValueError, match="user_hashes holds -2"):
