@@ -222,7 +222,7 @@ def test_bfloat16_runs_and_stays_close_to_float32():
   assert tokens.dtype == jnp.bfloat16
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(m16, eqx.is_array)))
   out32 = forward(m32, batch, emb)[0].logits
-  assert np.all(np.isfinite(out16))
+  assert np.all(np.isfinite(out16)) and out16.dtype == jnp.float32   # unembedded in float32
   diff = max_abs_diff(out16, out32)
   assert 1e-4 < diff < BF16_TOLERANCE * float(jnp.max(jnp.abs(out32))), diff
 

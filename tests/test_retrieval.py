@@ -58,6 +58,13 @@ def test_candidate_tower_mean_pool_has_no_parameters():
   mean = np.asarray(x).mean(axis=2)
   np.testing.assert_allclose(out, mean / np.linalg.norm(mean, axis=-1, keepdims=True),
                              atol=1e-5)
+  # bfloat16 embeddings are pooled in float32 (the docstring's unit vectors in float32).
+  x16 = x.astype(jnp.bfloat16)
+  out16 = call(tower, x16)
+  mean = np.asarray(x16, np.float64).mean(axis=2)
+  assert out16.dtype == jnp.float32
+  np.testing.assert_allclose(out16, mean / np.linalg.norm(mean, axis=-1, keepdims=True),
+                             atol=1e-5)
 
 
 def test_candidate_tower_checks_its_input():

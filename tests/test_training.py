@@ -161,6 +161,23 @@ def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
     assert np.all(np.isfinite(grad)) and float(grad[0, 0, 0]) == 0.0
 
 
+def test_losses_compute_in_float32_whatever_the_input_dtype():
+  """bfloat16 logits or scores (a model of the user's own) give the loss of the same values
+  in float32: the losses cast before any arithmetic."""
+  rng = np.random.default_rng(3)
+  logits = jnp.asarray(rng.normal(size=(4, 8, 3)) * 5, jnp.bfloat16)
+  labels = jnp.asarray(rng.random((4, 8, 3)) < 0.3, jnp.float32)
+  mask = jnp.ones((4, 8), bool)
+  bce = jax.jit(ranking_loss)
+  assert float(bce(logits, labels, mask)) == float(bce(logits.astype(jnp.float32), labels,
+                                                       mask))
+  scores = jnp.asarray(rng.uniform(-1, 1, (16, 16)), jnp.bfloat16)
+  valid = jnp.ones(16, bool)
+  softmax = jax.jit(in_batch_softmax_loss, static_argnums=2)
+  assert float(softmax(scores, valid, 0.05)) == float(softmax(scores.astype(jnp.float32),
+                                                              valid, 0.05))
+
+
 def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   rng = np.random.default_rng(1)
   user = rng.normal(size=(4, 3)).astype(np.float32)
