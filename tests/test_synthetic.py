@@ -459,12 +459,12 @@ def test_the_worlds_normal_and_uniform_draws_are_independent():
   cfg = WorldConfig()
   n = cfg.num_topics * cfg.latent_dim
   assert cfg.num_posts >= n
+  ranks = lambda x: np.argsort(np.argsort(x, kind="stable"), kind="stable")
   for seed in range(3):
-    w = make_world(cfg, jax.random.PRNGKey(seed))
+    w = world(cfg, seed)
     coordinate = np.asarray(w.topic_vecs_TL).reshape(-1)
     author = np.asarray(w.post_author_P)[:n]
     among_topic = (author - np.arange(n) % cfg.num_topics) // cfg.num_topics
-    ranks = lambda x: np.argsort(np.argsort(x, kind="stable"), kind="stable")
     r = np.corrcoef(ranks(coordinate), ranks(among_topic))[0, 1]
     assert abs(r) < 0.2, (seed, r)
 
