@@ -107,6 +107,51 @@ def test_ranking_metrics_of_a_non_finite_model():
     assert np.isfinite(float(got[key])) and float(got[key]) == pytest.approx(float(value)), key
 
 
+def test_list_metrics_of_a_nan_score_and_of_no_candidate_are_nan():
+  """Called directly (not through `ranking_metrics`, which guards every model metric): a
+  NaN score of a valid candidate has no rank, and nothing valid has no log-loss or
+  calibration error; neither reads as a perfect 1.0 or 0.0."""
+  scores = np.array([[np.nan, 0.5, 0.1], [0.3, 0.2, np.nan]], np.float32)
+  relevant = np.array([[True, False, False], [True, False, False]])
+  gains = relevant.astype(np.float32)
+  mask = np.array([[True, True, True], [True, True, False]])
+  for k in (1, 2):
+    assert np.isnan(float(ndcg_at_k_jit(scores, gains, mask, k)))
+    assert np.isnan(float(recall_at_k_jit(scores, relevant, mask, k)))
+  # A NaN of a padded candidate is no NaN rank: list 1 alone, its favorite ranked first.
+  mask[0] = False
+  assert float(ndcg_at_k_jit(scores, gains, mask, 1)) == 1.0
+  assert float(recall_at_k_jit(scores, relevant, mask, 1)) == 1.0
+  logits = np.zeros((2, 3, 4), np.float32)
+  labels = np.ones((2, 3, 4), np.float32)
+  none = np.zeros((2, 3), bool)
+  assert np.isnan(float(metrics.log_loss(logits, labels, none)))
+  assert np.isnan(float(metrics.calibration_error(logits + 0.5, labels, none)))
+  one = none.copy()
+  one[1, 0] = True
+  assert float(metrics.log_loss(logits, labels, one)) == pytest.approx(np.log(2.0))
+  assert float(metrics.calibration_error(logits + 0.5, labels, one)) == pytest.approx(0.5)
+
+
+def test_ranking_metrics_checks_shapes():
+  """A `[B]` or `[B, 1]` mask would broadcast over the candidates (silently when B equals
+  C); probabilities or labels of another shape would pair entries wrongly."""
+  B = C = 4
+  logits = np.zeros((B, C, 2), np.float32)
+  labels = np.ones((B, C, 2), np.float32)
+  mask = np.ones((B, C), bool)
+  metrics.ranking_metrics(logits, labels, labels * 0.5, mask)
+  for bad_mask in (np.ones(B, bool), np.ones((B, 1), bool)):
+    with pytest.raises(AssertionError, match="ranking_metrics: mask"):
+      metrics.ranking_metrics(logits, labels, None, bad_mask)
+  with pytest.raises(AssertionError, match="ranking_metrics: labels"):
+    metrics.ranking_metrics(logits, labels[..., :1], None, mask)
+  with pytest.raises(AssertionError, match="ranking_metrics: probs"):
+    metrics.ranking_metrics(logits, labels, labels[:, :2], mask)
+  with pytest.raises(AssertionError, match="ranking_metrics: logits"):
+    metrics.ranking_metrics(logits[..., 0], labels, None, mask)
+
+
 def test_per_action_auc_matches_reference():
   rng = np.random.default_rng(4)
   B, C, A = 6, 5, 4
@@ -284,6 +329,12 @@ def test_corpus_hits_match_reference():
   found, _ = hits(scores, np.array([[1, 2], [0, 2]]), np.array([[True, False], [True, True]]),
                   (2,))
   assert np.isnan(found[0, 0]) and float(found[1, 0]) == 1.0
+  # ... whatever its positives: none, or none inside the corpus.
+  found, total = hits(scores, np.array([[1, 9], [0, 2]]), np.array([[False, True], [True, True]]),
+                      (2,))
+  assert np.isnan(found[0, 0]) and int(total[0]) == 1 and float(found[1, 0]) == 1.0
+  found, _ = hits(scores, np.array([[1, 2], [0, 2]]), np.zeros((2, 2), bool), (2,))
+  assert np.isnan(found[0, 0]) and float(found[1, 0]) == 0.0
 
 
 def test_ranking_metrics_bayes_and_keys():

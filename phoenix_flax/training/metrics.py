@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 from typing import Optional, Sequence, Union
 
+import chex
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array
@@ -66,13 +67,16 @@ def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
 
 
 def _masked_mean(x_BCA: Array, mask_BC: Array) -> Array:
+  """Mean over the valid candidates' entries; NaN when there is none."""
   m_BCA = jnp.broadcast_to(mask_BC[..., None], x_BCA.shape)
-  return jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)) / jnp.maximum(jnp.sum(m_BCA), 1)
+  n = jnp.sum(m_BCA)
+  return jnp.where(n > 0, jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)) / jnp.maximum(n, 1), jnp.nan)
 
 
 def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
   """Mean binary cross-entropy with logits over valid candidates and all actions; an
-  infinite logit counts its limit (0 where the label agrees, +inf where it does not)."""
+  infinite logit counts its limit (0 where the label agrees, +inf where it does not).
+  NaN when no candidate is valid (not 0, which would read as a perfect fit)."""
   logits_BCA = jnp.asarray(logits_BCA, jnp.float32)
   labels_BCA = jnp.asarray(labels_BCA, jnp.float32)   # (float64 ones, under x64, promoted)
   bce_BCA = jax.nn.softplus(logits_BCA) - labels_BCA * logits_BCA
@@ -90,7 +94,8 @@ def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
 def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
                       num_bins: int = 10) -> Array:
   """Expected calibration error: predictions of all actions pooled into `num_bins` equal
-  bins of [0, 1]; the count-weighted mean |mean prob - label rate| over the bins."""
+  bins of [0, 1]; the count-weighted mean |mean prob - label rate| over the bins. NaN
+  when no candidate is valid."""
   w_N = jnp.broadcast_to(mask_BC[..., None], probs_BCA.shape).reshape(-1).astype(jnp.float32)
   # Padded entries are zeroed, not only weighted by 0: 0 * NaN would still be NaN.
   p_N = jnp.where(w_N > 0, jnp.asarray(probs_BCA, jnp.float32).reshape(-1), 0.0)
@@ -103,7 +108,8 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   # the 7th digit from run to run.
   in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)
   gap_K = jnp.sum(jnp.where(in_bin_NK, (p_N - y_N)[:, None], 0.0), axis=0)  # padding: 0
-  return jnp.sum(jnp.abs(gap_K)) / jnp.maximum(jnp.sum(w_N), 1.0)
+  n = jnp.sum(w_N)
+  return jnp.where(n > 0, jnp.sum(jnp.abs(gap_K)) / jnp.maximum(n, 1.0), jnp.nan)
 
 
 def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
@@ -149,7 +155,8 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
   averaged over the lists whose ideal DCG is positive (0 when there is none; scikit-learn's
   `ndcg_score` counts such lists as 0 in its mean instead). Tied scores count at their
   expected value over a random order of the tie (as `ndcg_score` does), so neither the
-  candidates' slots nor their order decide a tie."""
+  candidates' slots nor their order decide a tie. A NaN score of a valid candidate leaves
+  the order undefined: NaN (as `roc_auc`)."""
   k = min(k, scores_BC.shape[-1])
   gains_BC = jnp.where(mask_BC, jnp.asarray(gains_BC, jnp.float32), 0.0)
   _, discount_BC = _expected_in_top_k(scores_BC, mask_BC, k)
@@ -158,13 +165,15 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
   ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * ideal_discount_K, axis=-1)
   has_B = ideal_B > 0
   ndcg_B = jnp.where(has_B, dcg_B / jnp.where(has_B, ideal_B, 1.0), 0.0)
-  return jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1)
+  return _undefined_if_nan(jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1), scores_BC,
+                           mask_BC)
 
 
 def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) -> Array:
   """Share of each list's relevant valid candidates ranked in its top k, averaged over
   the lists with at least one relevant candidate (0 when there is none). A tie across the
-  k-th rank counts at its expected value over a random order of the tie."""
+  k-th rank counts at its expected value over a random order of the tie. NaN when a
+  valid candidate's score is NaN."""
   k = min(k, scores_BC.shape[-1])
   relevant_BC = jnp.asarray(relevant_BC, bool) & jnp.asarray(mask_BC, bool)
   chance_BC, _ = _expected_in_top_k(scores_BC, mask_BC, k)
@@ -172,7 +181,13 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
   total_B = jnp.sum(relevant_BC, axis=-1)
   has_B = total_B > 0
   recall_B = jnp.where(has_B, hits_B / jnp.maximum(total_B, 1), 0.0)
-  return jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1)
+  return _undefined_if_nan(jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1), scores_BC,
+                           mask_BC)
+
+
+def _undefined_if_nan(value: Array, scores_BC: Array, mask_BC: Array) -> Array:
+  """`value`, or NaN when a valid candidate's score is NaN (its rank is undefined)."""
+  return jnp.where(jnp.any(jnp.isnan(scores_BC) & jnp.asarray(mask_BC, bool)), jnp.nan, value)
 
 
 def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequence[int]
@@ -207,8 +222,8 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
     share_B1 = (jnp.clip(k - above_B1, 0, tied_B1).astype(jnp.float32)
                 / jnp.maximum(tied_B1, 1))
     in_top_BC = jnp.where(own_BC > kth_B1, 1.0, jnp.where(own_BC == kth_B1, share_B1, 0.0))
-    in_top_BC = jnp.where(undefined_B1, jnp.nan, in_top_BC)
-    found.append(jnp.sum(jnp.where(counted_BC, in_top_BC, 0.0), axis=1))
+    found.append(jnp.where(undefined_B1[:, 0], jnp.nan,
+                           jnp.sum(jnp.where(counted_BC, in_top_BC, 0.0), axis=1)))
   return jnp.stack(found, axis=1), jnp.sum(positive_BC, axis=1)
 
 
@@ -249,8 +264,15 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   "The favorite" is action `PRIMARY_ACTION` (index 0, `favorite_score`, which orders the
   release's ranking), whatever `action_names` calls it: put the action the list metrics
   should rank by first. A label counts as a positive above one half (`is_positive`).
+  Shapes are checked with chex (an `AssertionError` naming the argument): a `[B]` mask
+  would otherwise broadcast over the candidates when B equals C.
   """
-  A = logits_BCA.shape[-1]
+  chex.assert_rank(logits_BCA, 3, custom_message="ranking_metrics: logits must be [B, C, A]")
+  B, C, A = logits_BCA.shape
+  chex.assert_shape(labels_BCA, (B, C, A), custom_message="ranking_metrics: labels")
+  if probs_BCA is not None:
+    chex.assert_shape(probs_BCA, (B, C, A), custom_message="ranking_metrics: probs")
+  chex.assert_shape(mask_BC, (B, C), custom_message="ranking_metrics: mask")
   names = action_names or (ACTIONS if A == len(ACTIONS) else
                            tuple(f"action_{i}" for i in range(A)))
   if len(names) != A:
