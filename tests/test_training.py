@@ -197,6 +197,16 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   u, p = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([[-1.0, 0.0], [-1.0, 0.0]])
   for temperature in (0.05, 1e-10):
     assert float(in_batch_softmax_loss(u @ p.T, np.array([True, False]), temperature)) == 0.0
+  # An invalid user's row contributes nothing, whatever it holds: a non-finite score
+  # there leaves the loss and the gradient of every score finite.
+  scores = user @ pos.T
+  broken = scores.copy()
+  broken[2, 1], broken[2, 2] = np.nan, np.inf
+  loss = lambda s: in_batch_softmax_loss(s, valid, t, ids)
+  assert float(loss(broken)) == float(loss(scores))
+  grad = np.asarray(jax.grad(loss)(jnp.asarray(broken)))
+  assert np.all(np.isfinite(grad)) and np.all(grad[2] == 0)
+  np.testing.assert_array_equal(grad[valid], np.asarray(jax.grad(loss)(scores))[valid])
   labels = np.zeros((2, 3, 2), np.float32)
   labels[0, 2, 1] = labels[0, 1, 1] = 1
   idx, has = first_positive(labels, np.ones((2, 3), bool), action=1)

@@ -126,10 +126,13 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:
     keep_BB &= positive_ids_B[None, :] != positive_ids_B[:, None]
-  logits_BB = jnp.where(keep_BB | eye_BB, logits_BB, -jnp.inf)
-  per_B = jax.nn.logsumexp(logits_BB, axis=1) - jnp.diagonal(logits_BB)
-  v_B = valid_B.astype(jnp.float32)
-  return jnp.sum(per_B * v_B) / jnp.maximum(jnp.sum(v_B), 1.0)
+  # An invalid user's row is replaced before the softmax and its loss selected away, not
+  # weighted by 0: a non-finite score there would otherwise make the loss and the
+  # gradient of every score NaN (0 * NaN).
+  logits_BB = jnp.where((keep_BB | eye_BB) & valid_B[:, None], logits_BB,
+                        jnp.where(valid_B[:, None], -jnp.inf, 0.0))
+  per_B = jnp.where(valid_B, jax.nn.logsumexp(logits_BB, axis=1) - jnp.diagonal(logits_BB), 0.0)
+  return jnp.sum(per_B) / jnp.maximum(jnp.sum(valid_B.astype(jnp.float32)), 1.0)
 
 
 def update_sampling_counts(counts_KH: Array, hashes_BK: Array, present_B: Array,
