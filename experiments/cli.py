@@ -299,8 +299,9 @@ def checked_config(config) -> ml_collections.ConfigDict:
     # ml_collections wraps the cause ("[Errno 2] No such file ...: 'path'") in lines about
     # its own loader; the cause is the line to show.
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    cause = next((line for line in reversed(lines) if "[Errno" in line), None)
     fail("--config could not be loaded: "
-         + next((line for line in reversed(lines) if "Errno" in line), " ".join(lines)))
+         + (cause[cause.index("[Errno"):] if cause else " ".join(lines)))
   except AttributeError:
     pass   # no ConfigDict: said next
   if not isinstance(config, ml_collections.ConfigDict):

@@ -39,6 +39,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       (["--config=experiments/configs/nope.py"],   # the cause alone, not the loader's text
        "error: --config could not be loaded: [Errno 2] No such file or directory: "
        "'experiments/configs/nope.py'\n"),
+      ([f"--config={tmp_path}"],                 # a folder: the cause, not the loader's words
+       f"error: --config could not be loaded: [Errno 21] Is a directory: '{tmp_path}'\n"),
       (["--config.model.num_layer=2"],          # the suggestion, unescaped, on its own line
        ": --config.model.num_layer\n  'num_layer'\n  Did you mean \"num_layers\" instead of "
        "\"num_layer\"?\n"),

@@ -201,8 +201,9 @@ def make_placement(num_devices: int, shard_hash_tables: bool) -> Placement:
   devices = jax.devices()
   n = len(devices) if num_devices == -1 else num_devices
   if n > len(devices):
-    raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid: only "
-                      f"{len(devices)} devices are visible")
+    visible = "1 device is" if len(devices) == 1 else f"{len(devices)} devices are"
+    raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid: only {visible} "
+                      "visible")
   if jax.process_count() > 1 and n != len(devices):
     raise ConfigError(f"config.mesh.num_devices={num_devices} is invalid with "
                       f"{jax.process_count()} processes (mesh.distributed): the mesh must "
