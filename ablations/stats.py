@@ -147,6 +147,10 @@ def _pairs(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float
           np.asarray([v for _, v in keep], np.float64))
 
 
+# Relative float64 rounding of a mean of differences, against their largest magnitude.
+_ROUNDING = 1e-12
+
+
 def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]], *,
              sources: Optional[Sequence[Sequence[Optional[float]]]] = None) -> dict:
   """Paired t-test of variant - baseline over the pairs where both are present.
@@ -174,15 +178,22 @@ def paired_t(baseline: Sequence[Optional[float]], variant: Sequence[Optional[flo
   if n == 0:
     return out
   mean, std, ci = mean_ci(diff)
+  # A mean that is 0 up to float64 rounding (differences in thirds of a rate: 1 - 1/3 -
+  # 1/3 - 1/3 is not 0.0) is 0.
+  mean = 0.0 if abs(mean) <= _ROUNDING * float(np.max(np.abs(diff))) else mean
   out["delta"] = _clean(mean)
   if n < 2:
     return out
   # Equal up to float32 rounding (a spread below 1e-6 of the values' size; the metrics
   # are float32) is equal: 12/48 - 10/48 and 15/48 - 13/48 are one number computed twice.
+  # Counts (every value a whole number, like a parameter count) are exact: 50 more
+  # parameters in 1.2e8 is a difference.
   values = [b, v] if sources is None else [
       np.asarray([x for x in xs if _clean(x) is not None], np.float64) for xs in sources]
   values = [x for x in values if x.size]
-  tol = 1e-6 * max((float(np.max(np.abs(x))) for x in values), default=0.0)
+  counts = all(np.all(x == np.round(x)) for x in values)
+  tol = 0.0 if counts else 1e-6 * max((float(np.max(np.abs(x))) for x in values),
+                                      default=0.0)
   same = lambda x: float(np.ptp(x)) <= tol
   if same(diff):
     zero = same(np.append(diff, 0.0))
@@ -208,12 +219,15 @@ def sign_flip_p(diff: Sequence[float]) -> float:
   t-test it cannot reach p = 0 from a handful of pairs (three pairs: p >= 0.25)."""
   d = np.asarray(diff, np.float64)
   observed = abs(float(np.mean(d))) if d.size else 0.0
-  if observed == 0.0:
+  # Means are compared up to float rounding, relative to the largest difference: the
+  # differences of rates come in thirds, and a flip whose mean is 0 can read 1e-17.
+  tol = _ROUNDING * float(np.max(np.abs(d))) if d.size else 0.0
+  if observed <= tol:
     return 1.0
   if d.size > SIGN_FLIP_MAX_PAIRS:
     raise ValueError(f"sign_flip_p enumerates 2**n flips; n={d.size} > {SIGN_FLIP_MAX_PAIRS}")
   signs = 1.0 - 2.0 * ((np.arange(2 ** d.size)[:, None] >> np.arange(d.size)) & 1)
-  return float(np.mean(np.abs(signs @ d) / d.size >= observed * (1.0 - 1e-12)))
+  return float(np.mean(np.abs(signs @ d) / d.size >= observed - tol))
 
 
 def rate_difference(baseline: Sequence[Optional[float]], variant: Sequence[Optional[float]]

@@ -115,6 +115,18 @@ def test_rate_difference_and_zero_spread():
   fixed = stats.paired_t([100.0, 100.0, 100.0], [60.0, 60.0, 60.0])
   assert fixed["ci95"] == [-40.0, -40.0] and fixed["p_value"] == 0.0
   assert fixed["test"] == "paired t"
+  # ... however small against its size: counts are exact, not equal up to float32 rounding.
+  params = stats.paired_t([1.2e8] * 3, [1.2e8 + 50] * 3)
+  assert params["delta"] == 50.0 and params["ci95"] == [50.0, 50.0]
+  assert params["p_value"] == 0.0
+  # Rates in thirds whose differences have mean 0 (in float64, 1.85e-17): Δ 0 and p = 1,
+  # as exact fractions give.
+  d = [1, -1 / 3, -1 / 3, 1 / 3, -2 / 3]
+  assert float(np.mean(d)) != 0.0
+  assert stats.sign_flip_p(d) == 1.0
+  base = [0.0, 1 / 3, 2 / 3, 0.0, 1.0]
+  thirds = stats.rate_difference(base, [b + x for b, x in zip(base, d)])
+  assert thirds["delta"] == 0.0 and thirds["p_value"] == 1.0
 
 
 def test_paired_t_identical_differences_of_varying_values():
