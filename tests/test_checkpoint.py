@@ -543,7 +543,8 @@ def test_make_placement_uses_the_visible_devices(caplog):
   assert "shard_hash_tables=True has no effect" in caplog.text
   assert make_placement(-1, False).num_devices == n
   assert make_placement(n, False).num_devices == n
-  with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} devices"):
+  with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} "
+                     + ("device is visible" if n == 1 else "devices are visible")):
     make_placement(n + 1, False)
   for bad in (0, -2, True, 1.0):   # (0 and -2 built a mesh over no or too few devices)
     with pytest.raises(ConfigError, match=f"num_devices={bad!r} is invalid: must be -1"):
