@@ -1026,6 +1026,23 @@ def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_pat
   assert result["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))
 
 
+def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path):
+  """Two seeds trained vmapped, the process killed between their result.json files: the
+  re-run finishes seed 1 alone from the final checkpoint, and its result says it trained
+  with 2 seeds (the logged rates it reports are those of both), as uninterrupted."""
+  config = ranking_configs.get_config("smoke")
+  config.num_seeds = 2
+  workdir = str(tmp_path / "run")
+  want = run_experiment(config, workdir)
+  os.remove(os.path.join(workdir, "seed_1", runner.RESULT_FILE))
+  got = run_experiment(config, workdir)
+  assert got[1]["final"] == want[1]["final"]
+  assert got[1]["num_seeds_vmapped"] == want[1]["num_seeds_vmapped"] == 2
+  rows = writers.read_metrics(os.path.join(workdir, "seed_1"))
+  rates = [r["perf/examples_per_second"] for r in rows if "perf/examples_per_second" in r]
+  assert got[1]["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))
+
+
 def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too(tmp_path):
   """What a run resumed after its final checkpoint reports: the last train scalars logged,
   and the harmonic mean of the logged rates without the compiling chunk's, which rows
@@ -1040,9 +1057,9 @@ def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too
                                        for r, x in zip(rows[1:], rates)]
     with open(tmp_path / writers.METRICS_FILE, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in logged)
-    train, throughput = runner._Group.logged_training(group)
+    train, throughput, vmapped = runner._Group.logged_training(group)
     assert train == {0: {"train/loss": 1.0}}
-    assert throughput == pytest.approx(want)
+    assert throughput == pytest.approx(want) and vmapped == 1   # no row has both rates
 
 
 def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path):

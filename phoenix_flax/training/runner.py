@@ -31,8 +31,10 @@ restart and compiling count); `examples_per_second` counts the
 training examples of every vmapped seed per second of training chunks, the compiling
 first chunk excluded (unless it is the only chunk: the last one, or one in which every
 seed diverged), of the process that finished the run; one that resumed for a single
-(compiling) chunk gives the rate of the chunks logged before it instead. The compiling
-chunk's row logs `perf/first_call_seconds`, never a rate.
+(compiling) chunk gives the rate of the chunks logged before it instead.
+`num_seeds_vmapped` is how many seeds trained together in the chunks that rate is from
+(a seed resumed alone after the other seeds finished keeps the count it trained with).
+The compiling chunk's row logs `perf/first_call_seconds`, never a rate.
 
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from
@@ -883,19 +885,26 @@ class _Group:
         with _writing_outputs(self.dirs[k]):
           self.writers[k].log(self.step, rows[i], self.wall(i))
 
-  def logged_training(self) -> tuple[dict[int, dict], float]:
-    """The last logged train scalars of each seed and the logged chunks' throughput (the
-    first chunk, which compiled, left out when there are more), for a process that
-    resumed from the final checkpoint and so trained no chunk itself."""
+  def logged_training(self) -> tuple[dict[int, dict], float, int]:
+    """The last logged train scalars of each seed, the logged chunks' throughput (the
+    first chunk, which compiled, left out when there are more) and how many seeds trained
+    vmapped in them (read from the rates: their examples per step over the batch size;
+    this group's count where no row has both rates), for a process that resumed from the
+    final checkpoint, or for its last chunk, and so did not time the run's chunks itself.
+    A seed whose result.json alone was lost trains alone then, but its chunks ran with
+    the seeds of the process that trained them."""
     rows = {i: [r for r in read_metrics(self.dirs[k]) if "train/loss" in r]
             for i, k in enumerate(self.seeds)}
     train_rows = {i: {key: v for key, v in r[-1].items() if key.startswith("train/")}
                   for i, r in rows.items() if r}
-    examples = PERF_RATES[1]
+    steps, examples = PERF_RATES
     rates = [r[examples] for r in rows[0] if examples in r]
     if not any(PERF_FIRST_CALL in r for r in rows[0]):
       rates = rates[1:] or rates   # logged when the compiling chunk's rate was logged too
-    return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0)
+    both = [r for r in rows[0] if steps in r and examples in r]
+    vmapped = (round(both[-1][examples] / both[-1][steps] / self.config.train.batch_size)
+               if both else len(self.seeds))
+    return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0), vmapped
 
   def close_writers(self) -> None:
     """Closes the event writers of a run that stops unfinished (those still open)."""
@@ -903,7 +912,8 @@ class _Group:
       if not writer.closed:
         writer.close(finished=False)
 
-  def finish(self, evaluated: dict, train_rows: dict, throughput: float) -> dict[int, dict]:
+  def finish(self, evaluated: dict, train_rows: dict, throughput: float,
+             vmapped: int) -> dict[int, dict]:
     diverged, div_step = to_host((self.state.diverged, self.state.diverged_step))
     code, machine = provenance.running_code_version(), provenance.machine()
     results = {}
@@ -916,7 +926,7 @@ class _Group:
           "seed": k,
           "wall_seconds": self.wall(i),
           "examples_per_second": throughput,
-          "num_seeds_vmapped": len(self.seeds),
+          "num_seeds_vmapped": vmapped,
           "fprop_dtype": self.trainer.spec.model.fprop_dtype,
           "num_devices": self.trainer.placement.num_devices,
           "code": code,
@@ -1033,13 +1043,15 @@ def _train_group(g: _Group, trainer: Trainer, progress: Optional[Callable[[Progr
     evaluated = to_host(trainer.evaluate(g.state))
   g.save()
   measured = timed_chunks * examples_per_chunk / train_seconds if train_seconds else 0.0
+  vmapped = len(seeds)
   if not chunks:   # killed after the final checkpoint (every seed diverged, or the last step)
-    train_rows, throughput = g.logged_training()
+    train_rows, throughput, vmapped = g.logged_training()
   elif chunks == 1 and start_step:   # resumed for one (compiling) chunk: the rate logged before
-    throughput = g.logged_training()[1] or measured
+    _, logged, logged_vmapped = g.logged_training()
+    throughput, vmapped = (logged, logged_vmapped) if logged else (measured, vmapped)
   else:
     throughput = measured
-  return g.finish(evaluated, train_rows, throughput)
+  return g.finish(evaluated, train_rows, throughput, vmapped)
 
 
 def _payload(state: Any, wall_seconds: Any) -> dict:
