@@ -257,6 +257,20 @@ def test_a_flush_puts_every_logged_event_on_disk(tmp_path):
   assert all([e.step for e in acc.Scalars(f"eval/m{i}")] == [10, 20, 30] for i in range(60))
 
 
+def test_a_flush_syncs_the_metrics_rows_too(tmp_path, monkeypatch):
+  """Appended rows may wait in the page cache; a checkpoint written after a flush must not
+  outlive them in a power loss (a resume would leave their steps missing for good)."""
+  writer = RunWriter(str(tmp_path), {"model.num_layers": 2}, None)
+  writer.log(10, {"train/loss": 1.0}, 1.0)
+  synced = []
+  real_fsync = os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd).st_ino),
+                                               real_fsync(fd))[1])
+  writer.flush()
+  assert os.stat(tmp_path / "metrics.jsonl").st_ino in synced
+  writer.close(finished=False)
+
+
 def test_events_reach_disk_while_a_run_trains(tmp_path, monkeypatch):
   """A live TensorBoard sees a run's events once a later row is logged `FLUSH_SECONDS`
   or more after the previous flush, not only at checkpoints."""

@@ -343,9 +343,11 @@ class RunWriter:
       self.flush()
 
   def flush(self) -> None:
-    """Puts every event logged so far on disk (fsynced; metrics.jsonl rows are written as
-    they are logged)."""
+    """Puts every event and metrics.jsonl row logged so far on disk (fsynced: the runner
+    flushes before each checkpoint, whose steps a resume does not log again)."""
     self._events.flush()
+    with open(self.metrics_path, "a", encoding="utf-8") as f:   # rows are written as logged
+      os.fsync(f.fileno())
     self._flushed = time.monotonic()
 
   @property
