@@ -17,8 +17,10 @@ baseline) and `logq` (True), each in the default world (`quality0.5`) and in one
 quality weighs twice as much (`quality1`, world.quality_scale=1.0).
 
 Metrics: final `recall@10`, `recall@100` and `auc` against the corpus of every post, and
-the evaluation's in-batch `loss`, which is never corrected (so both arms compare on it;
-`train/loss` is each arm's own loss).
+the evaluation's in-batch `loss`. That loss is never corrected, so both arms are measured
+on one scale (`train/loss` is each arm's own loss), but it is the loss `off` minimises,
+whose optimum is the biased score above: it leans towards `off` by construction, and
+recall is the judge of the correction.
 """
 
 import os
