@@ -46,8 +46,10 @@ whose settings the release cannot express, since the release would run the expor
 as another model: every config field that is not a size, a later-release option or a
 setting that changes nothing the tree computes (`_FREE_FIELDS`) must hold its default,
 the release's behaviour. So a cap other than 30.0, isolation off, or a new switch that
-is on refuses to export, naming the field. A `norm_layout` other than "sandwich" has
-other norm parameters and converts in neither direction.
+is on refuses to export, naming the field; so does a model whose arrays are not the
+shapes its config builds (a `Trainer`'s parameters stacked over seeds, say), whose tree
+would count its seeds as layers. A `norm_layout` other than "sandwich" has other norm
+parameters and converts in neither direction.
 """
 
 from __future__ import annotations
@@ -241,6 +243,26 @@ def _check_mapped(model, slots: list[_Slot], model_name: str) -> None:
         "them, or give them a name in phoenix_flax/haiku_compat.py")
 
 
+def _check_shapes(model, slots: list[_Slot], model_name: str) -> None:
+  """Raises unless each array has the shape its config builds: the tree's layer count and
+  widths are read off the arrays, so a model stacked over seeds (a `Trainer`'s system of
+  several seeds' parameters) would export its seeds as layers, and a transposed matrix
+  as is, trees the release could not run."""
+  built = eqx.filter_eval_shape(type(model), model.config, key=jax.random.PRNGKey(0))
+  problems = []
+  for slot in slots:
+    have, want = slot.get(model).shape, slot.get(built).shape
+    if have != want:
+      names = ", ".join(f"{module}/{param}" for module, param, _ in slot.parts)
+      problems.append(f"{names}{' (per layer)' if slot.stacked else ''}: the config builds "
+                      f"{want}, the model holds {have}")
+  if problems:
+    raise ValueError(
+        f"{model_name}'s arrays do not have the shapes its config builds, so its tree would "
+        "not be the model's (for a Trainer's parameters stacked over seeds, export one "
+        "seed's: `training.loop.unstack(state.params, i)`):\n  " + "\n  ".join(problems))
+
+
 def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
   """Splits and unstacks the model's arrays; modules come out layer by layer."""
   _check_exportable(model.config)
@@ -251,6 +273,7 @@ def _to_tree(model, slots: list[_Slot], model_name: str) -> Params:
     raise ValueError(f"{model_name} lacks parameters the release has: {lacking} (a module "
                      "of the model is None); the release could not run the exported tree")
   _check_mapped(model, slots, model_name)
+  _check_shapes(model, slots, model_name)
   entries = []
   for slot in slots:
     array = slot.get(model)

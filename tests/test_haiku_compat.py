@@ -220,6 +220,30 @@ def test_ranking_round_trip_is_identity(ranking_params):
       qkv[1, :, 128:192], tree["transformer/decoder_layer_1/multi_head_attention/key"]["w"])
 
 
+def test_export_refuses_arrays_of_other_shapes_than_the_config_builds():
+  """The tree's layer count and widths come off the arrays: a model stacked over seeds
+  (what a Trainer's system of several seeds' parameters is) would export its seeds as
+  layers, and a transposed matrix as is; both are refused, naming the entries."""
+  config = _ranking_config()
+  two_seeds = eqx.filter_vmap(lambda k: pf.PhoenixModel(config, key=k))(
+      jax.random.split(jax.random.PRNGKey(0), 2))
+  with pytest.raises(ValueError, match="do not have the shapes its config builds") as e:
+    jax.eval_shape(haiku_compat.ranking_model_to_haiku, two_seeds)
+  assert "phoenix_model/unembeddings: the config builds (64, 19), the model holds (2, 64, 19)" \
+      in str(e.value)
+  assert "multi_head_attention/query/w" in str(e.value) and "unstack" in str(e.value)
+  model = pf.PhoenixModel(config, key=jax.random.PRNGKey(0))
+  flipped = eqx.tree_at(lambda m: m.unembeddings, model, model.unembeddings.T)
+  with pytest.raises(ValueError, match=r"unembeddings: the config builds \(64, 19\), the "
+                                       r"model holds \(19, 64\)"):
+    haiku_compat.ranking_model_to_haiku(flipped)
+  retrieval = pf.PhoenixRetrievalModel(_retrieval_config(), key=jax.random.PRNGKey(0))
+  tower = retrieval.candidate_tower
+  with pytest.raises(ValueError, match="candidate_tower_projection_1"):
+    haiku_compat.retrieval_model_to_haiku(eqx.tree_at(
+        lambda m: m.candidate_tower, retrieval, jax.tree.map(lambda x: x[..., :-1], tower)))
+
+
 @pytest.mark.parametrize("linear_proj", [True, False], ids=["mlp", "mean_pool"])
 def test_retrieval_round_trip_is_identity(inputs, corpus, linear_proj):
   _, tree = _retrieval_params(inputs, corpus, linear_proj)
