@@ -50,6 +50,11 @@ is on refuses to export, naming the field; so does a model whose arrays are not 
 shapes its config builds (a `Trainer`'s parameters stacked over seeds, say), whose tree
 would count its seeds as layers. A `norm_layout` other than "sandwich" has other norm
 parameters and converts in neither direction.
+
+Float32 JAX arrays are not copied either way: an imported model holds the tree's arrays
+where it can (a whole, unfused entry) and an exported tree the model's, so donating one
+side to a jitted call (as the training step donates its state) deletes the other's.
+numpy inputs are copied to the device.
 """
 
 from __future__ import annotations
