@@ -7,6 +7,7 @@ from typing import Optional
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 
@@ -38,10 +39,10 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
   their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
 
-  `action_weights_A` must be >= 0 with a positive sum (as `train.action_weights` is
-  checked): an action weighted below 0 is dropped from the sum like a 0 one but still
-  counts in `sum_a w_a`, so the formula above does not hold for it. Shapes are checked
-  with chex (an `AssertionError` naming the argument).
+  `action_weights_A` must be finite and >= 0 with a positive sum (as
+  `train.action_weights` is checked); given as values (not traced), they are checked here
+  too, a `ValueError`. Shapes are checked with chex (an `AssertionError` naming the
+  argument).
   """
   # Broadcasting would hide a wrong shape: a [B, 1] mask or a [1] weight vector gave a
   # loss on another scale (x C, x A) without an error.
@@ -51,6 +52,11 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   chex.assert_shape(mask_BC, (B, C), custom_message="ranking_loss: mask")
   if action_weights_A is not None:
     chex.assert_shape(action_weights_A, (A,), custom_message="ranking_loss: action_weights")
+    if not isinstance(action_weights_A, jax.core.Tracer):   # values known: check them
+      w = np.asarray(action_weights_A, np.float64)
+      if not (np.all(np.isfinite(w)) and np.all(w >= 0) and np.sum(w) > 0):
+        raise ValueError(f"ranking_loss: action_weights must be finite, >= 0 and sum above "
+                         f"0, got {w.tolist()}")
   m_BC1 = jnp.asarray(mask_BC, bool)[..., None]
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)
