@@ -314,7 +314,9 @@ def post_ids(batch: pf.RecsysBatch) -> jax.Array:
   """int `[B, C]`: an id per candidate post for `in_batch_loss`, equal for the same post
   and different for different ones: its two hashes as one integer. Posts that share both
   are one item to the model; the first hash alone is shared by about a third of the
-  example's catalogue, so as an id it made different posts each other's duplicates."""
+  example's catalogue, so as an id it made different posts each other's duplicates.
+  Above 46,340 post rows the product wraps around in int32: still an id, two different
+  posts sharing one with a chance of about 2^-32."""
   h = jnp.asarray(batch.candidate_post_hashes)
   return h[..., 0] * BUCKETS["post"] + h[..., 1]
 
