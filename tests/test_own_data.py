@@ -299,3 +299,35 @@ def test_positive_counts_count_each_training_impressions_first_favorite(logs):
   retriever = own_data.train_retriever(logs, num_steps=10, batch_size=16, seed=0, logq=True)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(eqx.filter(retriever, eqx.is_array)))
   assert 0.0 <= own_data.retrieval_recall(retriever, logs, np.arange(40), top_k=50) <= 1.0
+
+
+def test_the_docs_history_per_impression_snippet_cuts_each_history_before_it():
+  """docs/own_data.md, "One history per impression", run as written on a random log: each
+  impression's history is the user's newest S engagements strictly before it, oldest
+  first, padding (hash 0) after them."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).parents[1] / "docs" / "own_data.md").read_text("utf-8")
+  section = text[text.index("### One history per impression"):]
+  block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  rng = np.random.default_rng(0)
+  n, S = 300, 6
+  ev_user = rng.integers(0, 12, n)
+  ev_time = rng.integers(0, 50, n)
+  order = np.lexsort((ev_time, ev_user))       # sorted by user, then time
+  ev_user, ev_time = ev_user[order], ev_time[order]
+  ev_post = rng.integers(1, 10**12, n)
+  scope = dict(np=np, pf=pf, ev_user=ev_user, ev_time=ev_time, ev_post=ev_post,
+               ev_author=rng.integers(1, 10**9, n), ev_actions=rng.integers(0, 2, (n, 19)),
+               ev_surface=rng.integers(0, 16, n), imp_user=rng.integers(0, 14, 200),
+               imp_time=rng.integers(0, 55, 200), S=S, post_buckets=4096, author_buckets=512)
+  exec(compile(block, "docs/own_data.md:history", "exec"), scope)
+  rows, valid = scope["rows"], scope["valid"]
+  for i, (u, t) in enumerate(zip(scope["imp_user"], scope["imp_time"])):
+    want = [j for j in range(n) if ev_user[j] == u and ev_time[j] < t][-S:]
+    assert rows[i][valid[i]].tolist() == want
+    assert valid[i].tolist() == [True] * len(want) + [False] * (S - len(want))
+  hashes = np.asarray(scope["history_post_hashes"])
+  np.testing.assert_array_equal(hashes, np.asarray(pf.hash_ids(ev_post[rows], 4096,
+                                                               valid=valid)))
+  assert np.all((hashes == 0) == ~valid[..., None]) and valid.any() and not valid.all()
