@@ -139,6 +139,7 @@ def _recompute(folder: str, command: str) -> dict:
 def _write_sweep(folder: str, results: dict) -> None:
   """effects.png drawn again, then results.json and REPORT.md (with the plots it listed)."""
   plots = _listed_plots(os.path.join(folder, "REPORT.md"), folder)
+  writers.remove_temporaries(folder, keep_live_writers=True)   # of a killed earlier writer
   headline = results.get("headline", [results["primary_metric"]])
   drawn = report.plot_effects(results, headline, os.path.join(folder, "effects.png"))
   if drawn and "effects.png" not in plots:
@@ -175,6 +176,7 @@ def _prepare(folder: str, command: str) -> Callable[[], str]:
   def write_all() -> str:
     for name, sweep_results in entries:
       _write_sweep(os.path.join(folder, name), sweep_results)
+    writers.remove_temporaries(folder, keep_live_writers=True)
     sweep.write_json(os.path.join(folder, "results.json"), dict(entries))
     # after the sweeps: the combined report shows the effect plots that now exist
     report.write_atomic(path, report.combined_markdown(entries, folder, preset,

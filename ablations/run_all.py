@@ -21,6 +21,7 @@ if not __package__:  # run by path, not with python -m: import this checkout's p
 
 import ablations
 from ablations import report, sweep
+from phoenix_flax.training.writers import remove_temporaries
 
 ABLATIONS = {m.ABLATION.name: m.ABLATION for m in ablations.modules()}
 
@@ -33,6 +34,12 @@ def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
   """The named ablations' sweeps into `<workdir>/<name>/`, every config built and checked
   (and every existing run directory against it, and the combined report's folder) before
   any training starts."""
+  foreign = sweep.foreign_run_folders(workdir, list(ABLATIONS))
+  if foreign:
+    raise ValueError(f"{workdir} holds runs that are no ablation's sweep folder "
+                     f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}): "
+                     "another sweep's, which could not resume beside the combined report; "
+                     "use another workdir")
   sweeps = [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
   sweep.check_report_folder(
       workdir, lambda r: all(isinstance(v, dict) and v.get("ablation") == k
@@ -56,6 +63,7 @@ def run_all(names, sweeps: list, workdir: str, command: str = "") -> str:
     logging.warning("the combined results.json and REPORT.md now cover %s only, no longer "
                     "%s (their sweeps stay in their directories; name them in --ablations "
                     "to report them together again)", list(names), dropped)
+  remove_temporaries(workdir, keep_live_writers=True)   # of a killed earlier writer
   sweep.write_json(os.path.join(workdir, "results.json"), dict(entries))
   report.write_atomic(path, report.combined_markdown(entries, workdir, sweeps[0].preset,
                                                      command))

@@ -98,9 +98,9 @@ from phoenix_flax.training import provenance, writers
 from phoenix_flax.training.schema import (ExperimentSpec, check_config, flatten,
                                          not_in_model_section, paths_named, split_config)
 from phoenix_flax.training.sharding import initialize_from
-from phoenix_flax.training.runner import (check_placement, check_workdir, checkpoint_like,
-                                          finished_seeds, metric_names, read_result,
-                                          RESULT_FILE, seed_dir)
+from phoenix_flax.training.runner import (CONFIG_FILE, check_placement, check_workdir,
+                                          checkpoint_like, finished_seeds, metric_names,
+                                          read_result, RESULT_FILE, seed_dir)
 from phoenix_flax.training.writers import (event_file_name, jsonable, read_json,
                                            remove_temporaries, write_event_file)
 
@@ -426,6 +426,26 @@ def check_report_folder(folder: str, is_ours: Callable[[dict], bool], writer: st
                      "replace it (and REPORT.md and the plots there): use another workdir")
 
 
+def _holds_runs(path: str, depth: int) -> bool:
+  """Whether `path` or a folder up to `depth` levels below it holds a run's config.json."""
+  if os.path.isfile(os.path.join(path, CONFIG_FILE)):
+    return True
+  return depth > 0 and any(_holds_runs(os.path.join(path, d), depth - 1)
+                           for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+
+
+def foreign_run_folders(folder: str, names: Sequence[str]) -> list[str]:
+  """The folders in `folder` named none of `names` that hold runs: another sweep's
+  variants (`<variant>/seed_<k>/config.json`) or another `run_all`'s sweeps (one level
+  deeper), whose sweep could not resume once this one's report stood beside them (a
+  sweep killed before its first report leaves no results.json to say whose they are)."""
+  if not os.path.isdir(folder):
+    return []
+  return [name for name in sorted(os.listdir(folder))
+          if name not in names and os.path.isdir(os.path.join(folder, name))
+          and _holds_runs(os.path.join(folder, name), 2)]
+
+
 def result_if_finished(run_dir: str) -> Optional[dict]:
   """The run's result.json (checked: `runner.read_result`), or None where it has none."""
   path = os.path.join(run_dir, RESULT_FILE)
@@ -518,6 +538,12 @@ class Sweep:
     check_workdir(workdir)
     check_report_folder(workdir, lambda r: r.get("ablation") == ablation.name,
                         f"the {ablation.name} sweep")   # (and again before writing)
+    foreign = foreign_run_folders(workdir, [v.name for v in ablation.variants(preset)])
+    if foreign:
+      raise ValueError(f"{workdir} holds runs that are no variant of {ablation.name} at "
+                       f"preset {preset!r} ({', '.join(foreign[:4])}"
+                       f"{', ...' if len(foreign) > 4 else ''}): another sweep's, which could "
+                       "not resume beside this one's report; use another workdir")
     configs = [self.config(variant) for variant in self.variants]
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
       for cfg in configs:

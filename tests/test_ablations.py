@@ -376,7 +376,12 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path,
     drawn[results["ablation"]] = list(metrics)
     return real_plot(results, metrics, path)
   monkeypatch.setattr(report, "plot_effects", plot_effects)
+  # Partial files of a killed earlier writer, in the top folder and in a sweep's: cleared.
+  left = [folder / ".REPORT.md.tmp.999999", folder / "gqa_ratio" / ".results.json.tmp.999999"]
+  for path in left:
+    path.write_text("partial")
   rerender.rerender(str(folder), "python -m ablations.rerender x")
+  assert not [path for path in left if path.exists()]
   fresh = json.loads(one.read_text())
   listed = json.loads((folder / "results.json").read_text())   # the sweeps run_all ran
   assert set(drawn) == set(listed)
@@ -1221,6 +1226,12 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
       in code_lines[0], code_lines
   combined = json.loads((tmp_path / "results.json").read_text())
   assert set(combined) == {"toy", "toy2"}
+  # The partial files of a writer of the combined report killed mid-write are cleared.
+  left = tmp_path / ".REPORT.md.tmp.999999"
+  left.write_text("partial")
+  run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=make),
+                  str(tmp_path))
+  assert not left.exists()
   assert combined["toy"]["variants"]["b"]["metrics"]["auc_mean"]["mean"] > 0.72
   assert (tmp_path / "toy" / "REPORT.md").exists()
   # A later run of fewer ablations into the same workdir says what its report leaves out.
@@ -1268,6 +1279,33 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
   with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
     second.run()
   assert (both / "results.json").read_text() == written
+  # A sweep killed before its first report leaves runs and no results.json: another
+  # ablation (or run_all) refuses the folder, naming the runs, which would otherwise be
+  # stranded (the killed sweep could not resume beside the other's report); the killed
+  # sweep itself resumes there.
+  killed = tmp_path / "killed"
+  make(toy_ablation(), str(killed)).run()
+  for name in ("results.json", "REPORT.md"):
+    (killed / name).unlink()
+  other_arms = dict(name="toy2", arms={"x": {"model.num_layers": 1},
+                                       "y": {"model.num_layers": 2}}, baseline="x")
+  with pytest.raises(ValueError, match=r"holds runs that are no variant of toy2 at preset "
+                                       r"'smoke' \(a, b, c\): another sweep's"):
+    make(toy_ablation(**other_arms), str(killed))
+  with pytest.raises(ValueError, match=r"holds runs that are no ablation's sweep folder "
+                                       r"\(a, b, c\)"):
+    run_all.make_sweeps(["toy"], str(killed), make_sweep=make)
+  make(toy_ablation(), str(killed)).run()
+  assert (killed / "results.json").exists()
+  # A single sweep in a run_all folder whose combined report was never written: its
+  # ablation folders hold runs one level deeper, and are refused the same way.
+  nested = tmp_path / "nested"
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(nested), make_sweep=make),
+                  str(nested))
+  for name in ("results.json", "REPORT.md"):
+    (nested / name).unlink()
+  with pytest.raises(ValueError, match=r"no variant of toy2 at preset 'smoke' \(toy\)"):
+    make(toy_ablation(**other_arms), str(nested))
   # run_all's combined report, made by run_all, and a damaged results.json are replaced.
   combined = tmp_path / "combined"
   run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
