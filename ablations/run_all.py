@@ -34,7 +34,9 @@ def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
   """The named ablations' sweeps into `<workdir>/<name>/`, every config built and checked
   (and every existing run directory against it, and the combined report's folder) before
   any training starts."""
-  foreign = sweep.foreign_run_folders(workdir, list(ABLATIONS))
+  # (A results.json there is run_all's or refused below.)
+  foreign = ([] if sweep.previous_results(workdir)
+             else sweep.foreign_run_folders(workdir, list(ABLATIONS)))
   if foreign:
     raise ValueError(f"{workdir} holds runs that are no ablation's sweep folder "
                      f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}): "

@@ -538,7 +538,11 @@ class Sweep:
     check_workdir(workdir)
     check_report_folder(workdir, lambda r: r.get("ablation") == ablation.name,
                         f"the {ablation.name} sweep")   # (and again before writing)
-    foreign = foreign_run_folders(workdir, [v.name for v in ablation.variants(preset)])
+    # (Beside its own report, runs of variants no longer in the design are this
+    # ablation's, from before an edit of its grid: left alone.)
+    ours = previous_results(workdir).get("ablation") == ablation.name
+    foreign = [] if ours else foreign_run_folders(
+        workdir, [v.name for v in ablation.variants(preset)])
     if foreign:
       raise ValueError(f"{workdir} holds runs that are no variant of {ablation.name} at "
                        f"preset {preset!r} ({', '.join(foreign[:4])}"

@@ -1297,6 +1297,9 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
     run_all.make_sweeps(["toy"], str(killed), make_sweep=make)
   make(toy_ablation(), str(killed)).run()
   assert (killed / "results.json").exists()
+  # Beside its own report, runs of variants its edited grid no longer has are its own.
+  make(toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2}}),
+       str(killed)).run()
   # A single sweep in a run_all folder whose combined report was never written: its
   # ablation folders hold runs one level deeper, and are refused the same way.
   nested = tmp_path / "nested"
