@@ -123,6 +123,7 @@ def test_notebook_executes(name, sweep_dir, tmp_path, monkeypatch):
     assert saved in patch and f"git apply {tmp_path / 'no_rope' / 'no_rope.patch'}" in patch
     assert "+    rope: rotary positions on queries and keys" in saved
     assert "+    if self.right_anchored_rope and not self.model.rope:" in saved
+    assert "+if not __package__:  # run by path" in saved   # as every script in ablations/
     if os.path.isdir(os.path.join(ROOT, ".git")):
       proc = subprocess.run(["git", "apply", "--check", "-"], input=saved, cwd=ROOT,
                             text=True, capture_output=True)
