@@ -34,14 +34,8 @@ def make_sweeps(names, workdir: str, make_sweep=sweep.sweep_from_flags) -> list:
   """The named ablations' sweeps into `<workdir>/<name>/`, every config built and checked
   (and every existing run directory against it, and the combined report's folder) before
   any training starts."""
-  # (A results.json there is run_all's or refused below.)
-  foreign = ([] if sweep.previous_results(workdir)
-             else sweep.foreign_run_folders(workdir, list(ABLATIONS)))
-  if foreign:
-    raise ValueError(f"{workdir} holds runs that are no ablation's sweep folder "
-                     f"({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''}): "
-                     "another sweep's, which could not resume beside the combined report; "
-                     "use another workdir")
+  if not sweep.previous_results(workdir):   # (one there is run_all's, or refused below)
+    sweep.check_no_foreign_runs(workdir, list(ABLATIONS), "ablation's sweep folder")
   sweeps = [make_sweep(ABLATIONS[name], os.path.join(workdir, name)) for name in names]
   sweep.check_report_folder(
       workdir, lambda r: all(isinstance(v, dict) and v.get("ablation") == k

@@ -446,6 +446,16 @@ def foreign_run_folders(folder: str, names: Sequence[str]) -> list[str]:
           and _holds_runs(os.path.join(folder, name), 2)]
 
 
+def check_no_foreign_runs(folder: str, names: Sequence[str], what: str) -> None:
+  """Raises ValueError naming the `foreign_run_folders` of `folder`, if any: `what` (the
+  folders it expects, say "variant of X") they are not."""
+  foreign = foreign_run_folders(folder, names)
+  if foreign:
+    raise ValueError(f"{folder} holds runs that are no {what} ({', '.join(foreign[:4])}"
+                     f"{', ...' if len(foreign) > 4 else ''}): another sweep's, which could "
+                     "not resume beside this report; use another workdir")
+
+
 def result_if_finished(run_dir: str) -> Optional[dict]:
   """The run's result.json (checked: `runner.read_result`), or None where it has none."""
   path = os.path.join(run_dir, RESULT_FILE)
@@ -540,14 +550,9 @@ class Sweep:
                         f"the {ablation.name} sweep")   # (and again before writing)
     # (Beside its own report, runs of variants no longer in the design are this
     # ablation's, from before an edit of its grid: left alone.)
-    ours = previous_results(workdir).get("ablation") == ablation.name
-    foreign = [] if ours else foreign_run_folders(
-        workdir, [v.name for v in ablation.variants(preset)])
-    if foreign:
-      raise ValueError(f"{workdir} holds runs that are no variant of {ablation.name} at "
-                       f"preset {preset!r} ({', '.join(foreign[:4])}"
-                       f"{', ...' if len(foreign) > 4 else ''}): another sweep's, which could "
-                       "not resume beside this one's report; use another workdir")
+    if previous_results(workdir).get("ablation") != ablation.name:
+      check_no_foreign_runs(workdir, [v.name for v in ablation.variants(preset)],
+                            f"variant of {ablation.name} at preset {preset!r}")
     configs = [self.config(variant) for variant in self.variants]
     if self.base.mesh.distributed is True:   # before parse_config starts a backend
       for cfg in configs:

@@ -2,6 +2,7 @@
 section, the retrieval loss as a system method, and experiments/own_data.py end to end."""
 
 import dataclasses
+import os
 
 import equinox as eqx
 import jax
@@ -13,6 +14,8 @@ import phoenix_flax as pf
 from experiments import own_data
 from phoenix_flax import training
 from phoenix_flax.training import checkpoint
+
+from conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -305,9 +308,9 @@ def test_the_docs_history_per_impression_snippet_cuts_each_history_before_it():
   """docs/own_data.md, "One history per impression", run as written on a random log: each
   impression's history is the user's newest S engagements strictly before it, oldest
   first, padding (hash 0) after them."""
-  import pathlib
   import re
-  text = (pathlib.Path(__file__).parents[1] / "docs" / "own_data.md").read_text("utf-8")
+  with open(os.path.join(REPO, "docs", "own_data.md"), encoding="utf-8") as f:
+    text = f.read()
   section = text[text.index("### One history per impression"):]
   block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
   rng = np.random.default_rng(0)

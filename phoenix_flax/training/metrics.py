@@ -20,6 +20,12 @@ from phoenix_flax.inference import ACTIONS, PRIMARY_ACTION
 from phoenix_flax.training.loss import binary_cross_entropy, is_positive
 
 
+def _undefined_if_nan(value: Array, scores: Array, mask: Array) -> Array:
+  """`value`, or NaN when the score of a valid entry (`mask`, broadcast against `scores`)
+  is NaN: a model gone non-finite, whose order is undefined."""
+  return jnp.where(jnp.any(jnp.isnan(scores) & jnp.asarray(mask, bool)), jnp.nan, value)
+
+
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
   """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
 
@@ -44,8 +50,7 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   wins_N = (f32(below_N) + 0.5 * f32(at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
   valid = (n_pos > 0) & (n_neg > 0)
   auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
-  defined = valid & ~jnp.any(mask_N & jnp.isnan(scores_N))
-  return jnp.where(defined, auc, jnp.nan), valid
+  return _undefined_if_nan(jnp.where(valid, auc, jnp.nan), scores_N, mask_N), valid
 
 
 def list_auc(scores_BC: Array, labels_BC: Array, mask_BC: Array) -> Array:
@@ -185,11 +190,6 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
                            mask_BC)
 
 
-def _undefined_if_nan(value: Array, scores_BC: Array, mask_BC: Array) -> Array:
-  """`value`, or NaN when a valid candidate's score is NaN (its rank is undefined)."""
-  return jnp.where(jnp.any(jnp.isnan(scores_BC) & jnp.asarray(mask_BC, bool)), jnp.nan, value)
-
-
 def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequence[int]
                 ) -> tuple[Array, Array]:
   """Retrieval against a corpus of N items scored `scores_BN` for each list: for each k of
@@ -290,8 +290,7 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   auc_mean = _mean_valid(auc_A, valid_A)
   F = PRIMARY_ACTION
   favorite_BC = is_positive(labels_BCA[..., F])
-  undefined = jnp.any(jnp.isnan(logits_BCA) & mask_BC[..., None])
-  model = lambda x: jnp.where(undefined, jnp.nan, x)
+  model = lambda x: _undefined_if_nan(x, logits_BCA, jnp.asarray(mask_BC, bool)[..., None])
   out = {"auc_mean": model(auc_mean)}
   if has_probs:
     probs_BCA = jnp.asarray(probs_BCA, jnp.float32)
