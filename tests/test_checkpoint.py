@@ -1004,6 +1004,37 @@ def test_a_disk_that_fills_while_logging_stops_the_run_with_a_resumable_error(tm
   assert [r["step"] for r in writers.read_metrics(run_dir)] == [10, 20, 30]
 
 
+def test_events_a_full_disk_keeps_unwritten_still_stop_the_run_with_one_error(tmp_path,
+                                                                               monkeypatch):
+  """Events that stay buffered because the disk is full fail again when the writers are
+  closed on the way out: that second failure neither replaces the first one's
+  `RunOutputError` (the scripts' one-line error) with a bare OSError and its traceback, nor
+  keeps the other seed's writer open or the run's lock held."""
+  config = ranking_configs.get_config("smoke")
+  config.num_seeds = 2
+  config.train.update(num_steps=20, eval_every=20, checkpoint_every=10)
+  run_dir = str(tmp_path / "run")
+  closed = []
+  close = writers.RunWriter.close
+
+  def full_disk(self):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  def recorded_close(self, finished):
+    closed.append(self.run_dir)
+    return close(self, finished)
+
+  with monkeypatch.context() as m:
+    m.setattr(writers.EventsWriter, "flush", full_disk)
+    m.setattr(writers.RunWriter, "close", recorded_close)
+    with pytest.raises(runner.RunOutputError, match=r"No space left on device.*no "
+                                                    r"checkpoint was written yet") as e:
+      run_experiment(config, run_dir)
+  assert e.value.errno == errno.ENOSPC
+  assert sorted(closed) == [os.path.join(run_dir, f"seed_{k}") for k in (0, 1)]
+  assert sorted(run_experiment(config, run_dir)) == [0, 1]
+
+
 def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):
   """A run resumed with one chunk to go runs only the chunk that compiles: its row logs
   that time as perf/first_call_seconds (as every first call does, not a rate), and

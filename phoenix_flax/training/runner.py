@@ -907,10 +907,18 @@ class _Group:
     return train_rows, (len(rates) / sum(1 / x for x in rates) if rates else 0.0), vmapped
 
   def close_writers(self) -> None:
-    """Closes the event writers of a run that stops unfinished (those still open)."""
-    for writer in self.writers.values():
+    """Closes the event writers of a run that stops unfinished (those still open), every
+    one of them even when one cannot write its last events (then `RunOutputError`)."""
+    error = None
+    for k, writer in self.writers.items():
       if not writer.closed:
-        writer.close(finished=False)
+        try:
+          with _writing_outputs(self.dirs[k]):
+            writer.close(finished=False)
+        except RunOutputError as e:
+          error = error or e
+    if error is not None:
+      raise error
 
   def finish(self, evaluated: dict, train_rows: dict, throughput: float,
              vmapped: int) -> dict[int, dict]:
@@ -961,8 +969,11 @@ def _train(trainer: Trainer, config: ml_collections.ConfigDict, seeds: list[int]
     trainer.compile_evaluation(g.state)
     with _StopRequests() as stop:
       results = _train_group(g, trainer, progress, stop, compile_seconds)
-  finally:   # (writers closed when the run finished or stopped; here if anything raised)
-    g.close()
+  except BaseException:   # writers still open: closed, locks released, the error reported
+    with contextlib.suppress(RunOutputError):   # (not a full disk's second failure)
+      g.close()
+    raise
+  g.close()   # (writers closed when the run finished or stopped)
   if stop.signum is not None:   # during the last chunk: the run finished; its caller stops
     raise RunInterrupted(stop.signum, g.step, [g.dirs[k] for k in seeds], finished=True)
   return results
