@@ -46,8 +46,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "eval_split.* (how batches are drawn), model.* (shape and ablation switches), "
     "optim.* (AdamW, warmup + cosine, clipping), train.* (steps, batch, eval and "
     "checkpoint cadence), extra_eval_splits.<name>.* (more evaluation splits: a config "
-    "file defines them with schema.split_config(); the command line can only change "
-    "the fields of splits the file defines), ranking.*, retrieval.*, "
+    "file defines them with schema.split_config(); --config.extra_eval_splits.<name>.<field> "
+    "changes a field of a split the file defines), ranking.*, retrieval.*, "
     "mesh.* (devices, sharding, multi-host), output.*; "
     "every field is documented in phoenix_flax/training/schema.py; --print_config "
     "lists them with their values.",

@@ -19,6 +19,7 @@ import types
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -1033,6 +1034,22 @@ def test_events_a_full_disk_keeps_unwritten_still_stop_the_run_with_one_error(tm
   assert e.value.errno == errno.ENOSPC
   assert sorted(closed) == [os.path.join(run_dir, f"seed_{k}") for k in (0, 1)]
   assert sorted(run_experiment(config, run_dir)) == [0, 1]
+
+
+def test_an_extra_split_naming_some_fields_only_is_the_same_config_when_run_again(tmp_path):
+  """An extra evaluation split given as the fields it changes (what a dict override
+  `--config.extra_eval_splits={'long': {'max_history': 3}}` gives) is stored as given:
+  the same config run again is skipped, not refused as another config; another value of
+  that field still is."""
+  config = ranking_configs.get_config("smoke")
+  config.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
+  config.extra_eval_splits = ml_collections.ConfigDict({"long": {"max_history": 3}})
+  run_dir = str(tmp_path / "run")
+  first = run_experiment(config, run_dir)
+  assert run_experiment(config, run_dir) == first
+  config.extra_eval_splits.long.max_history = 2
+  with pytest.raises(ConfigError, match=r"differs in \['extra_eval_splits.long.max_history'"):
+    run_experiment(config, run_dir)
 
 
 def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):

@@ -427,7 +427,8 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
     raise ConfigError(f"{path} is not a run's config ({type(e).__name__}: {e}); "
                       f"{_unusable_config_advice(run_dir)}") from e
   found = flatten(jsonable(stored), skip=RUNTIME_SECTIONS)
-  wanted = flatten(jsonable(expected), skip=RUNTIME_SECTIONS)
+  # Completed alike: an extra evaluation split may name only the fields it changes.
+  wanted = flatten(jsonable(with_defaults(expected).to_dict()), skip=RUNTIME_SECTIONS)
   # config.json holds the forward dtype a None resolved to on the platform that started
   # the run (None in runs written before it did), so that resuming on another platform
   # is refused instead of training on in another dtype.
