@@ -1042,7 +1042,7 @@ def workdir_from_flags(name: Optional[str] = None) -> str:
   """--workdir, or `default_workdir` where the flag is left out. An empty one
   (`--workdir=$WD` with WD unset) exits with a usage error: read as the default, it
   trained into, and resumed from, the shared default folder."""
-  if FLAGS.workdir == "":
+  if FLAGS.workdir is not None and not FLAGS.workdir.strip():
     usage_error("--workdir is empty: give a directory, or leave the flag out for "
                 f"{default_workdir(FLAGS.preset, name)}")
   return FLAGS.workdir or default_workdir(FLAGS.preset, name)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Iterator, NoReturn, Optional
 
 from absl import app, flags
@@ -20,7 +21,8 @@ import ml_collections
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError,
                                    RunOutputError, writers)
 from phoenix_flax.training.checkpoint import CheckpointError
-from phoenix_flax.training.schema import check_config, not_in_model_section, paths_named
+from phoenix_flax.training.schema import (TASKS, base_config, check_config, flatten,
+                                          not_in_model_section, paths_named)
 from phoenix_flax.training.writers import nearest_existing
 
 EXIT_BAD_INPUT = 2
@@ -250,6 +252,31 @@ def _unknown_field_message(lookup_error: str, paths: list[str]) -> str:
   return f"{text}\n{SCHEMA_HINT}"
 
 
+def _raised_in_get_config(e: BaseException) -> bool:
+  """Whether `e` (or an error it was raised from) came through a config file's
+  `get_config()`: a field the file's own code misspells, not an override's."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if any(frame.f_code.co_name == "get_config"
+           for frame, _ in traceback.walk_tb(e.__traceback__)):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
+def _below_a_value(paths: list[str]) -> Optional[tuple[str, str]]:
+  """The first override path that reaches below a field of the schema holding a value
+  (`task.foo`, `world.base_rates.x`), with that field."""
+  values = {path for task in TASKS for path in flatten(base_config(task))}
+  for path in paths:
+    parts = path.split(".")
+    for n in range(1, len(parts)):
+      if ".".join(parts[:n]) in values:
+        return path, ".".join(parts[:n])
+  return None
+
+
 def parse_config_flags(argv: list[str]) -> list[str]:
   """absl flag parsing that turns every bad flag or `--config` override into a message
   and exit status 2 (`cli.parse_flags`, plus the config file's own errors); `~` in a path
@@ -273,6 +300,9 @@ def parse_config_flags(argv: list[str]) -> list[str]:
     if "has no attribute 'get_config'" in _key_error_message(e):
       fail("--config could not be loaded: the file defines no get_config() (a config file "
            "is a Python file whose get_config() returns an ml_collections.ConfigDict)")
+    if _raised_in_get_config(e):   # the file's own code (`c.trian`), not an override
+      fail(f"--config could not be loaded ({type(e).__name__} in its get_config(): "
+           f"{_key_error_message(e)})".replace("\n", " ") + f"\n{SCHEMA_HINT}")
     paths = [a[len("--config."):].split("=", 1)[0] for a in overrides]
     for path in paths:
       why = not_in_model_section(path[len("model."):]) if path.startswith("model.") else None
@@ -280,6 +310,11 @@ def parse_config_flags(argv: list[str]) -> list[str]:
         fail(f"--config.{path}: {why}")
     fail(_unknown_field_message(_key_error_message(e), paths))
   except (TypeError, ValueError) as e:
+    below = _below_a_value([a[len("--config."):].split("=", 1)[0] for a in overrides])
+    if below:   # `--config.task.foo=1`: "string indices must be integers, not 'str'"
+      path, value = below
+      fail(f"--config.{path}: config.{value} holds a value, not a section of fields\n"
+           f"{SCHEMA_HINT}")
     fail(f"bad --config value: {e}")
   except SyntaxError as e:
     fail(f"--config could not be loaded: {e.filename}, line {e.lineno}: {e.msg}")
@@ -292,6 +327,9 @@ def checked_config(config) -> ml_collections.ConfigDict:
   that could not be loaded, a `get_config()` that returns no ConfigDict and any invalid
   field (`schema.check_config`) end the script with a usage error, before any work."""
   if config is None:
+    if "config" in flags.FLAGS and flags.FLAGS["config"].present:
+      fail("--config's get_config() returned None: it must return an "
+           "ml_collections.ConfigDict (a missing return statement?)")
     fail("--config is required, e.g. --config=experiments/configs/ranking.py")
   try:
     config.to_dict()   # ml_collections defers a config file's load error to first use

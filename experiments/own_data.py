@@ -389,7 +389,7 @@ def main(argv) -> None:
     usage_error(f"--num_steps={FLAGS.num_steps}: use at least 10")
   if not (math.isfinite(FLAGS.init_scale) and FLAGS.init_scale > 0):
     usage_error(f"--init_scale={FLAGS.init_scale}: must be a finite number > 0")
-  if not FLAGS.workdir:
+  if not FLAGS.workdir.strip():
     usage_error("--workdir is empty: give a directory, or leave the flag out for its "
                 "default")
   if not 1 <= FLAGS.batch_size <= num_users:

@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; every option is a --flag")
   config = checked_config(_CONFIG.value)
-  if not _WORKDIR.value and not _PRINT_CONFIG.value:
+  if not (_WORKDIR.value or "").strip() and not _PRINT_CONFIG.value:
     fail("--workdir is required")
   if _PRINT_CONFIG.value:
     # The mesh and the training state's memory against this host's devices, as the run

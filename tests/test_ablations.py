@@ -1347,6 +1347,7 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
       "run_all": [
           ([f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
           (["--workdir="], "--workdir is empty"),
+          (["--workdir= "], "--workdir is empty"),   # (trained into a folder named " ")
           (["--ablations="], "--ablations is empty"),
           (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")]}
   with ForkServer(env, preload=["ablations.sweep"]) as server:

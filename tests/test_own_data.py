@@ -206,6 +206,7 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
     ("--init_scale=0", "--init_scale=0.0: must be a finite number > 0"),
     ("--init_scale=inf", "--init_scale=inf: must be a finite number > 0"),   # (a traceback)
     ("--workdir=", "--workdir is empty"),   # (a traceback from os.makedirs(''))
+    ("--workdir= ", "--workdir is empty"),   # (a folder named " ")
     ("--seed=-1", "--seed=-1: use 0 to 2**32 - 1"),
     ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written"),
     # an experiments.run run directory, whose checkpoints the example's save would replace

@@ -64,6 +64,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
        "output.keep_checkpoints=1 is invalid"),
       (["--config.mesh.distributed=True"], "Set config.mesh.coordinator_address"),
       (["positional"], "unexpected arguments ['positional']"),
+      # below a value: "string indices must be integers", which named no flag
+      (["--config.task.foo=1"], "--config.task.foo: config.task holds a value, not a section"),
   ]
   cases = [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={workdir}", *extra],
             needle) for extra, needle in cases]
@@ -81,12 +83,29 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
   a_file.write_text("")
   cases += [(["--config=experiments/configs/ranking.py:smoke", f"--workdir={a_file}/run"],
              f"{a_file} is a file, not a directory")]
+  # Workdirs that can never be a directory, and a seed's run directory that is a file.
+  (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+  (tmp_path / "seeds").mkdir()
+  (tmp_path / "seeds" / "seed_1").write_text("")
+  smoke = "--config=experiments/configs/ranking.py:smoke"
+  cases += [([smoke, f"--workdir={tmp_path}/dangling/run"],
+             f"{tmp_path}/dangling is a link to {tmp_path}/nowhere, which does not exist"),
+            ([smoke, f"--workdir={tmp_path}/{'a' * 300}"], "cannot be created (File name too "
+                                                           "long)"),
+            ([smoke, "--workdir= "], "--workdir is required"),
+            ([smoke, "--config.num_seeds=2", f"--workdir={tmp_path}/seeds"],
+             f"{tmp_path}/seeds/seed_1, seed 1's run directory, is a file")]
   # Broken config files: a syntax error, a dict instead of a ConfigDict, a misspelled key
   # (which no command-line lock catches), another task's setting.
   configs = {"syntax": "def get_config(:\n", "no_get_config": "x = 1\n",
              "plain_dict": "def get_config():\n  return {'task': 'ranking'}\n",
              "typo": "from experiments.configs import ranking\ndef get_config():\n"
-                     "  c = ranking.get_config('smoke')\n  c.train.num_stepz = 7\n  return c\n"}
+                     "  c = ranking.get_config('smoke')\n  c.train.num_stepz = 7\n  return c\n",
+             # a lookup the file's own code gets wrong is its error, not an override's
+             "section_typo": "from experiments.configs import ranking\ndef get_config():\n"
+                             "  c = ranking.get_config('smoke')\n  c.trian.num_steps = 7\n"
+                             "  return c\n",
+             "returns_none": "def get_config():\n  c = None\n"}
   for name, text in configs.items():
     (tmp_path / f"{name}.py").write_text(text)
   cases += [([f"--config={tmp_path}/syntax.py", f"--workdir={workdir}"],
@@ -95,6 +114,11 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
              "must return an ml_collections.ConfigDict, got dict"),
             ([f"--config={tmp_path}/no_get_config.py", f"--workdir={workdir}"],
              "--config could not be loaded: the file defines no get_config()"),
+            ([f"--config={tmp_path}/section_typo.py", f"--workdir={workdir}"],
+             "--config could not be loaded (AttributeError in its get_config(): 'trian' Did "
+             "you mean \"train\""),
+            ([f"--config={tmp_path}/returns_none.py", f"--workdir={workdir}"],
+             "--config's get_config() returned None"),
             # a folder where nothing can be written, whoever runs the test
             (["--config=experiments/configs/ranking.py:smoke", "--workdir=/proc/pf_test/run"],
              "workdir '/proc/pf_test/run' cannot be written"),
@@ -105,7 +129,6 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
              "config.retrieval.temperature=0.5 is invalid: only retrieval runs read it")]
   cases.append((["--config=experiments/configs/ranking.py:smoke"], "--workdir is required"))
   # experiments.train_throughput reads its --config the same way, and checks --out.
-  smoke = "--config=experiments/configs/ranking.py:smoke"
   throughput = [
       ([smoke, "--config.model.num_layer=2"],
        "Did you mean \"num_layers\" instead of \"num_layer\"?"),
@@ -127,7 +150,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
     assert code == 2, (args, stderr[-2000:])
     assert needle in stderr, (args, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
-  assert not workdir.exists()
+  assert not workdir.exists() and not (tmp_path / "nowhere").exists()
+  assert os.listdir(tmp_path / "seeds") == ["seed_1"]
 
 
 def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):

@@ -62,6 +62,7 @@ skipped run keeps of them is complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -259,10 +260,21 @@ def _in_use(run_dir: str) -> bool:
 
 
 def check_workdir(workdir: str) -> None:
-  """Raises `NotADirectoryError` naming the path when `workdir`, or the nearest of its
-  parents that exists, is not a directory, and `PermissionError` when this process cannot
-  write there (tried with a scratch file)."""
+  """Raises `NotADirectoryError` naming the path when `workdir` cannot be a directory (a
+  blank or overlong name; it, or the nearest of its parents that exists, is a file or a
+  link to nothing), and `PermissionError` when this process cannot write there (tried with
+  a scratch file)."""
+  if not workdir.strip():
+    raise NotADirectoryError(f"workdir {workdir!r} is blank: give a directory's path")
+  try:
+    os.stat(workdir)
+  except OSError as e:   # a missing folder is created; a name too long, never
+    if e.errno not in (errno.ENOENT, errno.ENOTDIR):
+      raise NotADirectoryError(f"workdir {workdir!r} cannot be created ({e.strerror})") from e
   path = nearest_existing(workdir)
+  if os.path.islink(path) and not os.path.exists(path):
+    raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a link to "
+                             f"{os.readlink(path)}, which does not exist")
   if not os.path.isdir(path):
     raise NotADirectoryError(f"workdir {workdir!r} cannot be created: {path} is a file, "
                              "not a directory")
@@ -460,6 +472,9 @@ def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
   another config (which resuming would mix up, and a finished one would stand in for), or
   a result.json that cannot be read (`read_result`), before any seed trains."""
   for k, d in run_dirs(config, workdir).items():
+    if os.path.lexists(d) and not os.path.isdir(d):
+      raise NotADirectoryError(f"{d}, seed {k}'s run directory, is a file, not a directory; "
+                               "use another workdir, or move the file away")
     _check_existing_config(d, seed_config(config, k).to_dict())
     if os.path.exists(os.path.join(d, RESULT_FILE)):
       read_result(os.path.join(d, RESULT_FILE))

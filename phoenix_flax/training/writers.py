@@ -91,7 +91,7 @@ def nearest_existing(path: str) -> str:
   """`path` (made absolute) or its nearest ancestor that exists: where creating `path`
   would start, so whether it is a writable folder says whether that can work."""
   path = os.path.abspath(path)
-  while not os.path.exists(path):
+  while not os.path.lexists(path):   # (a link to nothing exists: nothing is created there)
     path = os.path.dirname(path)
   return path
 
