@@ -403,6 +403,17 @@ def open_files_under(folder: str) -> list[str]:
   return found
 
 
+def session_end_status(run_dir: str) -> str:
+  """The status of the HParams session end that a run's event files record, by name."""
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+  acc = event_accumulator.EventAccumulator(run_dir)
+  acc.Reload()
+  content = acc.PluginTagToContent("hparams")["_hparams_/session_end_info"]
+  status = plugin_data_pb2.HParamsPluginData.FromString(content).session_end_info.status
+  return api_pb2.Status.Name(status)
+
+
 def transformer_config(**overrides) -> pf.TransformerConfig:
   """D=32, 4 query / 2 KV heads of size 8, 2 layers, ffn 48."""
   fields = dict(emb_size=EMB, key_size=8, num_q_heads=4, num_kv_heads=2, num_layers=2,

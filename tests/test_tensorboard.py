@@ -16,7 +16,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from conftest import REPO, open_files_under, subprocess_env
+from conftest import REPO, open_files_under, session_end_status, subprocess_env
 from phoenix_flax.training import runner
 from phoenix_flax.training import schema
 from phoenix_flax.training import writers
@@ -100,6 +100,14 @@ def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   other = str(tmp_path / "cpu" / "candidate_isolation" / "causal_corr0" / "seed_0")
   assert runner._hparams_group(other, 0) != runner._hparams_group(str(variant_dir / "seed_0"), 0)
   assert runner._hparams_group(str(tmp_path / "run"), 0) == ""
+
+
+def test_a_diverged_runs_hparams_session_ends_as_a_failure(tmp_path):
+  """The HParams view's status filter tells a diverged run from a finished one."""
+  for diverged, status in ((False, "STATUS_SUCCESS"), (True, "STATUS_FAILURE")):
+    run_dir = str(tmp_path / str(diverged))
+    RunWriter(run_dir, {"seed": 0}, None, "").close(finished=True, diverged=diverged)
+    assert session_end_status(run_dir) == status
 
 
 def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):

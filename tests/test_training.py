@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import float32_ulp, max_abs_diff, rounding
+from conftest import float32_ulp, max_abs_diff, rounding, session_end_status
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -1363,6 +1363,7 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   # throughput is that of the chunks run (the compiling one too when it is the last).
   assert result["steps"] == max(r["step"] for r in rows) < 40
   assert result["examples_per_second"] > 0
+  assert session_end_status(str(tmp_path)) == "STATUS_FAILURE"   # HParams' status filter
   # Killed after its final checkpoint (result.json missing): the diverged state it restores
   # trains no further, and the run ends as it did.
   os.remove(tmp_path / "result.json")

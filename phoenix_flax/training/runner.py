@@ -958,7 +958,7 @@ class _Group:
       })
       if self.main:   # result.json last: a run that has it is skipped, never repaired
         with _writing_outputs(self.dirs[k]):
-          self.writers[k].close(finished=True)
+          self.writers[k].close(finished=True, diverged=bool(diverged[i]))
           write_json(os.path.join(self.dirs[k], RESULT_FILE), results[k])
     return results
 

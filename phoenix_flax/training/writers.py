@@ -19,6 +19,7 @@ from typing import IO, Any, Iterator, Mapping, Optional
 import numpy as np
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.api_pb2 import Status
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 from tensorboardX.summary import hparams as hparams_summary
 from tensorboardX.summary import scalar as scalar_summary
@@ -354,15 +355,21 @@ class RunWriter:
   def closed(self) -> bool:
     return self._closed
 
-  def close(self, finished: bool) -> None:
-    """Flushes; on a finished run also records the HParams session end. Once closed, a
-    writer ignores further calls."""
+  def close(self, finished: bool, diverged: bool = False) -> None:
+    """Flushes; on a finished run also records the HParams session end, whose status is
+    a failure for a diverged run (the HParams view's status filter then leaves it out).
+    Once closed, a writer ignores further calls."""
     if self._closed:
       return
     self._closed = True
     try:
       if finished:
         _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
+        if diverged:
+          content = sei.value[0].metadata.plugin_data
+          data = HParamsPluginData.FromString(content.content)
+          data.session_end_info.status = Status.Value("STATUS_FAILURE")
+          content.content = data.SerializeToString()
         self._events.write_event(_event(summary=sei))
     finally:   # closed even when the last write fails (a full disk)
       self._events.close()
