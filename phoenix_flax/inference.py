@@ -501,7 +501,7 @@ class RankingRunner:
     differently): under 1e-6 in float32 and about 2e-2 in bfloat16 in an audit's grid of
     head splits, chunk sizes, paddings and position schemes (the isolated and dense paths
     up to about 4e-2 in bfloat16 where attention logits are large, near 250 before the
-    cap).
+    cap, and in some small models: docs/models.md).
 
     The scoring program is compiled once per chunk size; each new list length compiles up
     to four small programs that pad, slice and write (3.6 and about 5 MB of host memory a
