@@ -525,8 +525,8 @@ class Sweep:
     self._runner = runner
     self._reprobe = reprobe
     self._measured: set[str] = set()   # run dirs whose probes this process wrote
-    cfg = apply_overrides(preset_config(preset, ablation.experiment),
-                          ablation.preset_overrides.get(preset, {}))
+    preset_cfg = preset_config(preset, ablation.experiment)
+    cfg = apply_overrides(preset_cfg, ablation.preset_overrides.get(preset, {}))
     if ablation.task is not None:
       cfg = apply_overrides(cfg, {path: value for path, value in dict(overrides).items()
                                   if _has_path(cfg, path)})
@@ -535,6 +535,14 @@ class Sweep:
       except TypeError as e:   # ml_collections refuses a value of another type
         raise ValueError(f"{ablation.name}'s task() sets a value of the wrong type: {e}"
                          ) from None
+    # What the ablation sets in every variant (its preset overrides and task), for `plan`:
+    # of an extra evaluation split it adds, the fields that differ from a split's defaults.
+    before, split = flatten(preset_cfg), flatten(split_config())
+    default = lambda path, value: (path.startswith("extra_eval_splits.") and path not in before
+                                   and split.get(path.split(".", 2)[2]) == value)
+    self.task_settings = {path: value for path, value in flatten(cfg).items()
+                          if before.get(path) != value and path not in dict(overrides)
+                          and not default(path, value)}
     self.base = apply_overrides(cfg, dict(overrides))
     self.overrides = dict(overrides)   # the user's, for every variant (results.json)
     self.base.num_seeds = n   # (SWEEP_SETS)
@@ -626,6 +634,9 @@ class Sweep:
              + (f"; your overrides {self.overrides}" if self.overrides else "")
              + ("; --reprobe: every finished run's probes are measured again"
                 if self._reprobe and (a.probe or a.joint_probe) else "")]
+    if self.task_settings:
+      lines.append("  every variant: " + ", ".join(f"{k}={v!r}"
+                                                   for k, v in self.task_settings.items()))
     now = provenance.running_code_version()
     for variant in self.variants:
       done = finished_seeds(self.config(variant), self.variant_dir(variant))

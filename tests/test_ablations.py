@@ -22,7 +22,7 @@ import ablations
 from ablations import analysis, report, run_all, stats, sweep
 from conftest import REPO, ForkServer, import_error
 from phoenix_flax.training import ConfigError, provenance, run_dirs, writers
-from phoenix_flax.training.schema import seed_config
+from phoenix_flax.training.schema import seed_config, split_config
 
 SCRIPTS = ablations.modules()
 EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
@@ -287,9 +287,19 @@ def test_an_interaction_of_identical_differences_is_not_exact():
 COMMITTED = sorted(glob.glob(os.path.join(REPO, "docs", "results", "*", "results.json")))
 
 
+def _results_wanted(names) -> str:
+  return (f"docs/results has no committed results of {names}: run `python -m "
+          f"ablations.<name> --preset=cpu --workdir=DIR` and copy DIR's results.json, "
+          "REPORT.md and *.png to docs/results/<name>/ (README, 'Adding an idea', step 4)")
+
+
 def test_every_ablation_has_committed_results():
-  """The test below runs once per file found: none found must fail, not skip."""
-  assert len(COMMITTED) == len(ablations.modules()), COMMITTED
+  """The test below runs once per file found: none found must fail, not skip; a script
+  without results is named, with what to run."""
+  names = {m.__name__.rsplit(".", 1)[-1] for m in ablations.modules()}
+  found = {os.path.basename(os.path.dirname(p)) for p in COMMITTED}
+  assert names <= found, _results_wanted(sorted(names - found))
+  assert found <= names, f"docs/results holds results of no ablation script: {found - names}"
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))
@@ -310,8 +320,16 @@ def test_each_script_builds_the_design_of_its_committed_results(module):
   metrics and directions of improvement, so a grid changed in a script cannot pass for
   the documented design."""
   name = module.__name__.rsplit(".", 1)[-1]
-  with open(os.path.join(REPO, "docs", "results", name, "results.json")) as f:
+  path = os.path.join(REPO, "docs", "results", name, "results.json")
+  if not os.path.exists(path):
+    pytest.fail(_results_wanted([name]))
+  with open(path) as f:
     committed = json.load(f)
+  # The documented results are the cpu preset's sweep, with its seeds (a smoke sweep's
+  # report calls itself no evidence).
+  assert (committed["preset"], committed["seeds"]) == ("cpu", list(range(sweep.SEEDS["cpu"]))), (
+      f"{path} is a sweep at preset {committed['preset']!r} with seeds {committed['seeds']}: "
+      f"commit the cpu preset's, {_results_wanted([name]).split(': ', 1)[1]}")
   ab = module.ABLATION
   built = {v.name: {"arm": v.arm, "cell": v.cell, "overrides": v.overrides}
            for v in ab.variants(committed["preset"])}
@@ -1379,12 +1397,32 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
   assert single[0].startswith(f"gqa_ratio at preset 'smoke': {len(variants)} variants x 2 "
                               "seeds [0, 1],")
   assert single[0].endswith(f"into {workdir}; your overrides {{'optim.learning_rate': 0.02}}")
-  assert single[1] == "  kv8 (baseline): model.num_kv_heads=8; to train"
-  assert [line.split(" ")[2].rstrip(":") for line in single[1:-1]] == [v.name for v in variants]
+  # What the script's task sets in every variant (the user's overrides are in line 0).
+  assert single[1] == "  every variant: model.num_q_heads=8"
+  assert single[2] == "  kv8 (baseline): model.num_kv_heads=8; to train"
+  assert [line.split(" ")[2].rstrip(":") for line in single[2:-1]] == [v.name for v in variants]
   assert single[-1] == f"metrics: {', '.join(ablation.metrics)}"
   assert both[0].startswith("gqa_ratio at preset 'smoke'") and any(
       line.startswith("soft_capping at preset 'smoke'") for line in both)
   assert not workdir.exists()
+
+
+def test_the_plan_names_what_the_ablation_sets_in_every_variant(tmp_path):
+  """The plan's second line is what the script's task and preset overrides set in every
+  variant, an extra evaluation split by the fields that differ from a split's defaults;
+  the user's overrides are named in the first line instead."""
+  def task(cfg, preset):
+    cfg.optim.warmup_steps = 3
+    cfg.extra_eval_splits.long = split_config(max_history=3)
+
+  ab = toy_ablation(task=task, preset_overrides={"smoke": {"world.recency_decay": 0.25}})
+  plan = sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(),
+                     overrides=[("optim.warmup_steps", 2)]).plan().splitlines()
+  assert plan[1] == ("  every variant: extra_eval_splits.long.max_history=3, "
+                     "world.recency_decay=0.25")
+  assert plan[2].startswith("  a (baseline): model.num_layers=1;")
+  assert "every variant" not in sweep.Sweep(toy_ablation(), "smoke", str(tmp_path / "plain"),
+                                            runner=fake_runner()).plan()
 
 
 def test_the_plan_says_what_the_run_would_warn_about_or_refuse(tmp_path, monkeypatch):
