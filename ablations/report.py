@@ -228,7 +228,12 @@ def _variant_cell(variant: Mapping, metric: str) -> str:
   metric whose t-interval over a few seeds would read "0 ± 0"), else mean ± CI."""
   if metric == "diverged":
     return f"{variant['diverged']}/{len(variant['seeds'])}"
-  return _cell(variant["metrics"].get(metric))
+  summary = variant["metrics"].get(metric)
+  runs = len(variant["seeds"]) - variant["diverged"]
+  if summary and summary.get("ci95") is not None and summary["n"] < runs:
+    # a finished run whose value is undefined (NaN, stored as null) is left out
+    return f"{_cell(summary)} (n={summary['n']})"
+  return _cell(summary)
 
 
 def _cell(summary: Optional[Mapping]) -> str:
@@ -338,7 +343,9 @@ def other_differences_table(results: Mapping, metrics: Sequence[str]) -> list[st
     if deterministic(c):
       return f"{fmt(c['delta'], 3)} (exact: the same in every seed)"
     star = " *" if significant(c) else ""
-    return f"{fmt(c['delta'], 3)} {fmt_ci(c['ci95'])} (Holm p {fmt_p(c.get('p_holm'))}){star}"
+    pairs = f", {c['n']} pairs" if c["n"] < len(results["seeds"]) else ""   # runs left out
+    return (f"{fmt(c['delta'], 3)} {fmt_ci(c['ci95'])} (Holm p {fmt_p(c.get('p_holm'))}"
+            f"{pairs}){star}")
 
   return _narrow_table(names, metrics, cell, ("vs baseline", "Δ vs baseline"), prefix="Δ ")
 
@@ -577,9 +584,10 @@ def plot_effects(results: Mapping, metrics: Sequence[str], path: str) -> bool:
   no_ci = False
   for ax, metric in zip(axes.flat, panels):
     for c in (c for c in comps if c["metric"] == metric):
-      if c["ci95"] is None:   # one pair, or every pair equal: a hollow point, no bar
+      if c["ci95"] is None:   # an exact test's row (`diverged`), or one pair: no bar
         no_ci = True
-        ax.plot(c["delta"], row[c["variant"]], "o", mfc="none", color="tab:gray")
+        ax.plot(c["delta"], row[c["variant"]], "o", mfc="none",
+                color="tab:red" if significant(c) else "tab:gray")
         continue
       lo, hi = c["ci95"]
       ax.errorbar(c["delta"], row[c["variant"]], xerr=[[c["delta"] - lo], [hi - c["delta"]]],
@@ -658,10 +666,12 @@ def combined_markdown(entries: Sequence[tuple[str, Mapping]], workdir: str, pres
   for rel, results in entries:
     better = results.get("better", {})
     for c in headline_comparisons(results):
-      out.append(f"| [{results['ablation']}]({rel}/REPORT.md) | {c['variant']} vs "
-                 f"{c['baseline']} | `{c['metric']}` | {fmt(c['delta'])} {fmt_ci(c['ci95'])} "
-                 f"| {fmt_p(c['p_value'])} | {fmt_p(c.get('p_holm'))} | "
-                 f"{verdict(c, better.get(c['metric']))} |")
+      head = (f"| [{results['ablation']}]({rel}/REPORT.md) | {c['variant']} vs "
+              f"{c['baseline']} | `{c['metric']}` | ")
+      tested = (f"{fmt(c['delta'])} (exact) | |" if deterministic(c) else   # (as `table`)
+                f"{fmt(c['delta'])} {fmt_ci(c['ci95'])} | {fmt_p(c['p_value'])} | "
+                f"{fmt_p(c.get('p_holm'))}")
+      out.append(f"{head}{tested} | {verdict(c, better.get(c['metric']))} |")
   out.append("")
   for rel, results in entries:
     out += [f"## [{results['ablation']}]({rel}/REPORT.md)", ""]

@@ -824,8 +824,8 @@ class Sweep:
             and (self._reprobe or run_dir in self._measured
                  or event_file_name(run_dir, "derived") is None)):
           write_event_file(run_dir, "derived", derived, result["steps"])   # TensorBoard's copy
-      if not diverged:
-        available.update(k for k, v in found.items() if v is not None)
+      if not diverged:   # (a NaN is stored as null: reported, as n/a)
+        available.update(found)
         for m in self.ablation.metrics:
           if m != "diverged" and m not in found:
             lacking.setdefault(m, []).append(run_dir)

@@ -839,6 +839,71 @@ def test_small_effect_reads_not_significant(tmp_path):
   assert "Smoke preset" not in report.markdown(results)
 
 
+def test_a_metric_undefined_in_every_run_reads_n_a_not_misspelled(tmp_path):
+  """A metric every finished run stored as null (NaN: a log-loss with no valid entry) is
+  a metric the runs report: n/a in the report, not "in no run's result.json"."""
+  fake = fake_runner()
+
+  def runner(config, workdir):
+    fake(config, workdir)
+    for run_dir in run_dirs(config, workdir).values():
+      path = os.path.join(run_dir, "result.json")
+      result = json.load(open(path))
+      result["final"]["logloss"] = None
+      writers.write_json(path, result)
+
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=runner).run()
+  assert all(v["metrics"]["logloss"]["mean"] is None for v in results["variants"].values())
+  text = (tmp_path / "REPORT.md").read_text()
+  assert "| a | n/a | 2 ± 0 |" in text and "| b | n/a | 0 [0, 0] (Holm p 1.000) |" in text
+
+
+def test_a_value_left_out_of_a_finished_run_is_counted_in_the_report(tmp_path):
+  """A finished run whose metric is undefined (null) is left out of that metric's mean
+  and pairs: the cell names the n it rests on, the difference its pairs."""
+  fake = fake_runner()
+
+  def runner(config, workdir):
+    fake(config, workdir)
+    if os.path.basename(workdir) == "b":
+      path = os.path.join(run_dirs(config, workdir)[0], "result.json")
+      result = json.load(open(path))
+      result["final"]["logloss"] = None
+      writers.write_json(path, result)
+
+  sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3, runner=runner).run()
+  lines = (tmp_path / "REPORT.md").read_text().splitlines()
+  start = lines.index("| variant | `logloss` | `residual_rms/layer_1` |")
+  b, c = (lines[start + i].strip("| ").split(" | ") for i in (3, 4))
+  assert b[1].endswith(" (n=2)") and b[2] == "2 ± 0" and "(n=" not in c[1]
+  start = lines.index("| vs baseline | Δ `logloss` | Δ `residual_rms/layer_1` |")
+  b, c = (lines[start + i].strip("| ").split(" | ") for i in (2, 3))
+  assert b[1].endswith(", 2 pairs)") and "pairs" not in b[2] + c[1]
+
+
+def test_exact_differences_and_exact_tests_read_alike_in_every_report(tmp_path, monkeypatch):
+  """A difference every seed gave exactly has no p in the combined table either (its row
+  in a sweep's own table has none); a significant row without a CI (an exact test, such
+  as `diverged`'s McNemar) is red in effects.png, as the plot's title says."""
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3,
+                        runner=fake_runner()).run()
+  row = next(c for c in results["comparisons"] if c["metric"] == results["headline"][0])
+  row.update(delta=200.0, ci95=[200.0, 200.0], p_value=0.0, p_holm=0.0)
+  combined = report.combined_markdown([("x", results)], str(tmp_path), "smoke")
+  assert (f"| `{row['metric']}` | 200 (exact) | | | higher (better) in every seed alike "
+          "(exact, not a test) |") in combined
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  exact = {"variant": "b", "metric": "diverged", "delta": -1.0, "ci95": None, "n": 8,
+           "p_value": 0.008, "p_holm": 0.016, "test": "exact McNemar"}
+  for p_holm, color in ((0.016, "tab:red"), (0.5, "tab:gray")):
+    figures.clear()
+    assert report.plot_effects({"baseline": "a", "comparisons": [dict(exact, p_holm=p_holm)]},
+                               ["diverged"], str(tmp_path / "effects.png"))
+    [line] = figures[0].axes[0].get_lines()[:1]
+    assert line.get_color() == color and line.get_markerfacecolor() == "none"
+
+
 def _probe_scalars(run_dir, name):
   """tag -> [(step, value)] of a run's probe event file, read by TensorBoard's reader."""
   events = event_accumulator.EventAccumulator(writers.event_file_name(str(run_dir), name),
