@@ -281,6 +281,11 @@ class Ablation:
       for arm, arm_overrides in self.arms.items():
         name = f"{arm}_{cell_name}" if cell_name else arm
         out.append(Variant(name, arm, cell_name, {**cell_overrides, **arm_overrides}))
+    names = [v.name for v in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:   # (arm "b" at level "x_y" and arm "b_x" at level "y": one folder)
+      raise ValueError(f"Ablation {self.name!r} names two variants {twice} at preset "
+                       f"{preset!r}: rename an arm or a condition level")
     return out
 
 

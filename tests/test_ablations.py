@@ -91,6 +91,11 @@ def test_variants_are_arms_times_conditions():
       ["a_lo", "c_lo", "a_hi", "c_hi"]
   with pytest.raises(ValueError, match="unknown"):
     sweep.select(ab.variants("smoke"), ["zz"], "a")
+  # Two variants of one name would share a run folder.
+  clash = toy_ablation(arms={"b": {}, "b_x": {"model.num_layers": 2}}, baseline="b",
+                       conditions=lambda preset: {"c": {"x_y": {}, "y": {}}})
+  with pytest.raises(ValueError, match=r"names two variants \['b_x_y'\] at preset 'smoke'"):
+    clash.variants("smoke")
   # An arm that sets what a condition sets keeps its own value in every cell.
   own = toy_ablation(conditions=lr_conditions,
                      arms={"a": {}, "b": {"optim.learning_rate": 3e-4}})
