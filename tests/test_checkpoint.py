@@ -673,8 +673,8 @@ def test_a_run_directory_is_locked_cleaned_and_finished_by_result_json(tmp_path,
                       lambda path, payload: (order.append(os.path.basename(path)),
                                              write_json(path, payload)))
   monkeypatch.setattr(writers.RunWriter, "close",
-                      lambda self, finished: (order.append(f"close {finished}"),
-                                              close(self, finished)))
+                      lambda self, finished, **kw: (order.append(f"close {finished}"),
+                                                    close(self, finished, **kw)))
   # The checkout edited since this process imported the package: its code still runs, and
   # result.json names it.
   edited = "0123456789ab+changes.edited"
