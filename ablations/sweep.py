@@ -125,8 +125,8 @@ PRESETS = {
 
 BETTER = {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower", "diverged": "lower",
           "calibration_error": "lower", "score_consistency": "lower", "auc": "higher",
-          "loss": "lower"}
-HIGHER_AT_K = re.compile(r"(recall|ndcg)@\d+")   # the model's, not the bayes_ ones
+          "loss": "lower", "recall@K": "higher", "ndcg@K": "higher"}
+_AT_K = re.compile(r"@\d+$")   # a metric at every K of `top_k`: one entry, "<name>@K"
 _LAYER = re.compile(r"/layer_\d+")
 EXPERIMENTS = {"ranking": ranking, "retrieval": retrieval}
 # What an ablation reports and plots unless it says otherwise (every preset of the
@@ -880,7 +880,9 @@ class Sweep:
           f"result.json, probes.json or joint_probes.json ({len(available)} metrics are)"
           + ("; finished runs keep the probes.json and joint_probes.json of the probe code "
              "that measured them: if a probe changed since, run again with --reprobe"
-             if stale else ""))
+             if stale else "")
+          + "; runs trained by code from before a metric existed lack it: use a new "
+          "--workdir, or delete the variants' folders to train them again")
     # Some runs report a metric that others lack: older code made the latter, and their
     # missing values would pass for diverged runs in the statistics.
     partial = {m: dirs for m, dirs in lacking.items() if m in available}
@@ -949,11 +951,11 @@ def environment() -> dict:
 
 def better(metric: str, extra: Optional[Mapping[str, str]] = None) -> Optional[str]:
   """Which direction is an improvement: by full name, else by the name after the split
-  prefix ("long_list/auc_mean" -> "auc_mean"); recall@K and ndcg@K are higher."""
+  prefix ("long_list/auc_mean" -> "auc_mean"), else a metric at a K by its "<name>@K"
+  entry ("recall@10" -> "recall@K"; `bayes_recall@10`, the generator's, has none)."""
   table = {**BETTER, **(extra or {})}
   name = metric.rsplit("/", 1)[-1]
-  found = table.get(metric, table.get(name))
-  return found or ("higher" if HIGHER_AT_K.fullmatch(name) else None)
+  return table.get(metric, table.get(name, table.get(_AT_K.sub("@K", name))))
 
 
 def select(variants: Sequence[Variant], names: Sequence[str], baseline: str

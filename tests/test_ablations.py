@@ -674,10 +674,14 @@ def test_which_side_of_a_metric_is_better():
   """The verdict's better/worse reading of every metric the ablations report."""
   assert sweep.BETTER == {"auc_mean": "higher", "auc_gap": "lower", "logloss": "lower",
                           "diverged": "lower", "calibration_error": "lower",
-                          "score_consistency": "lower", "auc": "higher", "loss": "lower"}
+                          "score_consistency": "lower", "auc": "higher", "loss": "lower",
+                          "recall@K": "higher", "ndcg@K": "higher"}
   assert sweep.better("eval/recall@10") == "higher" and sweep.better("ndcg@5") == "higher"
   assert sweep.better("shift_mean/logloss") == "lower"
   assert sweep.better("bayes_recall@10") is None
+  # A new metric at every K takes one entry; an ablation's own entry wins, None included.
+  assert sweep.better("long_list/precision@5", {"precision@K": "higher"}) == "higher"
+  assert sweep.better("recall@10", {"recall@10": None}) is None
 
 
 def test_verdict_uses_the_holm_adjusted_p():
@@ -861,6 +865,12 @@ def test_a_metric_undefined_in_every_run_reads_n_a_not_misspelled(tmp_path):
   assert all(v["metrics"]["logloss"]["mean"] is None for v in results["variants"].values())
   text = (tmp_path / "REPORT.md").read_text()
   assert "| a | n/a | 2 ± 0 |" in text and "| b | n/a | 0 [0, 0] (Holm p 1.000) |" in text
+  # A metric no run has at all: misspelled, or new since the runs trained (they are reused).
+  with pytest.raises(sweep.SweepError, match=r"metrics 'precision@5' are in no run's .*"
+                                             r"before a metric existed lack it: use a new "
+                                             r"--workdir, or delete the variants' folders"):
+    sweep.Sweep(toy_ablation(metrics=("auc_mean", "precision@5", "diverged")), "smoke",
+                str(tmp_path), runner=runner).run()
 
 
 def test_a_value_left_out_of_a_finished_run_is_counted_in_the_report(tmp_path):
