@@ -333,6 +333,9 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: Overrides
                  f" (fields: {fields})")
               + _where_new_fields_go(where))
         if key == leaf:
+          if isinstance(node[leaf], ml_collections.ConfigDict):
+            raise ValueError(f"{where}.{leaf} is a section: override its fields "
+                             f"({path}.<field>=...)")
           try:
             node[leaf] = value
           except TypeError:   # ml_collections' own text names Python classes, not the path
@@ -537,9 +540,15 @@ class Sweep:
                                   if _has_path(cfg, path)})
       try:
         ablation.task(cfg, preset)
-      except TypeError as e:   # ml_collections refuses a value of another type
+      except (TypeError, ValueError) as e:
+        read = {p: v for p, v in dict(overrides).items() if _has_path(cfg, p)}
+        if read:   # it computes from them (`world.history_len=None`)
+          raise ValueError(f"{ablation.name}'s task() failed on your overrides {read} "
+                           f"({type(e).__name__}: {e}): check their values") from None
+        if isinstance(e, ValueError):
+          raise
         raise ValueError(f"{ablation.name}'s task() sets a value of the wrong type: {e}"
-                         ) from None
+                         ) from None   # ml_collections' refusal of another type
     # What the ablation sets in every variant (its preset overrides and task), for `plan`:
     # of an extra evaluation split it adds, the fields that differ from a split's defaults.
     before, split = flatten(preset_cfg), flatten(split_config())

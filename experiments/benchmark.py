@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
-from absl import app, flags
+from absl import flags
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -58,8 +58,8 @@ if not __package__:  # run by path, not with python -m: import this checkout's p
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from experiments import train_throughput
-from experiments.cli import (check_output_file, parse_flags, quiet_backend_search, usage_error,
-                             write_output_file)
+from experiments.cli import (check_output_file, exit_on_run_errors, parse_flags,
+                             quiet_backend_search, run_app, usage_error, write_output_file)
 from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
@@ -565,17 +565,18 @@ def main(argv: Sequence[str]) -> None:
   except ValueError as e:
     usage_error(str(e))
   check_output_file("out", FLAGS.out)
-  report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup, FLAGS.min_seconds,
-                         FLAGS.seed, FLAGS.matmul_size,
-                         cases["serve"] if FLAGS.compile_check else None,
-                         compile_layers, train,
-                         FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
-  report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
-  write_output_file(FLAGS.out, report)
+  with exit_on_run_errors(resumable=False):   # Ctrl-C: one line, no traceback
+    report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup,
+                           FLAGS.min_seconds, FLAGS.seed, FLAGS.matmul_size,
+                           cases["serve"] if FLAGS.compile_check else None,
+                           compile_layers, train,
+                           FLAGS.train_rounds, FLAGS.train_chunks, FLAGS.dense_iters)
+    report["command"] = " ".join(["python -m experiments.benchmark"] + sys.argv[1:])
+    write_output_file(FLAGS.out, report)
   print(format_table(report))
   print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":
   quiet_backend_search()
-  app.run(main, flags_parser=parse_flags)
+  run_app(main, flags_parser=parse_flags)

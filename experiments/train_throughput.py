@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import ml_collections
 import numpy as np
@@ -45,13 +45,15 @@ from ml_collections import config_flags
 if not __package__:  # run by path, not with python -m: import this checkout's packages
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from experiments.cli import (check_output_file, checked_config, parse_config_flags,
-                             quiet_backend_search, usage_error, write_output_file)
+from experiments.cli import (check_output_file, checked_config, exit_on_run_errors,
+                             parse_config_flags, quiet_backend_search, run_app, usage_error,
+                             write_output_file)
 from experiments.host_sampler import HostSampler
 from phoenix_flax import xla_options
 from phoenix_flax.synthetic import sample_batch
 from phoenix_flax.training import ConfigError, Trainer, parse_config, provenance
 from phoenix_flax.training.loop import unstack
+from phoenix_flax.training.runner import check_placement
 
 
 def _block(tree) -> None:
@@ -75,6 +77,7 @@ class _Loops:
   def __init__(self, config: ml_collections.ConfigDict):
     check_one_device(config)
     self.spec = parse_config(config)
+    check_placement(self.spec)   # a training state too large for the device: refused
     self.trainer = Trainer(self.spec)
     self.steps = self.spec.config.train.steps_per_call
     self.batch_size = self.spec.config.train.batch_size
@@ -173,18 +176,16 @@ def main(argv: list[str], flag_values: dict) -> None:
   config = checked_config(flag_values["config"].value)
   if flag_values["out"].value:   # (empty: no file, as the write below reads it)
     check_output_file("out", flag_values["out"].value)
-  try:   # a mesh is refused (`check_one_device`) before anything compiles
+  # A mesh is refused (`check_one_device`) before anything compiles; Ctrl-C: one line.
+  with exit_on_run_errors(resumable=False):
     result = measure(config, flag_values["rounds"].value, flag_values["chunks"].value)
-  except ConfigError as e:
-    usage_error(str(e), flags_hint=False)
-  result["command"] = " ".join(["python -m experiments.train_throughput"] + sys.argv[1:])
-  text = json.dumps(result, indent=2)
-  print(text)
-  if flag_values["out"].value:
-    write_output_file(flag_values["out"].value, result)
+    result["command"] = " ".join(["python -m experiments.train_throughput"] + sys.argv[1:])
+    print(json.dumps(result, indent=2))
+    if flag_values["out"].value:
+      write_output_file(flag_values["out"].value, result)
 
 
 if __name__ == "__main__":
   _flags = _define_flags()
   quiet_backend_search()
-  app.run(lambda argv: main(argv, _flags), flags_parser=parse_config_flags)
+  run_app(lambda argv: main(argv, _flags), flags_parser=parse_config_flags)

@@ -1438,10 +1438,15 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
           (["--override=model.num_layerz=2"], "num_layerz"),
           (["--override=model.num_kv_heads=1"], "would change nothing"),
           (["--override=mesh.num_devices=3"], "mesh.num_devices=3 is invalid"),
+          (["--override=model=None"], "config.model is a section: override its fields"),
           ([f"--workdir={a_file}/sweep"], f"{a_file} is a file, not a directory"),
           # (--workdir=$WD with WD unset trained into the default folder)
           (["--workdir="], "--workdir is empty: give a directory, or leave the flag out "
                            "for /tmp/phoenix_ablations/cpu/gqa_ratio")],
+      # a value its task() computes from (a traceback blaming the script's own code)
+      "rope_anchoring": [(["--override=world.history_len=None"],
+                          "rope_anchoring's task() failed on your overrides "
+                          "{'world.history_len': None} (TypeError")],
       "run_all": [
           ([f"--workdir={a_file}"], f"{a_file} is a file, not a directory"),
           (["--workdir="], "--workdir is empty"),

@@ -16,6 +16,8 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from absl import flags
+from absl.testing import flagsaver
 
 import phoenix_flax as pf
 from conftest import REPO, run_forked, subprocess_env
@@ -456,3 +458,22 @@ def test_training_throughput_counts_every_seeds_examples(monkeypatch):
   assert out["speedup"] == 30.0 and out["speedup_vs_device_sampled"] == 7.5
   assert (out["steps_per_round"], out["batch_size"], out["num_seeds"]) == (10, 8, 3)
   assert out["fprop_dtype"] == "bfloat16"   # the loops' forward dtype, whatever it is
+
+
+def test_a_ctrl_c_ends_the_benchmark_with_one_line_and_no_file(tmp_path, monkeypatch, capsys):
+  """Ctrl-C while it measures: exit status 130 and one line (a KeyboardInterrupt traceback
+  before, and now and then a segmentation fault in XLA's teardown), no --out file."""
+  def interrupted(*args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(benchmark, "run_benchmark", interrupted)
+  out = tmp_path / "bench.json"
+  flags.FLAGS.mark_as_parsed()
+  try:
+    with flagsaver.flagsaver(configs=["demo"], out=str(out), train_presets=[]):
+      with pytest.raises(SystemExit) as e:
+        benchmark.main(["benchmark"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert e.value.code == 130 and not out.exists()
+  assert capsys.readouterr().err == ("interrupted by SIGINT; this command resumes nothing: "
+                                     "run it again to start over\n")

@@ -134,6 +134,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
        "Did you mean \"num_layers\" instead of \"num_layer\"?"),
       ([smoke, "--config.model.num_layers=0"], "TransformerConfig.num_layers=0 is invalid"),
       ([smoke, "--out=/proc/pf_test.json"], "--out=/proc/pf_test.json cannot be written"),
+      # a training state too large for the host, refused before anything compiles
+      ([smoke, "--config.num_seeds=10000000"], "training state (parameters, AdamW moments "
+                                               "and the synthetic world) needs at least"),
       (["--config=experiments/configs/nope.py"],
        "--config could not be loaded: [Errno 2] No such file or directory"),
       # Its --config has a default (ranking.py), which overrides alone apply to.
