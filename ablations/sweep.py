@@ -535,7 +535,10 @@ class Sweep:
     self._measured: set[str] = set()   # run dirs whose probes this process wrote
     preset_cfg = preset_config(preset, ablation.experiment)
     cfg = apply_overrides(preset_cfg, ablation.preset_overrides.get(preset, {}))
+    # The design without the user's overrides, whose metrics those must not take away.
+    self._designed = copy.deepcopy(cfg)
     if ablation.task is not None:
+      ablation.task(self._designed, preset)
       cfg = apply_overrides(cfg, {path: value for path, value in dict(overrides).items()
                                   if _has_path(cfg, path)})
       try:
@@ -595,6 +598,17 @@ class Sweep:
     error, a curve as an empty panel)."""
     a = self.ablation
     check_finals = a.probe is None and a.joint_probe is None and a.derived is None
+    if not check_finals and self.overrides:
+      # A probe's metrics are known only once it has run, but an override can still take
+      # away a final metric the ablation reports (`train.score_consistency=False`).
+      variant = self.variants[0]
+      designed = parse_config(apply_overrides(self._designed, variant.overrides))
+      lost = metric_names(designed, logged=False).final - metric_names(specs[0],
+                                                                        logged=False).final
+      lost = [m for m in a.metrics if m in lost]
+      if lost:
+        raise ValueError(f"{a.name}: your overrides {self.overrides} take away metrics "
+                         f"{lost} that it reports; leave those settings to the ablation")
     if not (check_finals or a.curves):
       return
     distinct = {json.dumps(jsonable(flatten(spec.config, skip=("optim",))), sort_keys=True): spec

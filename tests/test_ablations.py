@@ -1443,6 +1443,11 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
           # (--workdir=$WD with WD unset trained into the default folder)
           (["--workdir="], "--workdir is empty: give a directory, or leave the flag out "
                            "for /tmp/phoenix_ablations/cpu/gqa_ratio")],
+      # a setting that takes a reported metric away, in an ablation with probes (whose
+      # metrics are known only after training: it trained every run, then failed)
+      "candidate_isolation": [(["--override=train.score_consistency=false"],
+                               "your overrides {'train.score_consistency': False} take away "
+                               "metrics ['score_consistency'] that it reports")],
       # a value its task() computes from (a traceback blaming the script's own code)
       "rope_anchoring": [(["--override=world.history_len=None"],
                           "rope_anchoring's task() failed on your overrides "
