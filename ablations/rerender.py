@@ -127,12 +127,18 @@ def _recompute(folder: str, command: str) -> dict:
   """A sweep's results with its statistics computed again, in memory (nothing written)."""
   results = _load(folder)
   _check_sweep(folder, results)
-  for variant in results["variants"].values():   # mean, std and CI over seeds
-    variant["metrics"] = {m: stats.summarize(summary["per_seed"])
-                          for m, summary in variant["metrics"].items()}
-  results.update(analysis.compare(results["variants"], results.get("conditions") or {},
-                                  results["baseline"], results["metrics"]))
-  results["rendered"] = {"code": provenance.code_version(), "command": command}
+  try:
+    for variant in results["variants"].values():   # mean, std and CI over seeds
+      variant["metrics"] = {m: stats.summarize(summary["per_seed"])
+                            for m, summary in variant["metrics"].items()}
+    results.update(analysis.compare(results["variants"], results.get("conditions") or {},
+                                    results["baseline"], results["metrics"]))
+    results["rendered"] = {"code": provenance.code_version(), "command": command}
+    report.markdown(results)   # a trial: what cannot be rendered fails before any write
+  except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
+    raise RerenderError(f"{os.path.join(folder, 'results.json')} cannot be rendered "
+                        f"({type(e).__name__}: {e}): a field of another type or shape than "
+                        "a sweep writes; run the sweep again to write it afresh") from e
   return results
 
 
@@ -209,7 +215,10 @@ def main(argv) -> None:
     except RerenderError as e:
       sweep.usage_error(str(e), flags_hint=False)
   command = sweep.command_line()
-  writes = [_prepare(folder, command) for folder in folders]   # all computed, then written
+  try:
+    writes = [_prepare(folder, command) for folder in folders]   # all computed, then written
+  except RerenderError as e:
+    sweep.usage_error(str(e), flags_hint=False)
   for write in writes:
     print(f"wrote {write()}")
 

@@ -493,6 +493,26 @@ def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, messa
   assert {p.name: p.read_bytes() for p in good.iterdir()} == before
 
 
+def test_rerender_refuses_a_field_it_cannot_render_before_writing(tmp_path, capsys):
+  """A field of another type than a sweep writes (a variant's `cell` a number), which the
+  checks let through, stops rerender with one line naming the file (a traceback, after
+  effects.png and results.json were rewritten and REPORT.md was not), writing nothing."""
+  import shutil
+  from ablations import rerender
+  folder = tmp_path / "gqa_ratio"
+  shutil.copytree(os.path.join(REPO, "docs", "results", "gqa_ratio"), folder)
+  results = json.loads((folder / "results.json").read_text())
+  next(iter(results["variants"].values()))["cell"] = 5
+  (folder / "results.json").write_text(json.dumps(results))
+  before = {p.name: p.read_bytes() for p in folder.iterdir()}
+  with pytest.raises(SystemExit) as stop:
+    rerender.main(["rerender", str(folder)])
+  assert stop.value.code == 2
+  assert capsys.readouterr().err.startswith(f"error: {folder}/results.json cannot be rendered "
+                                            "(TypeError")
+  assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_rerender_computes_every_sweep_before_writing_any(tmp_path, monkeypatch):
   """Where a statistic fails after the checks pass, in a `run_all` folder's third sweep or
   in the second of two folders named, no file of any folder has been rewritten."""
