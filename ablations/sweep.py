@@ -538,20 +538,20 @@ class Sweep:
     # The design without the user's overrides, whose metrics those must not take away.
     self._designed = copy.deepcopy(cfg)
     if ablation.task is not None:
-      ablation.task(self._designed, preset)
       cfg = apply_overrides(cfg, {path: value for path, value in dict(overrides).items()
                                   if _has_path(cfg, path)})
-      try:
-        ablation.task(cfg, preset)
-      except (TypeError, ValueError) as e:
-        read = {p: v for p, v in dict(overrides).items() if _has_path(cfg, p)}
-        if read:   # it computes from them (`world.history_len=None`)
-          raise ValueError(f"{ablation.name}'s task() failed on your overrides {read} "
-                           f"({type(e).__name__}: {e}): check their values") from None
-        if isinstance(e, ValueError):
-          raise
-        raise ValueError(f"{ablation.name}'s task() sets a value of the wrong type: {e}"
-                         ) from None   # ml_collections' refusal of another type
+      for c, given in ((cfg, dict(overrides)), (self._designed, {})):
+        try:
+          ablation.task(c, preset)
+        except (TypeError, ValueError) as e:
+          read = {p: v for p, v in given.items() if _has_path(c, p)}
+          if read:   # it computes from them (`world.history_len=None`)
+            raise ValueError(f"{ablation.name}'s task() failed on your overrides {read} "
+                             f"({type(e).__name__}: {e}): check their values") from None
+          if isinstance(e, ValueError):
+            raise
+          raise ValueError(f"{ablation.name}'s task() sets a value of the wrong type: {e}"
+                           ) from None   # ml_collections' refusal of another type
     # What the ablation sets in every variant (its preset overrides and task), for `plan`:
     # of an extra evaluation split it adds, the fields that differ from a split's defaults.
     before, split = flatten(preset_cfg), flatten(split_config())

@@ -394,6 +394,9 @@ def check_args(names: Sequence[str], cases: dict[str, Case], compile_layers: Seq
   unknown = [n for n in names if n not in cases]
   if unknown:
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
+  twice = sorted({n for n in names if list(names).count(n) > 1})
+  if twice:   # (timed twice, the second result kept)
+    raise ValueError(f"configs {twice} named more than once")
   if len(compile_layers) != 2:
     raise ValueError(f"compile_layers={list(compile_layers)} must name two layer counts")
   if any(n < 1 for n in compile_layers):

@@ -287,6 +287,7 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
            (["--train_seeds=abc"], "--train_seeds=abc: give integers"),
            (["--compile_layers=2,x"], "--compile_layers=2,x: give integers"),
            (["--configs=foo"], "unknown configs ['foo']"),
+           (["--configs=demo,serve,demo"], "configs ['demo'] named more than once"),
            ([f"--out={tmp_path}"], "is a directory; name a file"),
            ([f"--out={a_file}/b.json"], f"{a_file} is not a directory"),
            (["positional"], "unexpected arguments ['positional']")]
