@@ -21,8 +21,8 @@ import ml_collections
 from phoenix_flax.training import (ConfigError, RunInterrupted, RunInUseError,
                                    RunOutputError, writers)
 from phoenix_flax.training.checkpoint import CheckpointError
-from phoenix_flax.training.schema import (TASKS, base_config, check_config, flatten,
-                                          not_in_model_section, paths_named)
+from phoenix_flax.training.schema import (check_config, not_in_model_section, paths_named,
+                                          schema_paths)
 from phoenix_flax.training.writers import nearest_existing
 
 EXIT_BAD_INPUT = 2
@@ -268,7 +268,7 @@ def _raised_in_get_config(e: BaseException) -> bool:
 def _below_a_value(paths: list[str]) -> Optional[tuple[str, str]]:
   """The first override path that reaches below a field of the schema holding a value
   (`task.foo`, `world.base_rates.x`), with that field."""
-  values = {path for task in TASKS for path in flatten(base_config(task))}
+  values = schema_paths()
   for path in paths:
     parts = path.split(".")
     for n in range(1, len(parts)):

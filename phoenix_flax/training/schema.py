@@ -652,11 +652,15 @@ def hparams(config: Mapping[str, Any]) -> dict[str, Any]:
           if k not in skip}
 
 
+def schema_paths() -> set[str]:
+  """The dotted paths of every field of the schema (either task's base config)."""
+  return {path for task in TASKS for path in flatten(base_config(task))}
+
+
 def paths_named(name: str) -> list[str]:
-  """The dotted paths of the schema (either task's base config) whose last key is `name`:
-  where a field that an override or a config file put in the wrong section lives."""
-  return sorted({path for task in ("ranking", "retrieval") for path in flatten(base_config(task))
-                 if path.rsplit(".", 1)[-1] == name})
+  """The dotted paths of the schema whose last key is `name`: where a field that an
+  override or a config file put in the wrong section lives."""
+  return sorted(path for path in schema_paths() if path.rsplit(".", 1)[-1] == name)
 
 
 def flatten(config: Mapping[str, Any], skip: tuple = ()) -> dict[str, Any]:

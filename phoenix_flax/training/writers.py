@@ -268,6 +268,16 @@ def read_metrics(run_dir: str) -> list[dict]:
 FLUSH_SECONDS = 10
 
 
+@contextlib.contextmanager
+def _hparams_data(summary) -> Iterator[HParamsPluginData]:
+  """The HParams plugin data of a tensorboardX hparams summary, to edit in the block;
+  written back into the summary after it."""
+  content = summary.value[0].metadata.plugin_data
+  data = HParamsPluginData.FromString(content.content)
+  yield data
+  content.content = data.SerializeToString()
+
+
 class RunWriter:
   """Scalars of one run to TensorBoard and metrics.jsonl.
 
@@ -328,9 +338,8 @@ class RunWriter:
     else:
       _, ssi, _ = hparams_summary({k: _hparam_value(v) for k, v in hparams.items()}, {})
       if group:
-        data = HParamsPluginData.FromString(ssi.value[0].metadata.plugin_data.content)
-        data.session_start_info.group_name = group
-        ssi.value[0].metadata.plugin_data.content = data.SerializeToString()
+        with _hparams_data(ssi) as data:
+          data.session_start_info.group_name = group
       self._events.write_event(_event(summary=ssi))
 
   def log(self, step: int, scalars: Mapping[str, float], wall_seconds: float) -> None:
@@ -366,10 +375,8 @@ class RunWriter:
       if finished:
         _, _, sei = hparams_summary({k: _hparam_value(v) for k, v in self._hparams.items()}, {})
         if diverged:
-          content = sei.value[0].metadata.plugin_data
-          data = HParamsPluginData.FromString(content.content)
-          data.session_end_info.status = Status.Value("STATUS_FAILURE")
-          content.content = data.SerializeToString()
+          with _hparams_data(sei) as data:
+            data.session_end_info.status = Status.Value("STATUS_FAILURE")
         self._events.write_event(_event(summary=sei))
     finally:   # closed even when the last write fails (a full disk)
       self._events.close()
