@@ -547,6 +547,32 @@ def _ints(name: str) -> list[int]:
     usage_error(f"--{name}={','.join(FLAGS[name].value)}: give integers, comma-separated")
 
 
+def with_chunk_size(cases: dict[str, Case], chunk_size: Optional[int]) -> dict[str, Case]:
+  """`cases` with the chunked ones scoring in chunks of `chunk_size` (None: as they are);
+  the others score whole lists."""
+  return {n: dataclasses.replace(c, chunk=chunk_size) if c.chunk and chunk_size else c
+          for n, c in cases.items()}
+
+
+def check_flags_used() -> None:
+  """A `usage_error` for a flag given on the command line that this run would not read
+  (`--chunk_size` without the chunked config, say): its value would be ignored without a
+  word, and the results taken for what it asked."""
+  chunked = [n for n in FLAGS.configs if n in CASES and CASES[n].chunk]
+  readers = {"chunk_size": (chunked, "it sizes the chunks of the chunked config, and "
+                            "--configs does not name it"),
+             "dense_iters": (chunked, "it times the chunked config's dense reference, and "
+                             "--configs does not name it"),
+             "compile_layers": (FLAGS.compile_check, "--nocompile_check skips the compile "
+                                "times"),
+             **{f"train_{name}": (FLAGS.train_presets, "--train_presets is empty, so no "
+                                  "training loop runs")
+                for name in ("seeds", "rounds", "chunks")}}
+  for name, (read, why) in readers.items():
+    if FLAGS[name].present and not read:
+      usage_error(f"--{name} would change nothing: {why}")
+
+
 def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     usage_error(f"unexpected arguments {argv[1:]}; every option is a --flag")
@@ -554,10 +580,7 @@ def main(argv: Sequence[str]) -> None:
   # JAX_COMPILATION_CACHE_DIR is set) they would time loading executables from disk. JAX
   # settles whether to use the cache at the process's first compilation: this precedes it.
   jax.config.update("jax_enable_compilation_cache", False)
-  cases = dict(CASES)
-  if FLAGS.chunk_size is not None:
-    cases = {n: dataclasses.replace(c, chunk=FLAGS.chunk_size) if c.chunk else c
-             for n, c in cases.items()}
+  cases = with_chunk_size(CASES, FLAGS.chunk_size)
   compile_layers = _ints("compile_layers")
   train = [(p, n) for p in FLAGS.train_presets for n in _ints("train_seeds")]
   if FLAGS.train_presets and not train:
@@ -567,6 +590,7 @@ def main(argv: Sequence[str]) -> None:
     check_args(FLAGS.configs, cases, compile_layers, train, FLAGS.dense_iters)
   except ValueError as e:
     usage_error(str(e))
+  check_flags_used()
   check_output_file("out", FLAGS.out)
   with exit_on_run_errors(resumable=False):   # Ctrl-C: one line, no traceback
     report = run_benchmark(FLAGS.configs, cases, FLAGS.iters, FLAGS.warmup,

@@ -278,6 +278,14 @@ def test_run_benchmark_rejects_unknown_configs():
     benchmark.run_benchmark(["full"], TINY, compile_layers=(0, 2))
 
 
+def test_chunk_size_sets_the_chunked_cases_only():
+  cases = benchmark.with_chunk_size(benchmark.CASES, 64)
+  assert cases["chunked"] == dataclasses.replace(benchmark.CASES["chunked"], chunk=64)
+  assert {n: c for n, c in cases.items() if n != "chunked"} == {
+      n: c for n, c in benchmark.CASES.items() if n != "chunked"}   # whole lists
+  assert benchmark.with_chunk_size(benchmark.CASES, None) == benchmark.CASES
+
+
 def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
   a_file = tmp_path / "a_file"
   a_file.write_text("")
@@ -288,6 +296,16 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
            (["--compile_layers=2,x"], "--compile_layers=2,x: give integers"),
            (["--configs=foo"], "unknown configs ['foo']"),
            (["--configs=demo,serve,demo"], "configs ['demo'] named more than once"),
+           # Flags this run would not read, their values silently ignored:
+           (["--configs=demo,1k", "--chunk_size=64"], "--chunk_size would change nothing: it "
+            "sizes the chunks of the chunked config, and --configs does not name it"),
+           (["--configs=serve", "--dense_iters=1"], "--dense_iters would change nothing"),
+           (["--nocompile_check", "--compile_layers=2,4"],
+            "--compile_layers would change nothing: --nocompile_check skips"),
+           (["--train_presets=", "--train_seeds=1"], "--train_seeds would change nothing: "
+            "--train_presets is empty"),
+           (["--train_presets=", "--train_rounds=1"], "--train_rounds would change nothing"),
+           (["--train_presets=", "--train_chunks=1"], "--train_chunks would change nothing"),
            ([f"--out={tmp_path}"], "is a directory; name a file"),
            ([f"--out={a_file}/b.json"], f"{a_file} is not a directory"),
            (["positional"], "unexpected arguments ['positional']")]
@@ -304,7 +322,6 @@ def test_cli_writes_json_and_table(tmp_path):
   proc = subprocess.run(
       [sys.executable, "-m", "experiments.benchmark", "--configs=demo", "--iters=1",
        "--warmup=0", "--min_seconds=0", "--matmul_size=64", "--nocompile_check", f"--out={out}",
-       "--chunk_size=5",
        "--train_presets=smoke", "--train_seeds=1,2", "--train_rounds=1", "--train_chunks=1"],
       capture_output=True, text=True, cwd=REPO,
       # Plumbing, not timing: compiled as the session compiles (unoptimised, conftest.py).
@@ -317,9 +334,7 @@ def test_cli_writes_json_and_table(tmp_path):
   assert report["persistent_compilation_cache"] is False
   assert "persistent compilation cache was on" not in proc.stdout
   assert set(report["configs"]) == {"demo"}
-  # --chunk_size sets the chunk of the chunked case only: demo scores whole lists.
   assert report["configs"]["demo"]["case"] == dataclasses.asdict(benchmark.CASES["demo"])
-  assert report["configs"]["demo"]["case"]["chunk"] is None
   assert "compile_scaling" not in report             # --nocompile_check
   assert report["command"].startswith("python -m experiments.benchmark")
   assert "| demo |" in proc.stdout
