@@ -528,6 +528,11 @@ def layer(transformer: pf.Transformer, index: int):
   return eqx.combine(jax.tree.map(lambda x: x[index], params), static)
 
 
+def table_cells(line: str) -> list[str]:
+  """The cells of a markdown table row, `| a | b |` -> ["a", "b"]."""
+  return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def max_abs_diff(a, b) -> float:
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 

@@ -20,7 +20,7 @@ from absl import flags
 from absl.testing import flagsaver
 
 import phoenix_flax as pf
-from conftest import REPO, run_forked, subprocess_env
+from conftest import REPO, run_forked, subprocess_env, table_cells
 from phoenix_flax import inference, synthetic
 from phoenix_flax.training import provenance
 from experiments import benchmark, cli, timing
@@ -161,11 +161,10 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert "| full |" in table and "| chunked |" in table and "compile time" in table
   assert f"({report['machine']})" in table.splitlines()[0]
   # Each cell sits under its header, in the unit the header names.
-  cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
   lines = table.splitlines()
-  header = cells(next(line for line in lines if line.startswith("| config |")))
+  header = table_cells(next(line for line in lines if line.startswith("| config |")))
   for name, r in report["configs"].items():
-    got = dict(zip(header, cells(next(line for line in lines
+    got = dict(zip(header, table_cells(next(line for line in lines
                                       if line.startswith(f"| {name} |")))))
     assert got["fast ms"] == f"{1e3 * r['fast']['median_s']:.1f}", name
     assert got["dense ms"] == f"{1e3 * r['reference']['median_s']:.1f}", name
@@ -175,7 +174,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
     assert got["MFU"] == f"{100 * r['mfu']:.0f}%", name
   for row in report["kv_cache"]:
     head = f"| {row['q_heads']} | {row['kv_heads']} |"
-    _, _, fp32, bf16 = cells(next(line for line in lines if line.startswith(head)))
+    _, _, fp32, bf16 = table_cells(next(line for line in lines if line.startswith(head)))
     assert fp32.startswith(f"{row['float32_bytes'] / 1024:.0f} KiB (")
     assert bf16 == f"{row['bfloat16_bytes'] / 1024:.0f} KiB"
   assert f"= {scaling['ratio']:.2f}x" in table

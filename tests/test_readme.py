@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ablations
-from conftest import needs_flax, subprocess_env
+from conftest import needs_flax, subprocess_env, table_cells
 from phoenix_flax import haiku_compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -398,7 +398,7 @@ def _benchmark_tables(section: str, kind: str = "benchmark", header: str = "| co
       rows = []
       tables.append((source, rows))
     elif line.startswith("| ") and rows is not None:
-      rows.append([cell.strip() for cell in line.split("|")[1:-1]])
+      rows.append(table_cells(line))
     elif not line.startswith("|"):
       rows = None
   return tables
