@@ -146,7 +146,8 @@ def _hash_halves(low: Array, high: Array | None, outside: Array | None,
                  valid: Array | None, num_buckets: int, num_hashes: int) -> Array:
   """`hash_ids` of ids split into uint32 halves, as one program per shape (eagerly, its
   dozen elementwise operations dispatched one by one cost more than the hashing)."""
-  seeds = jnp.asarray(_HASH_SEEDS[:num_hashes], jnp.uint32)
+  seeds = jax.lax.broadcast_to_rank(jnp.asarray(_HASH_SEEDS[:num_hashes], jnp.uint32),
+                                    low.ndim + 1)
   x = low[..., None]
   if high is not None:
     x = jnp.where(outside[..., None], x ^ _mix32(high[..., None] ^ _mix32(seeds)), x)

@@ -62,7 +62,7 @@ class RMSNorm(eqx.Module):
 def rms_norm(x: Array, scale: Array) -> Array:
   x32 = x.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + RMS_NORM_EPS)
-  return (scale.astype(jnp.float32) * normed).astype(x.dtype)
+  return (jax.lax.broadcast_to_rank(scale.astype(jnp.float32), x.ndim) * normed).astype(x.dtype)
 
 
 class RopeTable(NamedTuple):
@@ -78,7 +78,7 @@ def rope_phase(positions_BT: Array, key_size: int) -> Array:
   `position * inv_freq_i`, `inv_freq_i = 1 / 10000^(2i/d)` in float32 in that form (the
   form `10000^(-2i/d)` differs from it by an ulp in some frequencies)."""
   inv_freq = 1.0 / (ROPE_BASE ** (jnp.arange(0, key_size, 2, dtype=jnp.float32) / key_size))
-  return (positions_BT.astype(jnp.float32)[..., None] * inv_freq)[:, :, None, :]
+  return (positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :])[:, :, None, :]
 
 
 def rope_table(positions_BT: Array, key_size: int) -> RopeTable:

@@ -255,7 +255,8 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
                         jnp.transpose(ctx_k_BNKd, (0, 2, 3, 1))).astype(jnp.float32)
   keep_B1T1N = ctx_mask_BN[:, None, None, None, :]   # (T: 1 for candidates, all keys)
   if candidates is None:   # the queries are the context: valid where its mask is set
-    keep_B1T1N = keep_B1T1N & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None])[:, None, :]
+    keep_B1T1N = keep_B1T1N & (jnp.arange(N)[None, :] <= jnp.arange(T)[:, None]
+                               )[None, None, :, None, :]
     valid_B1T11 = ctx_mask_BN[:, None, :, None, None]
   else:
     k_BTKd, v_BTKd, mask_BT = candidates

@@ -56,6 +56,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # summed in a varying order and kernels were picked by timing them, and five such tests
 # failed; with it four of them passed (the fifth, tests/test_invariance.py's seed-place
 # test, is skipped off CPU; docs/testing.md).
+#
+# A fourth is about the code, not the time: JAX's strict broadcasting
+# (`jax_numpy_rank_promotion="raise"`), so that the package, and the tests, broadcast
+# arrays of different ranks only where they say so. Projects that set it (jax's and flax's
+# own test suites do) can then call every part of phoenix_flax.
 OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
 _QUICK_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _EXACT_FLAGS = ("--xla_gpu_deterministic_ops=true",)
@@ -64,6 +69,7 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 
 
 _KNOWN_QUICK_ENV = "PHOENIX_FLAX_TEST_QUICK_FLAGS"
+_RANK_PROMOTION_ENV = "JAX_NUMPY_RANK_PROMOTION"
 
 
 def _xla_starts_with(flags: Sequence[str]) -> bool:
@@ -326,8 +332,10 @@ def pytest_configure(config):
                             "set XLA_FLAGS")
   config.phoenix_flax_saved_env = {name: os.environ.get(name) for name in
                                    ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
-                                    _KNOWN_QUICK_ENV, *_CACHE_ENV)}
+                                    _KNOWN_QUICK_ENV, *_CACHE_ENV, _RANK_PROMOTION_ENV)}
   os.environ["XLA_FLAGS"] = quick_xla_flags()
+  os.environ[_RANK_PROMOTION_ENV] = "raise"   # (the workers' and subprocesses' jax)
+  jax.config.update("jax_numpy_rank_promotion", "raise")   # (this process's, imported)
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return
   path = tempfile.mkdtemp(prefix="phoenix_flax_test_jax_cache_")

@@ -71,6 +71,7 @@ class RMSNorm(hk.Module):
     scale = hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=ZEROS)
     x32 = x.astype(jnp.float32)
     mean_sq = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    scale = jnp.broadcast_to(scale, x.shape)
     return (scale * (x32 * jax.lax.rsqrt(mean_sq + 1e-5))).astype(x.dtype)
 
 

@@ -57,8 +57,8 @@ def test_slot_sensitivity_averages_valid_candidates_only(rope_contexts):
       candidate_post_hashes=jnp.where(last_C[None, :, None], 0, batch.candidate_post_hashes),
       candidate_author_hashes=jnp.where(last_C[None, :, None], 1 + batch.candidate_author_hashes,
                                         batch.candidate_author_hashes))
-  valid = first.candidate_mask & ~last_C
-  early = valid & (jnp.arange(C) < (C - 1) // 2)
+  valid = first.candidate_mask & ~last_C[None, :]
+  early = valid & (jnp.arange(C) < (C - 1) // 2)[None, :]
   late = valid & ~early
   sens = lambda b, m: probes.slot_sensitivity(ctx.system, b, m)
   on_valid = sens(padded, valid)

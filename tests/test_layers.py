@@ -177,7 +177,7 @@ def test_attention_has_no_hidden_sqrt_d_factor():
   pos = jnp.arange(3.0)[None]
   q, k, _ = call(attn.project, x, rope_table(pos, cfg.key_size))
   _, max_logit = call(attn, x, causal_mask(3), pos)
-  raw = jnp.einsum("btkgd,bskd->bkgts", q, k) * np.tril(np.ones((3, 3)))
+  raw = jnp.einsum("btkgd,bskd->bkgts", q, k) * np.tril(np.ones((1, 1, 1, 3, 3)))
   np.testing.assert_allclose(max_logit, jnp.max(jnp.abs(raw)), rtol=1e-5)
 
 

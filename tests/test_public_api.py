@@ -47,3 +47,17 @@ def test_star_import_gives_the_stable_names_of_the_design():
   for fn in ("ranking_model_from_haiku", "retrieval_model_from_haiku",
              "ranking_model_to_haiku", "retrieval_model_to_haiku"):
     assert callable(getattr(namespace["haiku_compat"], fn))
+
+
+def test_the_session_broadcasts_strictly():
+  """conftest.py runs every test, in this process, its xdist workers and its subprocesses,
+  under `jax_numpy_rank_promotion="raise"`: the package must broadcast arrays of
+  different ranks explicitly, so that projects with that setting can use it."""
+  import jax
+  import jax.numpy as jnp
+
+  from conftest import subprocess_env
+  assert jax.config.jax_numpy_rank_promotion == "raise"
+  assert subprocess_env()["JAX_NUMPY_RANK_PROMOTION"] == "raise"
+  with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
+    jnp.ones(3) * jnp.ones((2, 3))

@@ -578,7 +578,7 @@ def test_the_link_adds_each_effect_with_its_sign():
   zeros, interest = jnp.zeros(8, jnp.int32), jnp.zeros((8, cfg.latent_dim))
   by_quality = np.asarray(true_logits(w, interest, post, zeros, 0.0, 0.0))
   sign_P = np.sign(np.asarray(w.post_quality_P)[:8] - float(w.post_quality_P[8]))[:, None]
-  rise = sign_P * (by_quality - np.asarray(true_logits(w, interest[:1], 8, 0, 0.0, 0.0)))
+  rise = sign_P * (by_quality - np.asarray(true_logits(w, interest[0], 8, 0, 0.0, 0.0)))
   assert np.all(rise[:, ~negative] > 0) and np.all(rise[:, negative] < 0)
   base = true_logits(w, w.user_taste_UL[:8], post, zeros, 0.0, 0.0)
   biased = true_logits(w, w.user_taste_UL[:8], post, zeros, 0.0, 0.75)

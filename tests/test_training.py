@@ -570,7 +570,7 @@ def test_score_consistency_is_zero_with_isolation_only():
   # changes nor what they hold (masked keys) moves the figure.
   C = sb.candidate_mask.shape[1]
   last_C = jnp.arange(C) == C - 1
-  mask_BC = sb.candidate_mask & ~last_C
+  mask_BC = sb.candidate_mask & ~last_C[None, :]
   padded = lambda shift: sb.batch._replace(
       candidate_post_hashes=jnp.where(last_C[None, :, None], 0, sb.batch.candidate_post_hashes),
       candidate_author_hashes=jnp.where(last_C[None, :, None],

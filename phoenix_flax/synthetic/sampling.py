@@ -131,7 +131,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   last_switch_BS = jax.lax.cummax(jnp.where(switch_BS, s_S, 0), axis=1)
   topic_BS = jnp.take_along_axis(drawn_BS, last_switch_BS, axis=1)
   hist_post_BS = ids_in_topic(topic_BS, P, T, u["hist_post"], fine(3))
-  hist_valid_BS = s_S < history_len_B[:, None]
+  hist_valid_BS = s_S[None, :] < history_len_B[:, None]
 
   # History actions follow the link with the interest held just before each item.
   prior_weights_SS = history_weights(s_S, S, c.recency_decay)
@@ -171,7 +171,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
     num_valid_B = jnp.full((B,), C, jnp.int32)
   else:
     num_valid_B = _randint(u["count"], split.min_candidates, C + 1)
-  mask_BC = jnp.arange(C) < num_valid_B[:, None]
+  mask_BC = jnp.arange(C)[None, :] < num_valid_B[:, None]
   if split.candidate_order == "random":
     order_key_BC = u["order"]
   elif split.candidate_order == "relevance":

@@ -152,8 +152,8 @@ def make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
 
 def history_weights(history_len_X: Array, S: int, decay: float) -> Array:
   """`[..., S]` weights `decay**(n-1-s)` of the valid items s < n, 0 elsewhere."""
-  s = jnp.arange(S)
   n = jnp.asarray(history_len_X)[..., None]
+  s = jax.lax.broadcast_to_rank(jnp.arange(S), n.ndim)
   age = (n - 1 - s).astype(jnp.float32)
   return jnp.where(s < n, jnp.power(decay, jnp.maximum(age, 0.0)), 0.0)
 
@@ -189,14 +189,17 @@ def true_logits(world: World, interest_XL: Array, post_ids_X: Array, surface_X: 
   c = world.cfg
   affinity_X = c.affinity_scale * jnp.sum(interest_XL * world.post_vecs_PL[post_ids_X], -1)
   quality_X = c.quality_scale * world.post_quality_P[post_ids_X]
-  drive_XA = world.action_sign_A * (affinity_X[..., None] * world.affinity_weight_A
-                                    + quality_X[..., None] * world.quality_weight_A)
+  per_action = lambda v_A: jax.lax.broadcast_to_rank(v_A, affinity_X.ndim + 1)   # [..., A]
+  drive_XA = per_action(world.action_sign_A) * (
+      affinity_X[..., None] * per_action(world.affinity_weight_A)
+      + quality_X[..., None] * per_action(world.quality_weight_A))
   positive_A = (world.action_sign_A > 0).astype(jnp.float32)
-  shift_X = jnp.asarray(user_bias_X, jnp.float32)
+  per_item = lambda v: jnp.broadcast_to(jnp.asarray(v, jnp.float32), affinity_X.shape)
+  shift_X = per_item(user_bias_X)   # (a user's bias may come as [B, 1], or one number)
   if c.post_age:
-    shift_X = shift_X - c.age_decay_per_day * jnp.asarray(age_hours_X, jnp.float32) / 24.0
-  return (world.base_logits_A + drive_XA + world.surface_effect_VA[surface_X]
-          + shift_X[..., None] * positive_A)
+    shift_X = shift_X - c.age_decay_per_day * per_item(age_hours_X) / 24.0
+  return (per_action(world.base_logits_A) + drive_XA + world.surface_effect_VA[surface_X]
+          + shift_X[..., None] * per_action(positive_A))
 
 
 def post_features(world: World, post_ids: Array) -> tuple[Array, Array, Array]:

@@ -61,12 +61,12 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)
   # (Unweighted, the plain mask: the program, and so its rounding, of the committed runs.)
-  kept = m_BC1 if action_weights_A is None else m_BC1 & (w_A > 0)
+  kept = m_BC1 if action_weights_A is None else m_BC1 & (w_A > 0)[None, None, :]
   # Dropped logits are replaced before the BCE as well as after it: a NaN that the
   # forward pass drops would still reach the gradient through the unselected branch.
   logits = jnp.where(kept, jnp.asarray(logits_BCA, jnp.float32), 0.0)
   per_BCA = binary_cross_entropy(logits, jnp.asarray(labels_BCA, jnp.float32))
-  total = jnp.sum(jnp.where(kept, per_BCA * w_A, 0.0))
+  total = jnp.sum(jnp.where(kept, per_BCA * w_A[None, None, :], 0.0))
   count = jnp.sum(jnp.asarray(mask_BC, jnp.float32))
   # (A floor on the count alone: one on the product, 1e-9, rescaled the loss of weights
   # summing below 1e-9 / count.)

@@ -111,7 +111,7 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   # float scatter-add: serial on CPU, where over 300k entries it was 0.1% off, and by
   # atomics in varying order on GPU, where the same predictions gave errors differing in
   # the 7th digit from run to run.
-  in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)
+  in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)[None, :]
   gap_K = jnp.sum(jnp.where(in_bin_NK, (p_N - y_N)[:, None], 0.0), axis=0)  # padding: 0
   n = jnp.sum(w_N)
   return jnp.where(n > 0, jnp.sum(jnp.abs(gap_K)) / jnp.maximum(n, 1.0), jnp.nan)
@@ -167,7 +167,7 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
   _, discount_BC = _expected_in_top_k(scores_BC, mask_BC, k)
   dcg_B = jnp.sum(gains_BC * discount_BC, axis=-1)
   ideal_discount_K = 1.0 / jnp.log2(jnp.arange(k, dtype=jnp.float32) + 2.0)
-  ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * ideal_discount_K, axis=-1)
+  ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * ideal_discount_K[None, :], axis=-1)
   has_B = ideal_B > 0
   ndcg_B = jnp.where(has_B, dcg_B / jnp.where(has_B, ideal_B, 1.0), 0.0)
   return _undefined_if_nan(jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1), scores_BC,
