@@ -165,7 +165,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   header = table_cells(next(line for line in lines if line.startswith("| config |")))
   for name, r in report["configs"].items():
     got = dict(zip(header, table_cells(next(line for line in lines
-                                      if line.startswith(f"| {name} |")))))
+                                            if line.startswith(f"| {name} |")))))
     assert got["fast ms"] == f"{1e3 * r['fast']['median_s']:.1f}", name
     assert got["dense ms"] == f"{1e3 * r['reference']['median_s']:.1f}", name
     assert got["dense/fast"] == f"{r['speedup']:.2f}x", name
