@@ -92,10 +92,16 @@ def test_losses_refuse_shapes_that_would_broadcast():
     ranking_loss(logits, jnp.ones((3, 19)), jnp.ones((2, 3)))
   with pytest.raises(AssertionError, match="action_weights"):
     ranking_loss(logits, labels, jnp.ones((2, 3)), jnp.ones((1,)))
-  # Weights given as values are checked too: these gave NaN or -0.0 without a word.
-  for bad in ((0.0,) * 19, (1.0, np.nan) + (1.0,) * 17, (1.0, -1.0) + (1.0,) * 17):
-    with pytest.raises(ValueError, match="action_weights must be finite, >= 0 and sum above"):
-      ranking_loss(logits, labels, jnp.ones((2, 3)), np.asarray(bad, np.float32))
+  # Weights given as values are checked too: these gave NaN or -0.0 without a word (1e39
+  # and a sum of 1e-40 passed a check of finite, >= 0 and a positive sum made in float64,
+  # and the float32 loss was NaN).
+  for bad in ((0.0,) * 19, (1.0, np.nan) + (1.0,) * 17, (1.0, -1.0) + (1.0,) * 17,
+              (1e39,) + (1.0,) * 18, (1e-40,) + (0.0,) * 18):
+    with pytest.raises(ValueError, match=r"action_weights must lie in \[0, 1e\+06\] and sum "
+                                         r"to at least 1.18e-38"):
+      ranking_loss(logits, labels, jnp.ones((2, 3)), np.asarray(bad, np.float64))
+  assert np.isfinite(ranking_loss(logits, labels, jnp.ones((2, 3)),
+                                  np.asarray((1e6,) + (1e-6,) * 18)))   # the bounds hold
   scores = jnp.ones((4, 4))
   with pytest.raises(AssertionError, match="positive_ids"):
     in_batch_softmax_loss(scores, jnp.ones(4, bool), 0.05, jnp.zeros(1, jnp.int32))

@@ -30,6 +30,11 @@ def binary_cross_entropy(logits: Array, labels: Array) -> Array:
   return -labels * log_p - (1.0 - labels) * log_q
 
 
+# The largest action weight of the ranking loss (only their ratios matter): it keeps the
+# loss's float32 products and sums finite (a weight of 1e39 became inf, and the loss NaN).
+MAX_ACTION_WEIGHT = 1e6
+
+
 def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
                  action_weights_A: Optional[Array] = None) -> Array:
   """Weighted mean binary cross-entropy over valid candidates and actions.
@@ -39,10 +44,11 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
   their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
 
-  `action_weights_A` must be finite and >= 0 with a positive sum (as
-  `train.action_weights` is checked); given as values (not traced), they are checked here
-  too, a `ValueError`. Shapes are checked with chex (an `AssertionError` naming the
-  argument).
+  `action_weights_A` must lie in [0, `MAX_ACTION_WEIGHT`] and sum to a normal float32
+  number (at least 1.2e-38: weights summing to 1e-40 became 0 in float32, and the loss
+  NaN); `train.action_weights` is checked the same way, with a sum of at least 1e-6.
+  Given as values (not traced), they are checked here, a `ValueError`. Shapes are checked
+  with chex (an `AssertionError` naming the argument).
   """
   # Broadcasting would hide a wrong shape: a [B, 1] mask or a [1] weight vector gave a
   # loss on another scale (x C, x A) without an error.
@@ -54,9 +60,11 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
     chex.assert_shape(action_weights_A, (A,), custom_message="ranking_loss: action_weights")
     if not isinstance(action_weights_A, jax.core.Tracer):   # values known: check them
       w = np.asarray(action_weights_A, np.float64)
-      if not (np.all(np.isfinite(w)) and np.all(w >= 0) and np.sum(w) > 0):
-        raise ValueError(f"ranking_loss: action_weights must be finite, >= 0 and sum above "
-                         f"0, got {w.tolist()}")
+      least = float(np.finfo(np.float32).tiny)
+      if not (np.all((w >= 0) & (w <= MAX_ACTION_WEIGHT)) and np.sum(w) >= least):
+        raise ValueError(f"ranking_loss: action_weights must lie in [0, {MAX_ACTION_WEIGHT:g}] "
+                         f"and sum to at least {least:.3g} (only their ratios matter), got "
+                         f"{w.tolist()}")
   m_BC1 = jnp.asarray(mask_BC, bool)[..., None]
   w_A = jnp.ones((A,), jnp.float32) if action_weights_A is None else jnp.asarray(
       action_weights_A, jnp.float32)

@@ -97,6 +97,7 @@ from ml_collections import config_dict
 from phoenix_flax.config import (INT32, HashConfig, PhoenixModelConfig,
                                  PhoenixRetrievalModelConfig, TransformerConfig, field_default)
 from phoenix_flax.synthetic import SplitConfig, WorldConfig
+from phoenix_flax.training.loss import MAX_ACTION_WEIGHT
 
 TASKS = ("ranking", "retrieval")
 RUNTIME_SECTIONS = ("mesh", "output")
@@ -206,9 +207,6 @@ def _check(ok: bool, path: str, value: Any, fix: str) -> None:
 
 def _is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
-
-
-MAX_ACTION_WEIGHT = 1e6
 
 
 def _is_num(x: Any) -> bool:
