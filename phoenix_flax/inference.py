@@ -182,7 +182,8 @@ def validate_batch(config: Union[PhoenixModelConfig, PhoenixRetrievalModelConfig
   shape and dtype, values that fit int32, hashes >= 0, surface ids below the vocabulary,
   0/1 history actions, finite dwell times and, with right-anchored positions, a
   left-aligned history. Returns (B, C) (C = 0 without candidates); raises ValueError
-  naming the field, the bad value and its index.
+  naming the field, the bad value and its index (TypeError for a `batch` that is not a
+  `RecsysBatch`).
 
   The models' own entry points check shapes and dtypes only (they run traced), so a
   training loop over your own data calls this, or `training.validate_training_batch`

@@ -470,7 +470,8 @@ def _check_existing_config(run_dir: str, expected: dict, locked: bool = False) -
 def check_run_dirs(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Raises `ConfigError` if a run directory of `config` under `workdir` holds a run of
   another config (which resuming would mix up, and a finished one would stand in for), or
-  a result.json that cannot be read (`read_result`), before any seed trains."""
+  a result.json that cannot be read (`read_result`), and `NotADirectoryError` if a run
+  directory's path is a file; before any seed trains."""
   for k, d in run_dirs(config, workdir).items():
     if os.path.lexists(d) and not os.path.isdir(d):
       raise NotADirectoryError(f"{d}, seed {k}'s run directory, is a file, not a directory; "
@@ -710,7 +711,8 @@ def run_experiment(config: ml_collections.ConfigDict, workdir: str, *,
   finished before, and in a multi-process run only process 0 calls them.
 
   Raises `ConfigError` (a `ValueError` naming the field) before any work when the config
-  is invalid or a run directory holds a different config.
+  is invalid or a run directory holds a different config, and `NotADirectoryError` when
+  a run directory's path is a file.
 
   The compiled programs of the last config are kept for the next call (seeds run one at
   a time reuse them). JAX keeps every config's programs in its own caches too: a script

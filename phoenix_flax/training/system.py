@@ -189,8 +189,8 @@ def validate_training_batch(system: Union[RankingSystem, RetrievalSystem], batch
 
   Under `jit` nothing checks values: a raw id passed as a hash is clipped into the last
   row of its table, a padded candidate counted by the mask is trained as a negative, and
-  labels in percent reach the loss. So this checks, raising ValueError with the field,
-  value and index:
+  labels in percent reach the loss. So this checks, raising ValueError with the field
+  (and, for a bad value, the value and its index):
   - the batch against the model config (`phoenix_flax.validate_batch`: shapes, dtypes,
     ranges);
   - a left-aligned history (valid items first, oldest first), whatever the positions;
