@@ -12,6 +12,8 @@ import time
 import urllib.error
 import urllib.request
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
@@ -167,10 +169,16 @@ def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path)
   and "/" stay; a probe that measured nothing (NaN, inf: null in result.json) and a
   value that is not a number are left out."""
   values = {"probe/ok": 1.5, "probe/nan": float("nan"), "probe/inf": float("inf"),
-            "probe/flag": True, "probe/text": "x", "eval-cold/recall@5": 0.7, "probe/int": 3}
+            "probe/flag": True, "probe/text": "x", "eval-cold/recall@5": 0.7, "probe/int": 3,
+            # NumPy and JAX numbers count too (np.float32 and np.int64 were left out):
+            "np/f32": np.float32(2.5), "np/i64": np.int64(4), "np/0d": np.array(0.25),
+            "jax/0d": jnp.float32(0.5), "np/nan": np.float32("nan"), "np/flag": np.bool_(True),
+            "np/vector": np.ones(2), "jax/vector": jnp.ones(1)}
   writers.write_event_file(str(tmp_path), "probes", values, 30)
   acc = _accumulator(str(tmp_path))
-  assert set(acc.Tags()["scalars"]) == {"probe/ok", "eval-cold/recall_5", "probe/int"}
+  assert set(acc.Tags()["scalars"]) == {"probe/ok", "eval-cold/recall_5", "probe/int",
+                                        "np/f32", "np/i64", "np/0d", "jax/0d"}
+  assert [e.value for e in acc.Scalars("np/f32")] == [2.5]
   assert [(e.step, e.value) for e in acc.Scalars("eval-cold/recall_5")] == [
       (30, pytest.approx(0.7))]
 

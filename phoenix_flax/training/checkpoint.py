@@ -1,6 +1,7 @@
 """Equinox-native checkpoints (`eqx.tree_serialise_leaves`, no pickle), written atomically.
 
-A run directory holds `checkpoint/step_<N>.eqx` files, the newest `keep` of them. Each
+A run directory holds `checkpoint/step_<N>.eqx` files (N zero-padded to 9 digits:
+`step_000000400.eqx`), the newest `keep` of them. Each
 file is written through `writers.atomic_file` (temporary name, sync, rename, folder sync),
 so a kill or power loss at any moment leaves either the previous set or the new one, never
 a half-written file under a final name; old files are deleted only after the new one is

@@ -8,6 +8,7 @@ import glob
 import json
 import logging
 import math
+import numbers
 import os
 import re
 import shutil
@@ -148,6 +149,19 @@ def event_file_name(run_dir: str, name: str) -> Optional[str]:
   return found[-1] if found else None
 
 
+def _is_finite_number(value: Any) -> bool:
+  """Whether `value` is a finite real number: a Python, NumPy or 0-d array one (a probe
+  computed with jnp), not a bool."""
+  if isinstance(value, (bool, np.bool_)):
+    return False
+  if not isinstance(value, numbers.Real):   # (NumPy's scalars register as numbers.Real)
+    array = getattr(value, "__array__", None)
+    if array is None or np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype,
+                                                                  np.number):
+      return False
+  return bool(np.isfinite(np.asarray(value, np.float64)))
+
+
 def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: int) -> str:
   """Writes `scalars` (the finite numbers among them) at `step` to an event file of their
   own in `run_dir`, `events.out.tfevents.*.<name>`, replacing an earlier one of that name.
@@ -160,7 +174,7 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
   try:
     events = EventsWriter(os.path.join(tmp, "events"), f".{name}")
     for key, value in scalars.items():
-      if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+      if _is_finite_number(value):
         events.write_event(_scalar_event(key, value, step))
     events.close()
     (written,) = matching(tmp, "events.out.tfevents.*")
@@ -365,9 +379,11 @@ class RunWriter:
     return self._closed
 
   def close(self, finished: bool, diverged: bool = False) -> None:
-    """Flushes; on a finished run also records the HParams session end, whose status is
-    a failure for a diverged run (the HParams view's status filter then leaves it out).
-    Once closed, a writer ignores further calls."""
+    """Closes the event file, flushing it (metrics.jsonl rows are written as they are
+    logged; `flush` also syncs them); on a finished run first records the HParams session
+    end, whose status is a failure for a diverged run (the HParams view's status filter
+    then leaves it out). Closing again does nothing; `log` and `flush` after a close
+    raise ValueError."""
     if self._closed:
       return
     self._closed = True
