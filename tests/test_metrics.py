@@ -471,7 +471,11 @@ def test_ranking_metrics_average_valid_actions_and_rank_favorites():
   assert float(several["recall@1"]) == pytest.approx(
       float(recall_at_k_jit(logits[..., 0], favorite, mask, 1)))
   assert float(several[f"recall@{C}"]) == 1.0 and float(several["recall@1"]) < 1.0
-  for bad in (0, (), (2, True), 2.0):
+  # Any sequence of K (a range as well as a tuple or list), not a string:
+  by_range = metrics.ranking_metrics(logits, labels, probs, mask, k=range(1, 3))
+  assert {key for key in by_range if "@" in key} == {
+      key for key in metrics.ranking_metrics(logits, labels, probs, mask, k=[1, 2]) if "@" in key}
+  for bad in (0, (), (2, True), 2.0, "2"):
     with pytest.raises(ValueError, match="k must be an integer >= 1"):
       metrics.ranking_metrics(logits, labels, probs, mask, k=bad)
   certain = np.where(rng.random((B, C, A)) < 0.5, labels, 1.0 - labels)   # some wrong

@@ -8,6 +8,7 @@ uniformly random order of the tied entries.
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
 from typing import Optional, Sequence, Union
 
@@ -278,7 +279,7 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   if len(names) != A:
     raise ValueError(f"action_names has {len(names)} names for {A} actions")
   ks = (k,) if isinstance(k, numbers.Integral) else ()
-  if isinstance(k, (tuple, list)):
+  if isinstance(k, collections.abc.Sequence) and not isinstance(k, str):   # (a range too)
     ks = tuple(k)
   if not ks or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool)
                        and x >= 1 for x in ks):
