@@ -241,6 +241,12 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
     checkpoint.save(str(tmp_path), step, {"a": tree["a"] + step, "b": tree["b"]}, keep=2)
   assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
   assert not [f for f in os.listdir(tmp_path / "checkpoint") if ".tmp" in f]
+  # A file named otherwise than `save` names them is no checkpoint: listed as step 4, it
+  # could not be loaded, and the next save failed when it pruned it.
+  (tmp_path / "checkpoint" / "step_4.eqx").write_bytes(b"")
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
+  checkpoint.save(str(tmp_path), 30, {"a": tree["a"] + 30, "b": tree["b"]}, keep=2)
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
   loaded = checkpoint.load(str(tmp_path), 20, tree)
   np.testing.assert_array_equal(loaded["a"], tree["a"] + 20)
   with pytest.raises(FileNotFoundError, match="step 10"):

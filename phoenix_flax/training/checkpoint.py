@@ -58,12 +58,15 @@ def checkpoint_dir(run_dir: str) -> str:
 
 
 def available_steps(run_dir: str) -> list[int]:
-  """Steps with a complete checkpoint in `run_dir`, ascending."""
+  """Steps with a complete checkpoint in `run_dir`, ascending: the files named as `save`
+  names them (another `step_<N>.eqx`, say a hand-made `step_4.eqx`, is not one: `load`
+  would not find it, nor `save` prune it)."""
   path = checkpoint_dir(run_dir)
   if not os.path.isdir(path):
     return []
   steps = [int(m.group(1)) for m in map(_PATTERN.fullmatch, os.listdir(path))
-           if m and os.path.isfile(os.path.join(path, m.group(0)))]
+           if m and checkpoint_path(run_dir, int(m.group(1))) == os.path.join(path, m.group(0))
+           and os.path.isfile(os.path.join(path, m.group(0)))]
   return sorted(steps)
 
 
