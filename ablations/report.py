@@ -26,7 +26,7 @@ from phoenix_flax.training.runner import seed_dir
 from phoenix_flax.training.writers import atomic_file, read_metrics
 
 ALPHA = 0.05
-MAX_CURVE_PANELS = 12
+MAX_CURVE_PANELS = 24   # (sandwich_norm at the full preset: 9 cells x 2 curves)
 MAX_EFFECT_PANELS = 6
 
 
@@ -50,8 +50,9 @@ def save_figure(fig, path: str) -> None:
 
 
 def fmt(value: Optional[float], digits: int = 4) -> str:
-  """`digits` significant digits (scientific outside [1e-3, 1e5)), whole numbers below
-  1e5 in full (a count, a byte size), or "n/a"."""
+  """`digits` significant digits (scientific outside [1e-3, 1e5); from 10**digits to 1e5
+  rounded to a whole number, and 99999.9 reads "100000"), whole numbers below 1e5 in full
+  (a count, a byte size), or "n/a"."""
   if value is None:
     return "n/a"
   if value == 0:
@@ -531,7 +532,9 @@ def curve(rows: Sequence[Mapping], key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) -> bool:
-  """One panel per (condition, key), one colour per arm, one line per seed."""
+  """One panel per (condition, key), one colour per arm, one line per seed: the first
+  `MAX_CURVE_PANELS` panels (every shipped ablation's grid fits, sandwich_norm's 18 at
+  the full preset the largest); a larger grid's other panels are in TensorBoard."""
   variants = results["variants"]
   cells = list(dict.fromkeys(v["cell"] for v in variants.values()))
   panels = [(cell, k) for cell in cells for k in keys][:MAX_CURVE_PANELS]

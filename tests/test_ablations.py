@@ -1235,6 +1235,17 @@ def test_scripts_state_their_design_and_build_valid_configs(module, tmp_path):
         assert companions.list_correlation == 0 and companions.relevant_fraction == 0.1
 
 
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda m: m.ABLATION.name)
+def test_curves_png_shows_every_cell_at_every_preset(module):
+  """curves.png draws one panel per (condition cell, curve) up to
+  `report.MAX_CURVE_PANELS`: at 12, sandwich_norm's full preset (9 cells x 2 curves) lost
+  its three deepest cells, the ones its hypothesis is about."""
+  ab = module.ABLATION
+  for preset in sweep.PRESETS:
+    cells = {v.cell for v in ab.variants(preset)}
+    assert len(cells) * len(ab.curves) <= report.MAX_CURVE_PANELS, preset
+
+
 def test_presets_grow_and_fit_the_budget():
   smoke, cpu = sweep.preset_config("smoke"), sweep.preset_config("cpu")
   assert smoke.train.num_steps <= 20 and smoke.world.history_len <= 8
