@@ -18,7 +18,8 @@ Metrics: `auc_mean`, `params/transformer` and `params/total` (trained parameters
 `kv_cache_bytes` (keys and values of one user context, 1 + S tokens, in the forward
 dtype), `scoring_candidates_per_s` (jitted forward on one evaluation batch, every
 variant's run of a seed timed together in interleaved rounds: median of at least 10
-timed calls and 0.5 s per variant, after compiling), `logloss`, `diverged`;
+rounds, and more until the timed calls add up to 0.5 s per variant on average, after
+compiling), `logloss`, `diverged`;
 `gqa_tradeoff.png` plots AUC against KV-cache bytes and parameters.
 """
 

@@ -158,8 +158,9 @@ def scoring_throughput(systems: Mapping[str, Any], batch: RecsysBatch,
   runs every system's forward twice in a row and times the second run), so host load
   and process state hit them alike and their ratios stay comparable where separately
   timed figures move by up to 2x from one process to the next. Each system's figure is
-  its median over at least `rounds` rounds, and more until the timed calls add up to
-  `min_seconds` per system; compiled first, with the package's `xla_options` as the
+  its median over at least `rounds` rounds, and more (up to 1,000) until the timed calls
+  of all systems add up to `min_seconds` times their number (a fast system's share of
+  that time is small); compiled first, with the package's `xla_options` as the
   training, evaluation and serving programs are."""
   calls = {name: functools.partial(_timed_logits(), system, batch)
            for name, system in systems.items()}

@@ -108,12 +108,12 @@ SEEDS = {"smoke": 2, "cpu": 3, "full": 5}
 DEFAULT_ROOT = "/tmp/phoenix_ablations"   # the workdirs' folder without --workdir
 
 # On top of the experiment config's preset of the same name (ablations may
-# shorten runs further with `Ablation.preset_overrides`). cpu: 1200 of that preset's
-# 4000 steps, so that the five shipped ablations fit in under an hour on 2 cores; smoke: the
-# tiny world, a handful of steps. The evaluation lists are the experiment config's (cpu:
-# 4 x 256 for ranking, 16 x 128 for retrieval, whose oracle recall needs the 2048). Score
-# consistency costs two extra forwards per evaluation batch, so only the ablation that
-# reports it turns it on.
+# shorten runs further with `Ablation.preset_overrides`). cpu: 1200 steps (the ranking
+# preset has 4000, the retrieval one 2000), so that the five ranking ablations trained in
+# 39 minutes on 2 cores (README, "Results"); smoke: the tiny world, a handful of steps.
+# The evaluation lists are the experiment config's (cpu: 4 x 256 for ranking, 16 x 128 for
+# retrieval, whose oracle recall needs the 2048). Score consistency costs two extra
+# forwards per evaluation batch, so only the ablation that reports it turns it on.
 PRESETS = {
     "smoke": {"train.num_steps": 20, "train.steps_per_call": 10, "train.eval_every": 0,
               "train.checkpoint_every": 10, "train.eval_batches": 1,
@@ -202,9 +202,12 @@ class Ablation:
       "long/auc_mean", probe outputs, "diverged"), in report order (default:
       `DEFAULT_METRICS` of the experiment). Without probes or `derived`, each must be a
       final of the runs (checked before training).
-    primary_metric: the metric of the main table (default: the first of `metrics`).
-    headline: metrics whose comparisons the verdict spells out (default: primary and
-      "diverged").
+    primary_metric: the metric the headline starts from (default: the first of
+      `metrics`); with `headline` given it changes nothing (results.json files written
+      before `headline` existed use it as their headline).
+    headline: metrics whose comparisons the verdict spells out, each with a table of
+      its own at the top of the report (default: the primary metric, and "diverged"
+      when it is among `metrics`).
     preset_overrides: {preset: overrides} on top of `PRESETS` (e.g. shorter runs for a
       sweep with many variants), applied before `task`.
     task: `task(config, preset)` sets the task knobs on the preset's config in place
@@ -523,7 +526,8 @@ class Sweep:
       raise ValueError(f"preset={preset!r}: use one of {tuple(PRESETS)}")
     n = SEEDS[preset] if seeds is None else seeds
     if n < 1:
-      raise ValueError(f"seeds={n}: need at least 1 (3 or more for confidence intervals)")
+      raise ValueError(f"seeds={n}: need at least 1 (2 give confidence intervals, 3 or "
+                       "more useful ones)")
     for path, instead in SWEEP_SETS.items():
       if path in dict(overrides):
         raise ValueError(f"override of {path!r}: a sweep sets it itself; {instead}")
