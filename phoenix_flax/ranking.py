@@ -13,7 +13,8 @@ from phoenix_flax import features
 from phoenix_flax.config import PhoenixModelConfig, _check_key
 from phoenix_flax.layers import RMSNorm, variance_scaling
 from phoenix_flax.masks import right_anchored_rope_positions
-from phoenix_flax.transformer import ContextCache, Transformer, TransformerOutput, check_cache
+from phoenix_flax.transformer import (ContextCache, Transformer, TransformerOutput, check_cache,
+                                      check_cache_type)
 from phoenix_flax.types import (CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS,
                                 RecsysBatch, RecsysEmbeddings, RecsysModelOutput,
                                 check_batch, check_candidate_embeddings,
@@ -237,6 +238,7 @@ class PhoenixModel(eqx.Module):
     if not self.config.candidate_isolation:
       raise ValueError("score_candidates needs candidate_isolation=True: without it a "
                        "candidate's score depends on the candidates before it")
+    check_cache_type(cache)
     self._check_candidates(batch, embeddings, cache.padding_mask.shape[0])
     check_cache(self.config.model, cache, self.config.fprop_dtype,
                 cache.padding_mask.shape[0], self.config.candidate_start_offset,

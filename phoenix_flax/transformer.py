@@ -50,6 +50,12 @@ class ContextCache(NamedTuple):
 AttendFn = Callable[[MultiHeadAttention, Array], tuple[Array, Array]]
 
 
+def check_cache_type(cache) -> None:
+  """A TypeError unless `cache` is a `ContextCache` (checked before its fields are read)."""
+  if not isinstance(cache, ContextCache):
+    raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
+
+
 def check_cache(config: TransformerConfig, cache: ContextCache, dtype, batch_size: int,
                 context_len: Optional[int] = None, hint: str = "") -> None:
   """`cache` is a `ContextCache` of a transformer of `config`: keys and values
@@ -57,8 +63,7 @@ def check_cache(config: TransformerConfig, cache: ContextCache, dtype, batch_siz
   N = `context_len` (default: the mask's). A cache of another depth, head split, batch,
   context length or dtype raises a ValueError naming the field (it scored silently, or
   failed deep in the scan). `hint` ends the message."""
-  if not isinstance(cache, ContextCache):
-    raise TypeError(f"cache must be a ContextCache, got {type(cache).__name__}")
+  check_cache_type(cache)
   hint = f": {hint}" if hint else ""
   for name in ContextCache._fields:
     x = getattr(cache, name)
@@ -405,6 +410,7 @@ class Transformer(eqx.Module):
                        ) -> TransformerOutput:
     """Runs isolated candidates against a `ContextCache` (any number of candidates), of
     this transformer and of the candidates' users and dtype (`check_cache`)."""
+    check_cache_type(cache)
     _check_tokens(self.config, "candidates", embeddings_BCD, padding_mask_BC, positions_BC,
                   cache.padding_mask.shape[0])
     check_cache(self.config, cache, embeddings_BCD.dtype, embeddings_BCD.shape[0])

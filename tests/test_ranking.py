@@ -410,6 +410,8 @@ def test_score_candidates_refuses_a_cache_of_another_model():
   model, (batch, emb) = model_for(cfg), padded_batch(cfg)
   score = lambda cache: model.score_candidates(cache, batch, emb)
   score(model.encode_context(batch, emb))
+  with pytest.raises(TypeError, match="cache must be a ContextCache, got tuple"):
+    score(tuple(model.encode_context(batch, emb)))   # (it was an AttributeError)
   others = {"history": (dict(history=6), r"cache.keys has shape \(2, 2, 7, 2, 8\), expected "
                                          r"\(2, 2, 5, 2, 8\).*history_seq_len=4"),
             "dtype": (dict(fprop_dtype="bfloat16"),

@@ -444,6 +444,8 @@ def test_every_entry_point_checks_its_tokens():
     tr.encode_context(ctx[0], PADDING[0, :OFFSET])
   with pytest.raises(ValueError, match="candidates holds 1 users but the cache holds 2"):
     tr.score_candidates(cand[:1], PADDING[:1, OFFSET:], cache)
+  with pytest.raises(TypeError, match="cache must be a ContextCache, got tuple"):
+    tr.score_candidates(cand, PADDING[:, OFFSET:], tuple(cache))   # (an AttributeError)
   with pytest.raises(ValueError, match="candidates: padding_mask"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, :OFFSET])
   with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
