@@ -51,10 +51,12 @@ shapes its config builds (a `Trainer`'s parameters stacked over seeds, say), who
 would count its seeds as layers. A `norm_layout` other than "sandwich" has other norm
 parameters and converts in neither direction.
 
-Float32 JAX arrays are not copied either way: an imported model holds the tree's arrays
-where it can (a whole, unfused entry) and an exported tree the model's, so donating one
-side to a jitted call (as the training step donates its state) deletes the other's.
-numpy inputs are copied to the device.
+Float32 JAX arrays outside the decoder layers are not copied either way: an imported
+model holds the tree's arrays there (whole, unfused entries such as the embedding
+projections and the final norm) and an exported tree the model's, so donating one side
+to a jitted call (as the training step donates its state) deletes those of the other.
+The decoder layers' entries are copies both ways (the model stacks them over layers, the
+tree holds one per layer). numpy inputs are copied to the device.
 """
 
 from __future__ import annotations

@@ -104,9 +104,10 @@ class PhoenixRetrievalModel(eqx.Module):
 
   def build_user_representation(self, batch: RecsysBatch, embeddings: RecsysEmbeddings
                                 ) -> tuple[Array, Array]:
-    """Unit-norm user vector `[B, D]` and its norm before normalisation `[B, 1]`. A row
-    with no valid token (user hash 0 and no history: a batch's padding row) pools nothing
-    and gets the zero vector, as in the release, so every corpus item scores 0 for it."""
+    """Unit-norm user vector `[B, D]` and its norm before normalisation `[B, 1]` (at
+    least 1e-6, the normalisation's floor). A row with no valid token (user hash 0 and no
+    history: a batch's padding row) pools nothing and gets the zero vector, as in the
+    release, so every corpus item scores 0 for it."""
     user_BD, norm_B1, _ = self.user_forward(batch, embeddings)
     return user_BD, norm_B1
 
