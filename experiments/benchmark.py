@@ -26,9 +26,10 @@ once per step on a batch sampled on the host with numpy, its loss read back ever
 and against the same plain loop fed device-sampled batches copied to numpy; see
 `experiments/train_throughput.py`, which holds the loops and can also be run alone.
 
-The JSON (and the table's first line) names the processor (`provenance.machine()`: model,
-widest vector extension, core count on CPU), since the figures depend on it: the same
-`1k` ratio read 5.83x on an AVX-512 host and 4.35x on an AVX2 one (docs/performance.md).
+The JSON (and the line above the forward table, and the training table's) names the
+processor (`provenance.machine()`: model, widest vector extension, core count on CPU),
+since the figures depend on it: the same `1k` ratio read 5.83x on an AVX-512 host and
+4.35x on an AVX2 one (docs/performance.md).
 It also records the code version (`provenance.running_code_version()`, as `result.json`
 does).
 The command line switches off JAX's persistent compilation cache (which
@@ -99,7 +100,8 @@ CASES = {
 FLAGS = flags.FLAGS
 flags.DEFINE_list("configs", ["demo", "serve", "1k", "chunked"],
                   f"Configurations to run, from {sorted(CASES)}.")
-flags.DEFINE_integer("iters", 10, "Timed calls per path (the median is reported).",
+flags.DEFINE_integer("iters", 10, "Timed calls per path at least; more until they add up "
+                     "to --min_seconds (the median is reported).",
                      lower_bound=1)
 flags.DEFINE_integer("warmup", 2, "Untimed calls per path after compilation.", lower_bound=0)
 flags.DEFINE_float("min_seconds", 5.0, "Keep timing rounds (beyond --iters, up to 1000) until "

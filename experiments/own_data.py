@@ -2,7 +2,7 @@
 
     python -m experiments.own_data --workdir=/tmp/phoenix_own_data
 
-The logs here are made up (`make_logs`: raw 9-digit ids, ragged histories, four
+The logs here are made up (`make_logs`: raw ids below 10**9, ragged histories, four
 impressions per user of up to 16 candidates with 19 action labels each), as a stand-in for
 yours; every other step is what you would run on real data, with the library's public
 pieces and nothing of the synthetic world (docs/own_data.md walks through it). Each
