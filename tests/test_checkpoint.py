@@ -772,6 +772,7 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
                                              r"checkpoint in .*stopped; run the same") as e:
       run_experiment(config, run_dir, progress=_stop_at({10: [signal.SIGINT]}))
     assert e.value.signum == signal.SIGINT and e.value.step == 10
+    assert e.value.dirs == [run_dir] and e.value.finished is False
     assert not hasattr(e.value, "stopped_at_once")   # (stopped with a checkpoint)
     assert checkpoint.available_steps(run_dir) == [10]
     assert not os.path.exists(os.path.join(run_dir, "result.json"))
@@ -790,6 +791,7 @@ def test_ctrl_c_and_sigterm_stop_at_a_chunk_end_with_a_checkpoint(tmp_path):
                                              r"finished") as e:
       run_experiment(config, last, progress=_stop_at({40: [signal.SIGINT]}))
     assert json.load(open(os.path.join(last, "result.json")))["final"] == want["final"]
+    assert e.value.finished is True   # (its caller can tell it from a resumable stop)
 
     # Ctrl-C twice: the second raises KeyboardInterrupt where it lands, with no checkpoint.
     again = str(tmp_path / "twice")

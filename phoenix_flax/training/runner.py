@@ -22,8 +22,8 @@ and `num_devices` the size of the last call's mesh. `code` is the git state of t
 that finished the run (`provenance.running_code_version`: the commit when the process
 started, "+changes.<digest>" for uncommitted edits; outside a git checkout
 `PHOENIX_FLAX_CODE_VERSION`, else null) and
-`machine` the processor it ran on (`provenance.machine`: model and vector extension on
-CPU, device kind on GPU/TPU; the same code and seeds give the same numbers on the same
+`machine` the processor it ran on (`provenance.machine`: model, vector extension and
+core count on CPU, device kind on GPU/TPU; the same code and seeds give the same numbers on the same
 kind of processor).
 `wall_seconds` is the run's time over resumes: each process's time up to its last
 checkpoint (a killed process's time after it is lost with its work, and a resumed one's
@@ -39,8 +39,8 @@ The compiling chunk's row logs `perf/first_call_seconds`, never a rate.
 A run with `result.json` is skipped, with a warning when the code has changed since it
 was trained (its `code` differs from this checkout's); one with checkpoints resumes from
 the newest step that every seed of the call has, and ends with the same numbers as an
-uninterrupted run (on a GPU only with deterministic programs: `_resumes_vary`, which
-warns).
+uninterrupted run (on a GPU only with deterministic programs: a resume without them
+warns, `_resumes_vary`).
 Should a file of that step be unreadable (damaged by a copy or a disk fault: the writes
 themselves are atomic), it resumes from the newest step before it that every seed can
 read, with a warning naming the file, and raises `CheckpointError` when there is none.
@@ -157,7 +157,7 @@ class RunInterrupted(KeyboardInterrupt):
       message = (f"stopped by {name} after step {step}, with a checkpoint in "
                  f"{', '.join(dirs)}; run the same command again to resume")
     super().__init__(message)
-    self.signum, self.step = signum, step
+    self.signum, self.step, self.dirs, self.finished = signum, step, list(dirs), finished
 
 
 class _StopRequests:
@@ -366,8 +366,9 @@ def _ours(run_dir: str, name: str) -> bool:
 
 def _foreign_files(run_dir: str, with_config: bool = False) -> list[str]:
   """What `run_dir` holds that no run writes before its first checkpoint: beyond its lock,
-  temporaries, seed folders and a checkpoint folder of temporaries (`_ours`), and, with
-  `with_config`, its config.json, metrics.jsonl and event files. [] for no directory."""
+  temporaries, entries named as seed folders and a checkpoint folder of temporaries
+  (`_ours`), and, with `with_config`, its config.json, metrics.jsonl and event files. []
+  for no directory."""
   own = {LOCK_FILE} | ({CONFIG_FILE, writers.METRICS_FILE} if with_config else set())
   try:
     names = os.listdir(run_dir)

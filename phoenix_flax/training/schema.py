@@ -268,7 +268,9 @@ def _fields(cls) -> set[str]:
 def _model_config(c: ml_collections.ConfigDict, world: WorldConfig):
   """The model config: every `config.model` key goes to the `TransformerConfig` or task
   model config field of its name (so a new switch needs only its field and its default in
-  `base_config`); a key that is a field of neither is an error, never silently dropped."""
+  `base_config`), but for `TRAINING_MODEL_KEYS` (the trainer's, such as
+  `embedding_init_scale`) and the other task's fields left at their defaults; any other
+  key is an error, never silently dropped."""
   m = c.model.to_dict()
   tc_fields = _fields(TransformerConfig)
   known = (tc_fields | _fields(PhoenixModelConfig) | _fields(PhoenixRetrievalModelConfig)

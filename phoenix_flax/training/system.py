@@ -193,7 +193,9 @@ def validate_training_batch(system: Union[RankingSystem, RetrievalSystem], batch
   (and, for a bad value, the value and its index):
   - the batch against the model config (`phoenix_flax.validate_batch`: shapes, dtypes,
     ranges);
-  - a left-aligned history (valid items first, oldest first), whatever the positions;
+  - a left-aligned history (valid items first), whatever the positions (that they run
+    oldest first, as the release orders them, is the caller's to ensure: nothing here
+    can tell);
   - every hash against its table: below the table's rows (`pf.hash_ids` with that many
     buckets);
   - `labels_BCA` (optional): floats `[B, C, num_actions]`, finite, in [0, 1];
