@@ -23,8 +23,8 @@ that finished the run (`provenance.running_code_version`: the commit when the pr
 started, "+changes.<digest>" for uncommitted edits; outside a git checkout
 `PHOENIX_FLAX_CODE_VERSION`, else null) and
 `machine` the processor it ran on (`provenance.machine`: model, vector extension and
-core count on CPU, device kind on GPU/TPU; the same code and seeds give the same numbers on the same
-kind of processor).
+core count on CPU, device kind on GPU/TPU; the same code and seeds give the same numbers
+on the same kind of processor).
 `wall_seconds` is the run's time over resumes: each process's time up to its last
 checkpoint (a killed process's time after it is lost with its work, and a resumed one's
 restart and compiling count); `examples_per_second` counts the

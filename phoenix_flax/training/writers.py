@@ -154,11 +154,12 @@ def _is_finite_number(value: Any) -> bool:
   computed with jnp), not a bool."""
   if isinstance(value, (bool, np.bool_)):
     return False
-  if not isinstance(value, numbers.Real):   # (NumPy's scalars register as numbers.Real)
-    array = getattr(value, "__array__", None)
-    if array is None or np.ndim(value) != 0 or not np.issubdtype(np.asarray(value).dtype,
-                                                                  np.number):
+  if not isinstance(value, numbers.Real):   # (NumPy's real scalars register as one)
+    if not hasattr(value, "__array__") or np.ndim(value) != 0:
       return False
+    dtype = np.asarray(value).dtype
+    if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)):
+      return False   # (a complex number, say)
   return bool(np.isfinite(np.asarray(value, np.float64)))
 
 
