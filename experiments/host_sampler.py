@@ -14,7 +14,8 @@ float rounding: a draw that falls within a rounding step of a boundary can go th
 way). It is benchmark code, not a second implementation to train with: the package's own
 loop never leaves the device. It follows the device sampler for worlds of up to
 `world.UNIFORM_VALUES` (2**23) users, posts (in all, and per topic), topics and surfaces,
-which every preset is; beyond that the device sampler draws ids with `jax.random.randint` instead.
+which every preset is; beyond that the device sampler draws ids with
+`jax.random.randint` instead.
 """
 
 from __future__ import annotations
