@@ -179,6 +179,13 @@ def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path)
   assert set(acc.Tags()["scalars"]) == {"probe/ok", "eval-cold/recall_5", "probe/int",
                                         "np/f32", "np/i64", "np/0d", "jax/0d"}
   assert [e.value for e in acc.Scalars("np/f32")] == [2.5]
+  # Files are found by their name's suffix: "x.probes" would have been found as "probes"
+  # (and replaced by its next write), so names are plain words.
+  for bad in ("x.probes", "prob*", ""):
+    with pytest.raises(ValueError, match="use letters, digits, '_' and '-' only"):
+      writers.write_event_file(str(tmp_path), bad, values, 30)
+    with pytest.raises(ValueError, match="use letters, digits"):
+      writers.event_file_name(str(tmp_path), bad)
   assert [(e.step, e.value) for e in acc.Scalars("eval-cold/recall_5")] == [
       (30, pytest.approx(0.7))]
 

@@ -143,8 +143,19 @@ def matching(folder: str, pattern: str) -> list[str]:
   return sorted(glob.glob(os.path.join(glob.escape(folder), pattern), recursive=True))
 
 
+_EVENT_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _check_event_name(name: str) -> None:
+  """An extra event file is found by its name's suffix, `*.<name>`: a name with a dot
+  ("x.probes") would be found as another ("probes"), one with `*` or `?` as many."""
+  if not isinstance(name, str) or not _EVENT_NAME.fullmatch(name):
+    raise ValueError(f"event file name {name!r}: use letters, digits, '_' and '-' only")
+
+
 def event_file_name(run_dir: str, name: str) -> Optional[str]:
   """The run's extra event file `name` (see `write_event_file`), or None."""
+  _check_event_name(name)
   found = matching(run_dir, f"events.out.tfevents.*.{name}")
   return found[-1] if found else None
 
@@ -168,7 +179,9 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
   own in `run_dir`, `events.out.tfevents.*.<name>`, replacing an earlier one of that name.
   TensorBoard reads every event file of a folder as one run, so values measured after
   training (an ablation's probes) join the run's curves and its HParams metrics. The file
-  is written in a temporary folder and moved in whole."""
+  is written in a temporary folder and moved in whole. `name` holds letters, digits, '_'
+  and '-' only."""
+  _check_event_name(name)
   for stale in matching(run_dir, f".{name}.*"):   # a killed writer's
     shutil.rmtree(stale, ignore_errors=True)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir)
