@@ -21,6 +21,7 @@ if not __package__:  # run by path, not with python -m: import this checkout's p
 
 import ablations
 from ablations import report, sweep
+from experiments.cli import repeated
 from phoenix_flax.training.writers import remove_temporaries
 
 ABLATIONS = {m.ABLATION.name: m.ABLATION for m in ablations.modules()}
@@ -74,7 +75,7 @@ def main(argv):
   unknown = [n for n in FLAGS.ablations if n not in ABLATIONS]
   if unknown:
     sweep.usage_error(f"--ablations: unknown {unknown}; choose from {list(ABLATIONS)}")
-  twice = sorted({n for n in FLAGS.ablations if FLAGS.ablations.count(n) > 1})
+  twice = repeated(FLAGS.ablations)
   if twice:
     sweep.usage_error(f"--ablations names {twice} more than once")
   if FLAGS.variants:

@@ -90,7 +90,7 @@ import numpy as np
 
 from ablations import analysis, report, stats
 from experiments.cli import (RUN_ERRORS, exit_on_run_errors, parse_flags,
-                             quiet_backend_search, run_app, usage_error)
+                             quiet_backend_search, repeated, run_app, usage_error)
 from experiments.configs import ranking, retrieval
 from phoenix_flax.training import (Trainer, check_run_dirs, checkpoint, load_checkpoint,
                                    parse_config, run_dirs, run_experiment)
@@ -284,8 +284,7 @@ class Ablation:
       for arm, arm_overrides in self.arms.items():
         name = f"{arm}_{cell_name}" if cell_name else arm
         out.append(Variant(name, arm, cell_name, {**cell_overrides, **arm_overrides}))
-    names = [v.name for v in out]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = repeated([v.name for v in out])
     if twice:   # (arm "b" at level "x_y" and arm "b_x" at level "y": one folder)
       raise ValueError(f"Ablation {self.name!r} names two variants {twice} at preset "
                        f"{preset!r}: rename an arm or a condition level")

@@ -60,7 +60,8 @@ if not __package__:  # run by path, not with python -m: import this checkout's p
 
 from experiments import train_throughput
 from experiments.cli import (check_output_file, exit_on_run_errors, parse_flags,
-                             quiet_backend_search, run_app, usage_error, write_output_file)
+                             quiet_backend_search, repeated, run_app, usage_error,
+                             write_output_file)
 from experiments.configs import ranking
 from experiments.timing import time_rounds
 import phoenix_flax as pf
@@ -396,7 +397,7 @@ def check_args(names: Sequence[str], cases: dict[str, Case], compile_layers: Seq
   unknown = [n for n in names if n not in cases]
   if unknown:
     raise ValueError(f"unknown configs {unknown}; choose from {sorted(cases)}")
-  twice = sorted({n for n in names if list(names).count(n) > 1})
+  twice = repeated(names)
   if twice:   # (timed twice, the second result kept)
     raise ValueError(f"configs {twice} named more than once")
   if len(compile_layers) != 2:

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Iterator, NoReturn, Optional
+from typing import Iterator, NoReturn, Optional, Sequence
 
 from absl import app, flags
 import ml_collections
@@ -32,6 +32,12 @@ EXIT_BAD_INPUT = 2
 # reported as one line, where any other exception is a bug and keeps its traceback.
 RUN_ERRORS = (ConfigError, RunInUseError, CheckpointError, NotADirectoryError,
               PermissionError, RunOutputError)
+
+
+def repeated(names: Sequence[str]) -> list[str]:
+  """The names that `names` holds more than once, sorted (a config, an ablation or a
+  variant named twice would run twice, or share one folder)."""
+  return sorted({n for n in names if list(names).count(n) > 1})
 
 
 def usage_error(message: str, flags_hint: bool = True) -> NoReturn:
