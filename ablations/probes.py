@@ -132,7 +132,7 @@ def slot_sensitivity(system, batch: RecsysBatch, mask_BC: jax.Array) -> float:
   logits_RBCA = jnp.stack(per_shift)
   std_BCA = jnp.std(logits_RBCA - logits_RBCA[:1], axis=0)
   std_BC = jnp.mean(std_BCA, axis=-1)
-  return float(jnp.sum(jnp.where(mask_BC, std_BC, 0.0)) / jnp.maximum(jnp.sum(mask_BC), 1))
+  return float(metrics_lib.per_count(jnp.sum(jnp.where(mask_BC, std_BC, 0.0)), jnp.sum(mask_BC)))
 
 
 @jax.jit

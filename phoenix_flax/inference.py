@@ -147,7 +147,8 @@ def _all_finite(x: Array) -> Array:
 def _mask_summary(mask: Array) -> tuple[Array, Array]:
   """Whether a corpus mask holds only 0/1, and the items it keeps per row."""
   rows = jnp.atleast_2d(mask)
-  return jnp.all((rows == 0) | (rows == 1)), jnp.count_nonzero(rows, axis=-1)
+  zero, one = jnp.zeros((), rows.dtype), jnp.ones((), rows.dtype)
+  return jnp.all((rows == zero) | (rows == one)), jnp.count_nonzero(rows, axis=-1)
 
 
 def _host_or_device(x) -> Union[np.ndarray, Array]:

@@ -222,7 +222,7 @@ class PhoenixModel(eqx.Module):
     B, C = candidate_mask_BC.shape
     if self.config.right_anchored_rope:
       return jnp.where(candidate_mask_BC, float(N), 0.0)
-    idx = N + first_index + jnp.arange(C, dtype=jnp.float32)
+    idx = jnp.asarray(N + first_index).astype(jnp.float32) + jnp.arange(C, dtype=jnp.float32)
     return jnp.broadcast_to(idx, (B, C))
 
   def encode_context(self, batch: RecsysBatch, embeddings: RecsysEmbeddings) -> ContextCache:

@@ -294,10 +294,12 @@ def _isolated_attention(cfg: TransformerConfig, q_BTKGd: Array, ctx_k_BNKd: Arra
   attn_BKQd = jnp.einsum("bkqn,bknd->bkqd",
                          exp_BKTGN.reshape(B, KV, T * G, N).astype(q_BTKGd.dtype),
                          _swap_time_heads(ctx_v_BNKd))
-  attn_BTKGd = _swap_time_heads(attn_BKQd.reshape(B, KV, T, G, d))
+  # (Summed and normalised in float32: a bfloat16 forward's values are widened first.)
+  attn_BTKGd = _swap_time_heads(attn_BKQd.reshape(B, KV, T, G, d)).astype(jnp.float32)
   total_BTKG1 = _swap_time_heads(jnp.where(total_BKTG > 0, total_BKTG, 1.0))[..., None]
   if candidates is not None:
-    attn_BTKGd = attn_BTKGd + _swap_time_heads(exp_self_BKTG)[..., None] * v_BTKd[:, :, :, None]
+    v_BTK1d = v_BTKd[:, :, :, None].astype(jnp.float32)
+    attn_BTKGd = attn_BTKGd + _swap_time_heads(exp_self_BKTG)[..., None] * v_BTK1d
   return (attn_BTKGd / total_BTKG1).astype(q_BTKGd.dtype), max_logit
 
 

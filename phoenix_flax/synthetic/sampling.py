@@ -124,7 +124,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   history_len_B = _history_lengths(split, max_history, u["hist_len"])
 
   # History: a topic chain that jumps with topic_switch_prob, one post per step.
-  s_S = jnp.arange(S)
+  s_S = jnp.arange(S, dtype=jnp.int32)
   switch_BS = (u["switch"] < c.topic_switch_prob).at[:, 0].set(True)
   drawn_BS = jnp.where(u["explore"] < c.explore_prob, _randint(u["explore_topic"], 0, T, fine(2)),
                        _categorical(u["taste_topic"], topic_logits_BT[:, None, :]))
@@ -171,7 +171,7 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
     num_valid_B = jnp.full((B,), C, jnp.int32)
   else:
     num_valid_B = _randint(u["count"], split.min_candidates, C + 1)
-  mask_BC = jnp.arange(C)[None, :] < num_valid_B[:, None]
+  mask_BC = jnp.arange(C, dtype=jnp.int32)[None, :] < num_valid_B[:, None]
   if split.candidate_order == "random":
     order_key_BC = u["order"]
   elif split.candidate_order == "relevance":
@@ -190,15 +190,15 @@ def sample_batch(world: World, split: SplitConfig, batch_size: int, key: PRNGKey
   hist_author_BS = world.post_author_P[hist_post_BS]
   batch = RecsysBatch(
       user_hashes=world.user_hashes_UK[user_ids_B],
-      history_post_hashes=world.post_hashes_PK[hist_post_BS] * m_BS[..., None],
-      history_author_hashes=world.author_hashes_WK[hist_author_BS] * m_BS[..., None],
+      history_post_hashes=jnp.where(m_BS[..., None], world.post_hashes_PK[hist_post_BS], 0),
+      history_author_hashes=jnp.where(m_BS[..., None], world.author_hashes_WK[hist_author_BS], 0),
       history_actions=hist_actions_BSA.astype(jnp.float32),
-      history_product_surface=hist_surface_BS * m_BS,
-      candidate_post_hashes=world.post_hashes_PK[post_BC] * m_BC[..., None],
-      candidate_author_hashes=world.author_hashes_WK[author_BC] * m_BC[..., None],
-      candidate_product_surface=surface_BC * m_BC,
+      history_product_surface=jnp.where(m_BS, hist_surface_BS, 0),
+      candidate_post_hashes=jnp.where(m_BC[..., None], world.post_hashes_PK[post_BC], 0),
+      candidate_author_hashes=jnp.where(m_BC[..., None], world.author_hashes_WK[author_BC], 0),
+      candidate_product_surface=jnp.where(m_BC, surface_BC, 0),
       impression_timestamps=impression_ts_B,
-      candidate_post_timestamps=(impression_ts_B[:, None] - age_s_BC) * m_BC,
+      candidate_post_timestamps=jnp.where(m_BC, impression_ts_B[:, None] - age_s_BC, 0),
       history_dwell_times=jnp.where(m_BS, dwell_BS, 0.0),
   )
   return SyntheticBatch(

@@ -57,7 +57,9 @@ def uniform_below(u: Array, n, bound: int, key: PRNGKeyArray) -> Array:
   worlds stay as they were."""
   if bound > UNIFORM_VALUES:
     return jax.random.randint(key, jnp.shape(u), 0, n, dtype=jnp.int32)
-  return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), n - 1)
+  n = jnp.asarray(n)
+  return jnp.minimum(jnp.floor(u * n.astype(u.dtype)).astype(jnp.int32),
+                     (n - 1).astype(jnp.int32))
 
 
 def ids_in_topic(topic: Array, num_ids: int, num_topics: int, u: Array,
@@ -153,7 +155,7 @@ def make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
 def history_weights(history_len_X: Array, S: int, decay: float) -> Array:
   """`[..., S]` weights `decay**(n-1-s)` of the valid items s < n, 0 elsewhere."""
   n = jnp.asarray(history_len_X)[..., None]
-  s = jax.lax.broadcast_to_rank(jnp.arange(S), n.ndim)
+  s = jax.lax.broadcast_to_rank(jnp.arange(S, dtype=n.dtype), n.ndim)
   age = (n - 1 - s).astype(jnp.float32)
   return jnp.where(s < n, jnp.power(decay, jnp.maximum(age, 0.0)), 0.0)
 

@@ -81,9 +81,9 @@ def make_schedule(spec: ExperimentSpec) -> optax.Schedule:
 def schedule_from(optim: ml_collections.ConfigDict, num_steps: int) -> optax.Schedule:
   """`make_schedule` from an `optim` section and a step count."""
   o = optim
-  return optax.warmup_cosine_decay_schedule(
+  return _in_standard_promotion(optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.learning_rate, warmup_steps=o.warmup_steps,
-      decay_steps=num_steps, end_value=o.learning_rate * o.end_lr_fraction)
+      decay_steps=num_steps, end_value=o.learning_rate * o.end_lr_fraction))
 
 
 def make_optimizer(spec: ExperimentSpec) -> optax.GradientTransformation:
@@ -105,9 +105,23 @@ def optimizer_from(optim: ml_collections.ConfigDict, num_steps: int
   o = optim
   adamw = optax.adamw(schedule_from(o, num_steps), b1=o.b1, b2=o.b2, eps=o.eps,
                       weight_decay=o.weight_decay, mask=_decay_mask)
-  if o.grad_clip_norm is None:
-    return adamw
-  return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+  if o.grad_clip_norm is not None:
+    adamw = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+  adamw = optax.with_extra_args_support(adamw)
+  return optax.GradientTransformationExtraArgs(_in_standard_promotion(adamw.init),
+                                               _in_standard_promotion(adamw.update))
+
+
+def _in_standard_promotion(fn: Callable) -> Callable:
+  """`fn` traced under JAX's standard dtype promotion whatever the caller's
+  `jax_numpy_dtype_promotion` says: optax mixes Python floats with int32 step counts
+  (AdamW's bias correction `b1 ** count`, the schedule's arithmetic on the step), which
+  `"strict"` refuses. Under the default setting it changes nothing."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.numpy_dtype_promotion("standard"):
+      return fn(*args, **kwargs)
+  return wrapped
 
 
 def _where_tree(pred: Array, new: PyTree, old: PyTree) -> PyTree:
@@ -490,7 +504,7 @@ class Trainer:
     out["loss"] = self._ranking_loss(logits, labels, mask)
     out.update(_diagnostics(r["max_logit"], r["rms"]))
     if consistency:
-      out["score_consistency"] = jnp.sum(r["moved"]) / jnp.maximum(jnp.sum(r["count"]), 1)
+      out["score_consistency"] = metrics.per_count(jnp.sum(r["moved"]), jnp.sum(r["count"]))
     return out
 
   def _world_references(self, world: World) -> Optional[dict[str, Any]]:
@@ -567,7 +581,8 @@ class Trainer:
     r = jax.lax.map(one, (self._eval_keys(),) + tuple(references))
     flat = lambda x: x.reshape(-1)
     total, has = flat(r["total"]), flat(r["total"]) > 0
-    per_user = lambda found: jnp.sum(jnp.where(has, flat(found) / jnp.maximum(total, 1), 0.0))
+    per_user = lambda found: metrics.per_count(
+        jnp.sum(jnp.where(has, metrics.per_count(flat(found), total), 0.0)), jnp.sum(has))
     # Mean over every evaluation user with a positive, whatever batch it fell in.
     out = {"loss": jnp.sum(r["loss"] * r["loss_count"])
                    / jnp.maximum(jnp.sum(r["loss_count"]), 1.0)}
@@ -576,10 +591,9 @@ class Trainer:
     defined = jnp.all(r["finite"]) & jnp.all(jnp.isfinite(corpus_ND))
     for k in ks:
       out[f"recall@{k}"] = jnp.where(
-          defined, per_user(r[f"found@{k}"]) / jnp.maximum(jnp.sum(has), 1), jnp.nan)
-      out[f"bayes_recall@{k}"] = per_user(r[f"bayes_found@{k}"]) / jnp.maximum(jnp.sum(has), 1)
-      out[f"popularity_recall@{k}"] = (per_user(r[f"popularity_found@{k}"])
-                                       / jnp.maximum(jnp.sum(has), 1))
+          defined, per_user(r[f"found@{k}"]), jnp.nan)
+      out[f"bayes_recall@{k}"] = per_user(r[f"bayes_found@{k}"])
+      out[f"popularity_recall@{k}"] = per_user(r[f"popularity_found@{k}"])
     m = flat(r["mask"])
     out["auc"] = metrics.roc_auc(flat(r["scores"]), flat(r["labels"]), m)[0]
     out["bayes_auc"] = metrics.roc_auc(flat(r["probs"]), flat(r["labels"]), m)[0]

@@ -85,7 +85,11 @@ def is_positive(labels: Array) -> Array:
   """Which labels count as a positive: those above one half. The one threshold of the
   retrieval loss's choice of positive and of every metric; a soft label in [0, 1] enters
   the binary cross-entropy as it is."""
-  return jnp.asarray(labels) > 0.5
+  labels = jnp.asarray(labels)
+  if labels.dtype == jnp.bool_:
+    return labels
+  # (An integer label is above one half when it is above 0.)
+  return labels > (0 if jnp.issubdtype(labels.dtype, jnp.integer) else 0.5)
 
 
 def first_positive(labels_BCA: Array, mask_BC: Array, action: int) -> tuple[Array, Array]:

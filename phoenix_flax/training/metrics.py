@@ -27,6 +27,14 @@ def _undefined_if_nan(value: Array, scores: Array, mask: Array) -> Array:
   return jnp.where(jnp.any(jnp.isnan(scores) & jnp.asarray(mask, bool)), jnp.nan, value)
 
 
+def per_count(total: Array, count: Array) -> Array:
+  """`total / max(count, 1)`: a float total over an integer count, the count converted to
+  the total's dtype first (what JAX's promotion does, written out so that it holds under
+  `jax_numpy_dtype_promotion="strict"` too)."""
+  total = jnp.asarray(total)
+  return total / jnp.maximum(count, 1).astype(total.dtype)
+
+
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
   """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
 
@@ -41,16 +49,16 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   mask_N = jnp.asarray(mask_N, bool)
   positive_N = is_positive(labels_N)
   pos_N, neg_N = mask_N & positive_N, mask_N & ~positive_N
-  n_pos, n_neg = jnp.sum(pos_N), jnp.sum(neg_N)
+  n_pos, n_neg = jnp.sum(pos_N, dtype=jnp.int32), jnp.sum(neg_N, dtype=jnp.int32)
   sorted_neg_N = jnp.sort(jnp.where(neg_N, scores_N, jnp.inf))
   below_N = jnp.searchsorted(sorted_neg_N, scores_N, side="left")
   at_or_below_N = jnp.minimum(jnp.searchsorted(sorted_neg_N, scores_N, side="right"), n_neg)
   # Counts in float32 before the arithmetic: Python floats with integer arrays make the
   # default float type, float64 with `jax_enable_x64` on.
   f32 = lambda x: x.astype(jnp.float32)
-  wins_N = (f32(below_N) + 0.5 * f32(at_or_below_N - below_N)) / jnp.maximum(n_neg, 1)
+  wins_N = per_count(f32(below_N) + 0.5 * f32(at_or_below_N - below_N), n_neg)
   valid = (n_pos > 0) & (n_neg > 0)
-  auc = jnp.sum(jnp.where(pos_N, wins_N, 0.0)) / jnp.maximum(n_pos, 1)
+  auc = per_count(jnp.sum(jnp.where(pos_N, wins_N, 0.0)), n_pos)
   return _undefined_if_nan(jnp.where(valid, auc, jnp.nan), scores_N, mask_N), valid
 
 
@@ -76,7 +84,7 @@ def _masked_mean(x_BCA: Array, mask_BC: Array) -> Array:
   """Mean over the valid candidates' entries; NaN when there is none."""
   m_BCA = jnp.broadcast_to(mask_BC[..., None], x_BCA.shape)
   n = jnp.sum(m_BCA)
-  return jnp.where(n > 0, jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)) / jnp.maximum(n, 1), jnp.nan)
+  return jnp.where(n > 0, per_count(jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)), n), jnp.nan)
 
 
 def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
@@ -112,7 +120,7 @@ def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
   # float scatter-add: serial on CPU, where over 300k entries it was 0.1% off, and by
   # atomics in varying order on GPU, where the same predictions gave errors differing in
   # the 7th digit from run to run.
-  in_bin_NK = bin_N[:, None] == jnp.arange(num_bins)[None, :]
+  in_bin_NK = bin_N[:, None] == jnp.arange(num_bins, dtype=jnp.int32)[None, :]
   gap_K = jnp.sum(jnp.where(in_bin_NK, (p_N - y_N)[:, None], 0.0), axis=0)  # padding: 0
   n = jnp.sum(w_N)
   return jnp.where(n > 0, jnp.sum(jnp.abs(gap_K)) / jnp.maximum(n, 1.0), jnp.nan)
@@ -133,7 +141,8 @@ def _rank_spans(scores_BC: Array, mask_BC: Array) -> tuple[Array, Array]:
                                                                                   s_BC)
   at_or_below_BC, below_BC = find("right"), find("left")
   # Padding never scores above a candidate; it ties only with a valid score of -inf.
-  padded_ties_BC = jnp.where(s_BC == -jnp.inf, C - jnp.sum(mask_BC, axis=-1, keepdims=True), 0)
+  padded_BC = C - jnp.sum(mask_BC, axis=-1, keepdims=True, dtype=jnp.int32)
+  padded_ties_BC = jnp.where(s_BC == -jnp.inf, padded_BC, 0)
   tied_BC = at_or_below_BC - below_BC - padded_ties_BC
   return C - at_or_below_BC, jnp.maximum(tied_BC, 1)
 
@@ -145,7 +154,7 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
   discount of its rank."""
   C = scores_BC.shape[-1]
   above_BC, tied_BC = _rank_spans(scores_BC, mask_BC)
-  chance_BC = jnp.clip(k - above_BC, 0, tied_BC).astype(jnp.float32) / tied_BC
+  chance_BC = per_count(jnp.clip(k - above_BC, 0, tied_BC).astype(jnp.float32), tied_BC)
   rank_R = jnp.arange(C, dtype=jnp.float32)
   discount_R = jnp.where(rank_R < k, 1.0 / jnp.log2(rank_R + 2.0), 0.0)
   cumulative_R = jnp.concatenate([jnp.zeros(1, jnp.float32),   # [C + 1]
@@ -153,7 +162,7 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
   span_BC = cumulative_R[above_BC + tied_BC] - cumulative_R[above_BC]
   valid_BC = jnp.asarray(mask_BC, bool)
   return (jnp.where(valid_BC, chance_BC, 0.0),
-          jnp.where(valid_BC, span_BC / tied_BC, 0.0))
+          jnp.where(valid_BC, per_count(span_BC, tied_BC), 0.0))
 
 
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
@@ -171,7 +180,7 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
   ideal_B = jnp.sum(-jnp.sort(-gains_BC, axis=-1)[:, :k] * ideal_discount_K[None, :], axis=-1)
   has_B = ideal_B > 0
   ndcg_B = jnp.where(has_B, dcg_B / jnp.where(has_B, ideal_B, 1.0), 0.0)
-  return _undefined_if_nan(jnp.sum(ndcg_B) / jnp.maximum(jnp.sum(has_B), 1), scores_BC,
+  return _undefined_if_nan(per_count(jnp.sum(ndcg_B), jnp.sum(has_B)), scores_BC,
                            mask_BC)
 
 
@@ -186,8 +195,8 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
   hits_B = jnp.sum(jnp.where(relevant_BC, chance_BC, 0.0), axis=-1)
   total_B = jnp.sum(relevant_BC, axis=-1)
   has_B = total_B > 0
-  recall_B = jnp.where(has_B, hits_B / jnp.maximum(total_B, 1), 0.0)
-  return _undefined_if_nan(jnp.sum(recall_B) / jnp.maximum(jnp.sum(has_B), 1), scores_BC,
+  recall_B = jnp.where(has_B, per_count(hits_B, total_B), 0.0)
+  return _undefined_if_nan(per_count(jnp.sum(recall_B), jnp.sum(has_B)), scores_BC,
                            mask_BC)
 
 
@@ -220,8 +229,7 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
     kth_B1 = kth_BK[:, j, None]
     above_B1 = jnp.sum(scores_BN > kth_B1, axis=1, keepdims=True)
     tied_B1 = jnp.sum(scores_BN == kth_B1, axis=1, keepdims=True)
-    share_B1 = (jnp.clip(k - above_B1, 0, tied_B1).astype(jnp.float32)
-                / jnp.maximum(tied_B1, 1))
+    share_B1 = per_count(jnp.clip(k - above_B1, 0, tied_B1).astype(jnp.float32), tied_B1)
     in_top_BC = jnp.where(own_BC > kth_B1, 1.0, jnp.where(own_BC == kth_B1, share_B1, 0.0))
     found.append(jnp.where(undefined_B1[:, 0], jnp.nan,
                            jnp.sum(jnp.where(counted_BC, in_top_BC, 0.0), axis=1)))
@@ -230,7 +238,7 @@ def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequenc
 
 def _mean_valid(values_A: Array, valid_A: Array) -> Array:
   """Mean over the valid entries; NaN when there is none."""
-  mean = jnp.sum(jnp.where(valid_A, values_A, 0.0)) / jnp.maximum(jnp.sum(valid_A), 1)
+  mean = per_count(jnp.sum(jnp.where(valid_A, values_A, 0.0)), jnp.sum(valid_A))
   return jnp.where(jnp.any(valid_A), mean, jnp.nan)
 
 
