@@ -57,10 +57,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # failed; with it four of them passed (the fifth, tests/test_invariance.py's seed-place
 # test, is skipped off CPU; docs/testing.md).
 #
-# A fourth is about the code, not the time: JAX's strict broadcasting
-# (`jax_numpy_rank_promotion="raise"`), so that the package, and the tests, broadcast
-# arrays of different ranks only where they say so. Projects that set it (jax's and flax's
-# own test suites do) can then call every part of phoenix_flax.
+# Two more are about the code, not the time: JAX's strict broadcasting
+# (`jax_numpy_rank_promotion="raise"`) and strict dtype promotion
+# (`jax_numpy_dtype_promotion="strict"`), so that the package, and the tests, broadcast
+# arrays of different ranks and mix dtypes only where they say so. Projects that set them
+# (jax's and flax's own test suites broadcast strictly) can then call every part of
+# phoenix_flax.
 OPTIMIZED_ENV = "PHOENIX_FLAX_TEST_OPTIMIZED"
 _QUICK_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 _EXACT_FLAGS = ("--xla_gpu_deterministic_ops=true",)
@@ -70,6 +72,7 @@ _CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 
 _KNOWN_QUICK_ENV = "PHOENIX_FLAX_TEST_QUICK_FLAGS"
 _RANK_PROMOTION_ENV = "JAX_NUMPY_RANK_PROMOTION"
+_DTYPE_PROMOTION_ENV = "JAX_NUMPY_DTYPE_PROMOTION"
 
 
 def _xla_starts_with(flags: Sequence[str]) -> bool:
@@ -332,10 +335,13 @@ def pytest_configure(config):
                             "set XLA_FLAGS")
   config.phoenix_flax_saved_env = {name: os.environ.get(name) for name in
                                    ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR",
-                                    _KNOWN_QUICK_ENV, *_CACHE_ENV, _RANK_PROMOTION_ENV)}
+                                    _KNOWN_QUICK_ENV, *_CACHE_ENV, _RANK_PROMOTION_ENV,
+                                    _DTYPE_PROMOTION_ENV)}
   os.environ["XLA_FLAGS"] = quick_xla_flags()
   os.environ[_RANK_PROMOTION_ENV] = "raise"   # (the workers' and subprocesses' jax)
   jax.config.update("jax_numpy_rank_promotion", "raise")   # (this process's, imported)
+  os.environ[_DTYPE_PROMOTION_ENV] = "strict"
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
   if "JAX_COMPILATION_CACHE_DIR" in os.environ:
     return
   path = tempfile.mkdtemp(prefix="phoenix_flax_test_jax_cache_")

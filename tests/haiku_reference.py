@@ -86,7 +86,8 @@ def rope(x, positions):
   inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   phase = jnp.einsum("bt,f->btf", positions.astype(jnp.float32), inv_freq)
   phase = jnp.concatenate([phase, phase], axis=-1)[:, :, None, :]
-  return (x * jnp.cos(phase) + rotate_half(x) * jnp.sin(phase)).astype(x.dtype)
+  xf = x.astype(jnp.float32)   # (the release multiplies a bfloat16 x by float32 phases)
+  return (xf * jnp.cos(phase) + rotate_half(xf) * jnp.sin(phase)).astype(x.dtype)
 
 
 class MultiHeadAttention(hk.Module):
@@ -183,7 +184,8 @@ def _surface_embedding(ids, table):
 
 def _action_embedding(actions, projection):
   a = actions.astype(jnp.float32)
-  return ((2.0 * a - 1.0) @ projection) * jnp.any(actions != 0, axis=-1, keepdims=True)
+  has_any = jnp.any(actions != 0, axis=-1, keepdims=True).astype(jnp.float32)
+  return ((2.0 * a - 1.0) @ projection) * has_any
 
 
 class _UserHistoryTokens(hk.Module):

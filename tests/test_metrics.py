@@ -504,6 +504,19 @@ def test_rank_spans_count_what_comparing_every_pair_counts():
     np.testing.assert_array_equal(np.asarray(tied)[m], want_tied[m], err_msg=str(trial))
 
 
+def test_per_count_divides_as_standard_promotion_does():
+  """`per_count(total, count)`: total / max(count, 1), the integer count converted to the
+  total's dtype first, so the quotient is the standard promotion's, bit for bit, and the
+  session's strict promotion accepts it."""
+  total = jnp.asarray([3.0, 1.0, 2.5, 1e-3], jnp.float32)
+  count = jnp.asarray([2, 0, 7, 3], jnp.int32)
+  with jax.numpy_dtype_promotion("standard"):
+    want = total / jnp.maximum(count, 1)
+  got = metrics.per_count(total, count)
+  assert got.dtype == want.dtype == jnp.float32
+  np.testing.assert_array_equal(got, want)
+
+
 def test_metrics_are_float32_and_the_same_with_x64_on():
   """Integer counts mixed with Python floats make the default float type: with
   `jax_enable_x64` on, AUCs, NDCG, recall and corpus hits came out float64 (and rounded

@@ -49,10 +49,11 @@ def test_star_import_gives_the_stable_names_of_the_design():
     assert callable(getattr(namespace["haiku_compat"], fn))
 
 
-def test_the_session_broadcasts_strictly():
+def test_the_session_broadcasts_and_promotes_strictly():
   """conftest.py runs every test, in this process, its xdist workers and its subprocesses,
-  under `jax_numpy_rank_promotion="raise"`: the package must broadcast arrays of
-  different ranks explicitly, so that projects with that setting can use it."""
+  under `jax_numpy_rank_promotion="raise"` and `jax_numpy_dtype_promotion="strict"`: the
+  package must broadcast arrays of different ranks and convert between dtypes explicitly,
+  so that projects with those settings can use it."""
   import jax
   import jax.numpy as jnp
 
@@ -61,3 +62,7 @@ def test_the_session_broadcasts_strictly():
   assert subprocess_env()["JAX_NUMPY_RANK_PROMOTION"] == "raise"
   with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
     jnp.ones(3) * jnp.ones((2, 3))
+  assert jax.config.jax_numpy_dtype_promotion == "strict"
+  assert subprocess_env()["JAX_NUMPY_DTYPE_PROMOTION"] == "strict"
+  with pytest.raises(jax.dtypes.TypePromotionError):
+    jnp.ones(3, jnp.int32) * 0.5

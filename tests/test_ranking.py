@@ -250,7 +250,8 @@ def _direct_diagnostics(model, batch, emb):
     max_logits.append(jnp.max(jnp.where(counted, jnp.abs(raw), 0.0)))
     h = lyr(h, lambda a, y: a(y, allowed.astype(h.dtype), pos))[0]
     valid = mask.astype(bool)[..., None]   # the RMS counts non-padded tokens only
-    rms.append(jnp.sqrt(jnp.sum(jnp.where(valid, h * h, 0.0)) / (jnp.sum(valid) * h.shape[-1])))
+    count = (jnp.sum(valid) * h.shape[-1]).astype(jnp.float32)
+    rms.append(jnp.sqrt(jnp.sum(jnp.where(valid, h * h, 0.0)) / count))
   return jnp.stack(max_logits), jnp.stack(rms)
 
 
@@ -355,7 +356,8 @@ def test_wrong_dtype_names_the_field():
   cfg = ranking_config()
   model, (batch, emb) = model_for(cfg), padded_batch(cfg)
   with pytest.raises(AssertionError, match="candidate_post_hashes"):
-    model(batch._replace(candidate_post_hashes=batch.candidate_post_hashes * 1.0), emb)
+    model(batch._replace(candidate_post_hashes=batch.candidate_post_hashes.astype(jnp.float32)),
+          emb)
   with pytest.raises(AssertionError, match="user_embeddings"):
     model(batch, emb._replace(user_embeddings=emb.user_embeddings.astype(jnp.int32)))
 
@@ -394,8 +396,9 @@ def test_every_model_entry_point_names_a_bad_field(entry):
   with pytest.raises(AssertionError, match="post_embeddings"):
     call(batch, bad)
   with pytest.raises(AssertionError, match="hashes must hold integers"):
-    call(batch._replace(candidate_post_hashes=batch.candidate_post_hashes * 1.0,
-                        history_post_hashes=batch.history_post_hashes * 1.0), emb)
+    call(batch._replace(candidate_post_hashes=batch.candidate_post_hashes.astype(jnp.float32),
+                        history_post_hashes=batch.history_post_hashes.astype(jnp.float32)),
+         emb)
   if entry == "score_candidates":   # a batch of other users than the cache's
     one = jax.tree.map(lambda x: x[:1], (batch, emb))
     with pytest.raises(AssertionError, match="candidate_post_hashes"):

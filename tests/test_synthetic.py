@@ -218,7 +218,8 @@ def test_default_world_bayes_auc_is_informative():
 def _probs_from_history(w, sb, history_ids):
   interest = user_interest(w, sb.user_ids, history_ids, sb.history_len)
   b = sb.batch
-  age_h = (b.impression_timestamps[:, None] - b.candidate_post_timestamps) / 3600.0
+  age_s = b.impression_timestamps[:, None] - b.candidate_post_timestamps
+  age_h = age_s.astype(jnp.float32) / 3600.0
   logits = true_logits(w, interest[:, None, :], sb.candidate_post_ids, b.candidate_product_surface,
                        age_h, w.user_bias_U[sb.user_ids][:, None])
   return jax.nn.sigmoid(logits)

@@ -24,7 +24,7 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    first_positive, in_batch_softmax_loss, make_optimizer,
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint, metrics, provenance, runner, schema
-from phoenix_flax.training.loss import binary_cross_entropy
+from phoenix_flax.training.loss import binary_cross_entropy, is_positive
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         popularity_keys, popularity_scores, unstack)
 from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, metric_names,
@@ -109,6 +109,20 @@ def test_losses_refuse_shapes_that_would_broadcast():
     in_batch_softmax_loss(scores, jnp.ones(1, bool), 0.05)
   with pytest.raises(AssertionError, match="scores"):   # one row per user, one column per positive
     in_batch_softmax_loss(jnp.ones((4, 3)), jnp.ones(4, bool), 0.05)
+
+
+def test_is_positive_takes_labels_of_every_dtype_above_one_half():
+  """Booleans as they are, integers from 1 up, floats (soft labels) strictly above one
+  half: what comparing with 0.5 under JAX's standard promotion decides, without the
+  integer-to-float conversion that the session's strict promotion refuses."""
+  for labels in (jnp.array([True, False]), jnp.array([-1, 0, 1, 2], jnp.int32),
+                 np.array([0, 1, 3], np.uint8), jnp.array([0.0, 0.5, 0.500001, 1.0]),
+                 jnp.array([0.25, 0.5, 0.75], jnp.bfloat16)):
+    with jax.numpy_dtype_promotion("standard"):
+      want = jnp.asarray(labels) > 0.5
+    got = is_positive(labels)
+    assert got.dtype == bool, labels
+    np.testing.assert_array_equal(got, want, err_msg=str(labels))
 
 
 def test_ranking_loss_is_weighted_masked_bce():
@@ -569,7 +583,7 @@ def test_score_consistency_is_zero_with_isolation_only():
     out, _, total, count = eqx.filter_jit(forward_with_new_companions)(
         system, sb.batch, sb.candidate_mask)
     assert out.logits.shape == (6, 4, 19)
-    moved[isolation] = float(total / count)
+    moved[isolation] = float(total) / float(count)
   assert moved[True] == 0.0
   assert moved[False] > 1e-4
   # Padded slots (hash 0, here the last) count for nothing: neither their own logit
