@@ -496,6 +496,21 @@ def test_the_evaluations_references_are_computed_once_per_trainer():
   np.testing.assert_array_equal(first["eval/bayes_recall@10"], second["eval/bayes_recall@10"])
 
 
+def test_training_and_evaluation_run_under_debug_nans():
+  """A user chasing a NaN of their own switches `jax_debug_nans` on: the training chunks
+  make no NaN, and the evaluation, whose undefined metrics are NaN by design (the smoke
+  preset's actions without a positive), runs with the check off instead of raising."""
+  spec = parse_config(smoke_config())
+  trainer = Trainer(spec)
+  with jax.debug_nans(True):
+    state, stats = trainer.train_chunk(trainer.init([0]))
+    out = jax.device_get(trainer.evaluate(state))
+    assert jax.config.jax_debug_nans
+  assert np.isfinite(stats["loss"]).all()
+  undefined = [k for k, v in out.items() if np.isnan(v).any()]
+  assert "eval/auc/report_score" in undefined, undefined
+
+
 def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
   """`eval/popularity_recall@K`: the recall of one list for every user, the corpus ranked
   by how many positives each post has in `train.eval_batches` training-split batches

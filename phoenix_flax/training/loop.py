@@ -618,8 +618,13 @@ class Trainer:
   def evaluate(self, state: TrainState) -> dict[str, Array]:
     """Metrics of every eval split (`"<split>/<metric>"`), each `[seeds]`, on the fixed
     evaluation batches (the same for every seed). Seeds are evaluated in turn: each one's
-    metrics equal those of its parameters evaluated alone, bit for bit."""
-    return self._eval(self.world, self.references(), state.params)
+    metrics equal those of its parameters evaluated alone, bit for bit.
+
+    It runs with `jax_debug_nans` off: a metric that is undefined (an action without a
+    positive, a diverged seed's recall) is NaN by design, and would otherwise raise where
+    a user debugging their own NaNs switched the check on; training steps keep it."""
+    with jax.debug_nans(False):
+      return self._eval(self.world, self.references(), state.params)
 
 
 def unstack(tree: Any, index: int) -> Any:
