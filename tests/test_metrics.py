@@ -504,6 +504,23 @@ def test_rank_spans_count_what_comparing_every_pair_counts():
     np.testing.assert_array_equal(np.asarray(tied)[m], want_tied[m], err_msg=str(trial))
 
 
+def test_metrics_called_eagerly_under_debug_nans_return_their_nans():
+  """Undefined metrics are NaN by design (here: action 1 has no positive). Under
+  `jax_debug_nans` an eager call raised at the first NaN constant, defined or not; each
+  public function runs with the check off, so a user chasing a NaN of their own with
+  `JAX_DEBUG_NANS=1` gets through evaluation (experiments/own_data.py's calls metrics so)."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)
+  labels = jnp.asarray(np.stack([rng.random((3, 4)) < 0.5, np.zeros((3, 4), bool)], -1))
+  mask = jnp.ones((3, 4), bool)
+  with jax.debug_nans(True):
+    out = metrics.ranking_metrics(logits, labels, None, mask, k=2, action_names=("a", "b"))
+    auc, valid = metrics.roc_auc(logits[..., 1].reshape(-1), labels[..., 1].reshape(-1),
+                                 mask.reshape(-1))
+    assert jax.config.jax_debug_nans
+  assert np.isnan(out["auc/b"]) and np.isfinite(out["auc/a"]) and not valid and np.isnan(auc)
+
+
 def test_per_count_divides_as_standard_promotion_does():
   """`per_count(total, count)`: total / max(count, 1), the integer count converted to the
   total's dtype first, so the quotient is the standard promotion's, bit for bit, and the

@@ -4,11 +4,18 @@ candidate lists takes a mask (`corpus_hits` takes the positives, already masked)
 Shapes: B lists, C candidates per list, A actions; `mask [B, C]` marks valid candidates.
 Tied scores never favour a slot or an id: the rank metrics count the expectation over a
 uniformly random order of the tied entries.
+
+A metric that is undefined (no positive, a NaN score) is NaN by design, so each public
+function runs with `jax_debug_nans` off: called eagerly under `JAX_DEBUG_NANS=1` it would
+otherwise raise at its first NaN constant. A jitted function of your own that returns
+such a NaN still trips the check when it returns; call it under
+`jax.debug_nans(False)`, as `Trainer.evaluate` does.
 """
 
 from __future__ import annotations
 
 import collections.abc
+import functools
 import numbers
 from typing import Optional, Sequence, Union
 
@@ -19,6 +26,15 @@ from jaxtyping import Array
 
 from phoenix_flax.inference import ACTIONS, PRIMARY_ACTION
 from phoenix_flax.training.loss import binary_cross_entropy, is_positive
+
+
+def _nan_means_undefined(fn):
+  """`fn` run with `jax_debug_nans` off (the module docstring says why)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.debug_nans(False):
+      return fn(*args, **kwargs)
+  return wrapped
 
 
 def _undefined_if_nan(value: Array, scores: Array, mask: Array) -> Array:
@@ -35,6 +51,7 @@ def per_count(total: Array, count: Array) -> Array:
   return total / jnp.maximum(count, 1).astype(total.dtype)
 
 
+@_nan_means_undefined
 def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Array]:
   """Exact ROC-AUC (Mann-Whitney U, tied scores count 1/2) over the masked entries.
 
@@ -62,6 +79,7 @@ def roc_auc(scores_N: Array, labels_N: Array, mask_N: Array) -> tuple[Array, Arr
   return _undefined_if_nan(jnp.where(valid, auc, jnp.nan), scores_N, mask_N), valid
 
 
+@_nan_means_undefined
 def list_auc(scores_BC: Array, labels_BC: Array, mask_BC: Array) -> Array:
   """The mean of each list's own ROC-AUC (`roc_auc` within one user's candidates) over the
   lists that have a positive and a negative: how well a user's candidates are ordered
@@ -71,6 +89,7 @@ def list_auc(scores_BC: Array, labels_BC: Array, mask_BC: Array) -> Array:
   return _mean_valid(auc_B, valid_B)
 
 
+@_nan_means_undefined
 def per_action_auc(scores_BCA: Array, labels_BCA: Array, mask_BC: Array
                    ) -> tuple[Array, Array]:
   """ROC-AUC of each action over all valid candidates of the batch: `(auc [A], valid [A])`."""
@@ -87,6 +106,7 @@ def _masked_mean(x_BCA: Array, mask_BC: Array) -> Array:
   return jnp.where(n > 0, per_count(jnp.sum(jnp.where(m_BCA, x_BCA, 0.0)), n), jnp.nan)
 
 
+@_nan_means_undefined
 def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
   """Mean binary cross-entropy with logits over valid candidates and all actions; an
   infinite logit counts its limit (0 where the label agrees, +inf where it does not).
@@ -105,6 +125,7 @@ def log_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array) -> Array:
                    plain)
 
 
+@_nan_means_undefined
 def calibration_error(probs_BCA: Array, labels_BCA: Array, mask_BC: Array,
                       num_bins: int = 10) -> Array:
   """Expected calibration error: predictions of all actions pooled into `num_bins` equal
@@ -165,6 +186,7 @@ def _expected_in_top_k(scores_BC: Array, mask_BC: Array, k: int) -> tuple[Array,
           jnp.where(valid_BC, per_count(span_BC, tied_BC), 0.0))
 
 
+@_nan_means_undefined
 def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Array:
   """NDCG@k with linear gains and 1/log2(rank+1) discounts (rank counted from 1),
   averaged over the lists whose ideal DCG is positive (0 when there is none; scikit-learn's
@@ -184,6 +206,7 @@ def ndcg_at_k(scores_BC: Array, gains_BC: Array, mask_BC: Array, k: int) -> Arra
                            mask_BC)
 
 
+@_nan_means_undefined
 def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) -> Array:
   """Share of each list's relevant valid candidates ranked in its top k, averaged over
   the lists with at least one relevant candidate (0 when there is none). A tie across the
@@ -200,6 +223,7 @@ def recall_at_k(scores_BC: Array, relevant_BC: Array, mask_BC: Array, k: int) ->
                            mask_BC)
 
 
+@_nan_means_undefined
 def corpus_hits(scores_BN: Array, ids_BC: Array, positive_BC: Array, ks: Sequence[int]
                 ) -> tuple[Array, Array]:
   """Retrieval against a corpus of N items scored `scores_BN` for each list: for each k of
@@ -242,6 +266,7 @@ def _mean_valid(values_A: Array, valid_A: Array) -> Array:
   return jnp.where(jnp.any(valid_A), mean, jnp.nan)
 
 
+@_nan_means_undefined
 def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Array],
                     mask_BC: Array, k: Union[int, Sequence[int]] = 5,
                     action_names: Optional[Sequence[str]] = None) -> dict[str, Array]:
