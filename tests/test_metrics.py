@@ -508,7 +508,8 @@ def test_metrics_called_eagerly_under_debug_nans_return_their_nans():
   """Undefined metrics are NaN by design (here: action 1 has no positive). Under
   `jax_debug_nans` an eager call raised at the first NaN constant, defined or not; each
   public function runs with the check off, so a user chasing a NaN of their own with
-  `JAX_DEBUG_NANS=1` gets through evaluation (experiments/own_data.py's calls metrics so)."""
+  `JAX_DEBUG_NANS=1` gets through an evaluation that calls them eagerly, as
+  experiments/own_data.py does."""
   rng = np.random.default_rng(0)
   logits = jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32)
   labels = jnp.asarray(np.stack([rng.random((3, 4)) < 0.5, np.zeros((3, 4), bool)], -1))

@@ -532,6 +532,10 @@ def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
   np.testing.assert_array_equal(
       popularity_scores(trainer.world, spec.train_split, B, a, popularity_keys(spec.config)),
       counts)
+  with jax.enable_x64(True):   # (its post indices were int64 there, the drawn ids int32)
+    np.testing.assert_array_equal(
+        popularity_scores(trainer.world, spec.train_split, B, a, popularity_keys(spec.config)),
+        counts)
   for k in spec.config.retrieval.recall_k:
     kth = np.sort(counts)[::-1][k - 1]
     share = (k - np.sum(counts > kth)) / np.sum(counts == kth)

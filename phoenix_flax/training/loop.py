@@ -223,7 +223,7 @@ def popularity_scores(world: World, split: SplitConfig, batch_size: int, action:
   # Counted by sorting, not by a scatter-add, which on GPU adds in a varying order (see
   # `test_evaluation_programs_sum_nothing_by_scatter`).
   ids = jnp.sort(jax.lax.map(positives, keys).reshape(-1))
-  posts = jnp.arange(N)
+  posts = jnp.arange(N, dtype=ids.dtype)
   return (jnp.searchsorted(ids, posts, side="right")
           - jnp.searchsorted(ids, posts, side="left")).astype(jnp.float32)
 
