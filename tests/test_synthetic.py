@@ -280,6 +280,14 @@ def test_recency_decay_weighs_history_by_age(decay, expected):
   np.testing.assert_allclose(history_weights(jnp.array([3]), 5, decay)[0], expected)
 
 
+def test_history_weights_take_lengths_of_any_integer_dtype():
+  """uint8 lengths weigh a history of 400 slots as int32 lengths do (positions counted in
+  the lengths' own dtype wrapped past 255)."""
+  lengths = np.array([0, 3, 200])
+  np.testing.assert_array_equal(history_weights(lengths.astype(np.uint8), 400, 0.9),
+                                history_weights(jnp.asarray(lengths, jnp.int32), 400, 0.9))
+
+
 def test_split_history_lengths_shift_order_and_composition():
   w = world()
   train = sample(w, SplitConfig(max_history=4), 256, jax.random.PRNGKey(0))

@@ -154,8 +154,8 @@ def make_world(cfg: WorldConfig, key: PRNGKeyArray) -> World:
 
 def history_weights(history_len_X: Array, S: int, decay: float) -> Array:
   """`[..., S]` weights `decay**(n-1-s)` of the valid items s < n, 0 elsewhere."""
-  n = jnp.asarray(history_len_X)[..., None]
-  s = jax.lax.broadcast_to_rank(jnp.arange(S, dtype=n.dtype), n.ndim)
+  n = jnp.asarray(history_len_X).astype(jnp.int32)[..., None]   # (lengths <= S)
+  s = jax.lax.broadcast_to_rank(jnp.arange(S, dtype=jnp.int32), n.ndim)
   age = (n - 1 - s).astype(jnp.float32)
   return jnp.where(s < n, jnp.power(decay, jnp.maximum(age, 0.0)), 0.0)
 

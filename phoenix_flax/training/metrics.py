@@ -6,9 +6,9 @@ Tied scores never favour a slot or an id: the rank metrics count the expectation
 uniformly random order of the tied entries.
 
 A metric that is undefined (no positive, a NaN score) is NaN by design, so each public
-function runs with `jax_debug_nans` off: called eagerly under `JAX_DEBUG_NANS=1` it would
-otherwise raise at its first NaN constant. A jitted function of your own that returns
-such a NaN still trips the check when it returns; call it under
+function that returns metrics runs with `jax_debug_nans` off: called eagerly under
+`JAX_DEBUG_NANS=1` it would otherwise raise at its first NaN constant. A jitted function
+of your own that returns such a NaN still trips the check when it returns; call it under
 `jax.debug_nans(False)`, as `Trainer.evaluate` does.
 """
 
