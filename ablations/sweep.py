@@ -306,8 +306,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     return path, None
   try:
     value = ast.literal_eval(raw)
-  except (ValueError, SyntaxError):
-    value = raw
+  except (ValueError, SyntaxError, RecursionError, MemoryError):   # (the last two: nested
+    value = raw                                                     # too deep to parse)
   return path, value
 
 

@@ -113,8 +113,9 @@ flags.DEFINE_integer("chunk_size", None, "Chunk size of the chunked case (defaul
 flags.DEFINE_integer("dense_iters", 3, "Timed calls of the chunked case's dense reference "
                      "(all candidates in one call; tens of seconds each at 10,000), after an "
                      "untimed first call; outside the timing rounds.", lower_bound=1)
-flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator).",
-                     lower_bound=1)
+flags.DEFINE_integer("matmul_size", 2048, "Side of the square fp32 matmul (MFU denominator; "
+                     "at most 16384, whose three matrices take 3 GiB).", lower_bound=1,
+                     upper_bound=16384)
 flags.DEFINE_bool("compile_check", True, "Compare compile times of a deep and a shallow model.")
 flags.DEFINE_list("compile_layers", ["2", "12"], "Shallow and deep layer counts to compile.")
 flags.DEFINE_integer("seed", 0, "Seed of parameters and inputs.")

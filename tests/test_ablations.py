@@ -121,6 +121,8 @@ def test_overrides():
         "model.right_anchored_rope", value)            # as experiments.run reads them
   with pytest.raises(ValueError, match="path.to.field=value"):
     sweep.parse_override("num_layers")
+  deep = "-" * 5000 + "1"   # too deep for ast.literal_eval: a string, refused by its field
+  assert sweep.parse_override(f"model.num_layers={deep}") == ("model.num_layers", deep)
   base = sweep.preset_config("smoke")
   cfg = sweep.apply_overrides(base, {"model.num_layers": 3, "model.attn_logit_cap": None})
   assert cfg.model.num_layers == 3 and cfg.model.attn_logit_cap is None

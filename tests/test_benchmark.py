@@ -291,6 +291,8 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
   cases = [(["--iters=0"], "flag --iters=0: 0 is not a positive integer"),
            (["--warmup=-1"], "flag --warmup=-1"),
            (["--chunk_size=0"], "flag --chunk_size=0"),
+           (["--matmul_size=100000"], "flag --matmul_size=100000: 100000 is not an integer "
+            "in the range [1, 16384]"),
            (["--train_seeds=abc"], "--train_seeds=abc: give integers"),
            (["--compile_layers=2,x"], "--compile_layers=2,x: give integers"),
            (["--configs=foo"], "unknown configs ['foo']"),
