@@ -53,8 +53,10 @@ def test_rms_norm_formula():
   x = rng.standard_normal((2, 3, 16)).astype(np.float32) * 3
   scale = rng.standard_normal(16).astype(np.float32)
   norm = eqx.tree_at(lambda n: n.scale, RMSNorm(16), jnp.asarray(scale))
-  expected = scale * x / np.sqrt(np.mean(x ** 2, axis=-1, keepdims=True) + 1e-5)
-  np.testing.assert_allclose(call(norm, jnp.asarray(x)), expected, rtol=1e-5, atol=1e-6)
+  for size in (1.0, 1e-3):   # small inputs, whose mean square is near the epsilon, test it
+    x_ = x * np.float32(size)
+    expected = scale * x_ / np.sqrt(np.mean(x_ ** 2, axis=-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(call(norm, jnp.asarray(x_)), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_rms_norm_computes_in_float32_and_keeps_dtype():

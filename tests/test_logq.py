@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +47,9 @@ def test_the_correction_subtracts_each_columns_log_frequency():
   got = in_batch_softmax_loss(scores, valid, t, ids, log_q)
   assert np.isfinite(float(got))
   np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
+  # Nor does it reach the gradient: the same as with a finite value in its place.
+  grad = lambda q: jax.grad(in_batch_softmax_loss)(jnp.asarray(scores), valid, t, ids, q)
+  np.testing.assert_array_equal(grad(log_q), grad(np.where(valid, log_q, 7.0)))
   # Only the differences between columns matter: a constant log q changes nothing.
   plain = in_batch_softmax_loss(scores, valid, t, ids)
   np.testing.assert_allclose(in_batch_softmax_loss(scores, valid, t, ids, np.full(5, -3.0)),

@@ -136,16 +136,14 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   logits_BB = jnp.asarray(scores_BB, jnp.float32) / temperature
   if log_q_B is not None:
     chex.assert_shape(log_q_B, (B,), custom_message="in_batch_softmax_loss: log_q")
-    # An invalid user's value (the log of a zero count: -inf) must not reach the
-    # diagonal of its own row, whose loss is then NaN * 0 = NaN.
-    log_q_B = jnp.where(valid_B, jnp.asarray(log_q_B, jnp.float32), 0.0)
-    logits_BB = logits_BB - log_q_B[None, :]
+    logits_BB = logits_BB - jnp.asarray(log_q_B, jnp.float32)[None, :]
   eye_BB = jnp.eye(B, dtype=bool)
   keep_BB = valid_B[None, :] & ~eye_BB
   if positive_ids_B is not None:
     keep_BB &= positive_ids_B[None, :] != positive_ids_B[:, None]
   # An invalid user's row is replaced before the softmax and its loss selected away, not
-  # weighted by 0: a non-finite score there would otherwise make the loss and the
+  # weighted by 0, and so is its column in every other row: a non-finite score there, or
+  # its log q (the log of a zero count is -inf), would otherwise make the loss and the
   # gradient of every score NaN (0 * NaN).
   logits_BB = jnp.where((keep_BB | eye_BB) & valid_B[:, None], logits_BB,
                         jnp.where(valid_B[:, None], -jnp.inf, 0.0))
