@@ -760,6 +760,22 @@ def test_chunk_size_larger_than_the_list_scores_no_excess_padding(ranker):
   assert ranker.trace_counts["score_candidates"] == before
 
 
+def test_chunked_scoring_scores_each_chunk_once_and_no_chunk_of_padding_only(ranker,
+                                                                             monkeypatch):
+  """ceil(C / chunk) scoring calls at offsets 0, chunk, ...: a list that fills its last
+  chunk exactly gets no chunk of padding after it (its work would double at C = chunk)."""
+  offsets = []
+  score = ranker._score
+  monkeypatch.setattr(ranker, "_score", lambda *a: (offsets.append(int(a[-1])), score(*a))[1])
+  for C, chunk_size in ((8, 4), (8, 8), (12, 4), (5, 4), (5, 8), (16, 64)):
+    batch, emb = _batch(batch_size=2, num_candidates=C)
+    offsets.clear()
+    got = ranker.rank_chunked(batch, emb, chunk_size)
+    chunk = min(chunk_size, 1 << (C - 1).bit_length())   # chunk_size_for
+    assert offsets == list(range(0, C, chunk)), (C, chunk_size, offsets)
+    np.testing.assert_allclose(got.scores, ranker.rank(batch, emb).scores, atol=1e-5, rtol=0)
+
+
 def test_score_candidates_rejects_a_cache_of_other_users_or_another_dtype(ranker):
   """Same shapes used to score silently against the wrong context."""
   batch, emb = _batch(batch_size=2, history_lengths=[3, 8])

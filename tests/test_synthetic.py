@@ -429,6 +429,15 @@ def test_ids_and_hashes_beyond_a_float32_uniform_reach_every_integer():
   hashes = np.asarray(make_world(cfg, jax.random.PRNGKey(0)).post_hashes_PK)
   assert hashes.min() >= 1 and hashes.max() < 2 ** 26
   assert len(np.unique((hashes - 1) % 8)) == 8   # every residue: no grid of step 8
+  # Each entity's table from a key of its own: one key would give post w and author w
+  # (and user w) the same hashes.
+  big = 2 ** 24 + 1
+  w = make_world(dataclasses.replace(cfg, user_buckets=big, post_buckets=big,
+                                     author_buckets=big), jax.random.PRNGKey(0))
+  tables = [np.asarray(t)[:8] for t in (w.user_hashes_UK, w.post_hashes_PK,
+                                        w.author_hashes_WK)]
+  for i, j in ((0, 1), (0, 2), (1, 2)):
+    assert np.mean(tables[i] == tables[j]) < 0.1, (i, j)
   u, key = jax.random.uniform(jax.random.PRNGKey(1), (60_000,)), jax.random.PRNGKey(2)
   n = 3 * UNIFORM_VALUES
   ids = np.asarray(jax.jit(_randint, static_argnums=(1, 2))(u, 0, n, key))

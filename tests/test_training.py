@@ -515,8 +515,11 @@ def test_popularity_recall_ranks_the_corpus_by_the_training_splits_positives():
   """`eval/popularity_recall@K`: the recall of one list for every user, the corpus ranked
   by how many positives each post has in `train.eval_batches` training-split batches
   (`popularity_keys`); posts tied with the K-th share its places. It depends on no
-  parameter, so every seed reads the same."""
-  spec = parse_config(retrieval_configs.get_config("smoke"))
+  parameter, so every seed reads the same. (Training lists of random posts only here, so
+  that ranking by the evaluation split's positives would read otherwise.)"""
+  config = retrieval_configs.get_config("smoke")
+  config.train_split.relevant_fraction = 0.0
+  spec = parse_config(config)
   keys = lambda fn: {tuple(k) for k in np.asarray(fn(spec.config)).tolist()}
   assert not keys(popularity_keys) & keys(eval_keys)   # counted on other lists
   trainer = Trainer(spec)
@@ -1422,6 +1425,23 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   final = _result(tmp_path / "retrieval")["final"]
   assert final["recall@10"] is None and final["auc"] is None and final["loss"] is None
   assert final["bayes_recall@10"] > 0
+
+
+def test_one_diverged_seed_leaves_the_others_training(tmp_path, monkeypatch):
+  """Seeds trained together stop only when every one has diverged: a seed diverged from
+  the start (as a restored one can be) leaves the other to train all its steps."""
+  init = Trainer.init
+  def first_seed_diverged(self, seeds):
+    state = init(self, seeds)
+    return eqx.tree_at(lambda s: (s.diverged, s.diverged_step), state,
+                       (jnp.array([True, False]), jnp.array([1, -1], jnp.int32)))
+  monkeypatch.setattr(Trainer, "init", first_seed_diverged)
+  config = smoke_config(num_steps=20, steps_per_call=10, eval_every=0, checkpoint_every=0)
+  config.num_seeds = 2
+  results = runner.run_experiment(config, str(tmp_path))
+  assert (results[0]["diverged"], results[0]["diverged_at_step"]) == (True, 1)
+  assert (results[1]["diverged"], results[1]["steps"]) == (False, 20)
+  assert results[1]["final"]["train/loss"] is not None
 
 
 def test_every_training_statistic_is_logged():
