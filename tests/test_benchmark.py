@@ -308,6 +308,7 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
            (["--train_presets=", "--train_rounds=1"], "--train_rounds would change nothing"),
            (["--train_presets=", "--train_chunks=1"], "--train_chunks would change nothing"),
            ([f"--out={tmp_path}"], "is a directory; name a file"),
+           ([f"--out={tmp_path}/new_folder/"], "names no file"),   # (a folder not there yet)
            ([f"--out={a_file}/b.json"], f"{a_file} is not a directory"),
            (["positional"], "unexpected arguments ['positional']")]
   results = run_forked("experiments.benchmark", [args for args, _ in cases],

@@ -518,7 +518,8 @@ def test_placement_needs_batches_and_sharded_tables_that_divide_the_devices():
   ok.world.update(user_buckets=256, post_buckets=512, author_buckets=64)
   runner._validate_placement(parse_config(ok), eight)
   for section, field, value in (("train", "batch_size", 12), ("train", "eval_batch_size", 12),
-                                ("world", "post_buckets", 1001)):
+                                ("world", "user_buckets", 250), ("world", "post_buckets", 1001),
+                                ("world", "author_buckets", 65)):
     bad = ranking_configs.get_config("smoke")
     bad.train.update(batch_size=16, eval_batch_size=16)
     bad.world.update(user_buckets=256, post_buckets=512, author_buckets=64)

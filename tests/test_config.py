@@ -43,6 +43,12 @@ def test_defaults_are_the_release_forward_pass_except_dtype_and_init():
   assert cfg.fprop_dtype == "float32"               # the release runs bfloat16
   assert cfg.hash_config == pf.HashConfig(2, 2, 2)
   assert cfg.candidate_start_offset == 1 + cfg.history_seq_len
+  # Defaults the tree does not carry (docs/models.md): the release's TransformerConfig
+  # multiplies the logits by 1.0 unless its config sets a value, and its NormConfig
+  # clips continuous values at 30 on a linear scale.
+  bare = dict(emb_size=32, key_size=8, num_q_heads=4, num_kv_heads=2, num_layers=1)
+  assert pf.TransformerConfig(**bare).attn_output_multiplier == 1.0
+  assert (pf.NormConfig().norm_scale, pf.NormConfig().use_log) == (30.0, False)
 
 
 def test_optional_batch_fields_follow_the_feature_switches():
@@ -102,6 +108,8 @@ BAD_CONFIGS = [
     ("num_continuous_actions", lambda: ranking_config(num_continuous_actions=-1)),
     ("hash_config", lambda: ranking_config(hash_config=(2, 2, 2))),
     ("num_user_hashes", lambda: pf.HashConfig(num_user_hashes=0)),
+    ("num_item_hashes", lambda: pf.HashConfig(num_item_hashes=0)),
+    ("num_author_hashes", lambda: pf.HashConfig(num_author_hashes=0)),
     ("norm_scale", lambda: pf.NormConfig(norm_scale=0.0)),
     ("use_log", lambda: pf.NormConfig(use_log="yes")),
     ("candidate_isolation", lambda: ranking_config(candidate_isolation="False")),

@@ -90,6 +90,9 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   two = provenance.code_version(str(checkout))
   assert one.startswith(clean + "+changes.") and two.startswith(clean + "+changes.")
   assert one != two
+  # Its name counts too: the same text under another name is another module.
+  script.rename(checkout / "ablations" / "my_other_idea.py")
+  assert provenance.code_version(str(checkout)) not in (two, clean)
 
 
 def test_outside_a_checkout_there_is_no_version(checkout, tmp_path, monkeypatch):

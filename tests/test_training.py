@@ -844,12 +844,16 @@ OUT_OF_RANGE = [
     *[("ranking", {"mesh.distributed": True, "mesh.coordinator_address": address},
        f"mesh.coordinator_address='{address}' is invalid: use 'host:port' \\(a port in "
        "1..65535\\)")   # 'localhost:abc' crashed the process in gRPC, not a refusal
-      for address in ("localhost:abc", "localhost:", "localhost:99999", ":1234")],
+      for address in ("localhost:abc", "localhost:", "localhost:99999", ":1234",
+                      "10.0.0.1:0", "10.0.0.1:65536")],
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": 0},   # 0 == False let it through
      r"output.seed_subdirs=0 is invalid: must be None \(auto\), True or False"),
     ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
+    *[("ranking", {f"extra_eval_splits.{name}": split_config()},   # (metric names' parts)
+       f"extra_eval_splits='{name}' is invalid: split names are identifiers")
+      for name in ("9x", "long/lists", "long lists")],
     ("ranking", {"task": "ranker"}, "config.task='ranker' is invalid"),
     ("ranking", {"optim.b2": 1.0}, r"optim.b2=1.0 is invalid: must be in \[0, 1\)"),
     ("ranking", {"optim.eps": 0.0}, "optim.eps=0.0 is invalid: must be >= 1e-30"),
@@ -864,6 +868,8 @@ OUT_OF_RANGE = [
     ("retrieval", {"retrieval.temperature": 0.0}, "retrieval.temperature=0.0 is invalid"),
     ("retrieval", {"retrieval.logq_correction": True, "retrieval.logq_decay": 1.0},
      r"retrieval.logq_decay=1.0 is invalid: must be in \(0, 1\)"),
+    ("retrieval", {"retrieval.logq_correction": True, "retrieval.logq_decay": 0.0},
+     r"retrieval.logq_decay=0.0 is invalid: must be in \(0, 1\)"),
     ("retrieval", {"retrieval.logq_decay": 0.99},
      "retrieval.logq_decay=0.99 is invalid: only runs with retrieval.logq_correction=True"),
     ("ranking", {"retrieval.logq_correction": True},
