@@ -555,7 +555,8 @@ def test_sweep_results_stats_and_report(tmp_path):
   runner = fake_runner(diverge={("c_hi", 1)})
   ab = toy_ablation(conditions=lr_conditions)
   sw = sweep.Sweep(ab, "smoke", str(tmp_path), seeds=4, runner=runner,
-                   overrides={"train.num_steps": 20}, command="python -m toy")
+                   overrides={"train.num_steps": 20, "train.eval_batches": 2},
+                   command="python -m toy")
   results = sw.run()
   assert len(runner.calls) == 6
   on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -602,6 +603,13 @@ def test_sweep_results_stats_and_report(tmp_path):
     assert row["delta"] == pytest.approx(d.mean())
     assert row["p_value"] == pytest.approx(2 * stats.t_cdf(-abs(t), d.size - 1))
     assert row["test"] == "paired t of seed means"
+  # An arm run at one condition only (`--variants=c_hi`) pools that one: "the mean over 1".
+  subset = {k: v for k, v in on_disk["variants"].items() if k != "c_lo"}
+  row = next(r for r in analysis.compare(subset, on_disk["conditions"], "a",
+                                         ["auc_mean"])["pooled_comparisons"]
+             if r["variant"] == "c")
+  d = np.array([values("c_hi")[s] - values("a_hi")[s] for s in (0, 2, 3)])
+  assert row["conditions"] == 1 and row["delta"] == pytest.approx(d.mean())
   # Holm families: one per metric among the per-condition rows, one among the pooled rows.
   for rows in (on_disk["comparisons"], on_disk["pooled_comparisons"]):
     for metric in {r["metric"] for r in rows}:
@@ -643,9 +651,9 @@ def test_sweep_results_stats_and_report(tmp_path):
   design = text.split("## Design\n\n")[1].split("## How to read this")[0]
   assert design.startswith("More text.\n\nTraining: 20 steps of ")
   t = on_disk["training"]
-  batches = f"{t['eval_batches']} batch{'es' if t['eval_batches'] > 1 else ''}"
-  assert (f"Evaluation: {t['eval_batches'] * t['eval_batch_size']} lists per split "
-          f"({batches} of {t['eval_batch_size']}), drawn from `eval_seed` "
+  assert (t["eval_batches"], t["eval_lists"]) == (2, 2 * t["eval_batch_size"])
+  assert (f"Evaluation: {2 * t['eval_batch_size']} lists per split "
+          f"(2 batches of {t['eval_batch_size']}), drawn from `eval_seed` "
           f"{t['eval_seed']}") in design
   assert "(pooled: per seed, the mean over 2 conditions), `auc_mean`" in text
   assert "4 seeds)." in text
@@ -714,6 +722,7 @@ def test_verdict_uses_the_holm_adjusted_p():
   assert report.verdict({**row, "p_holm": 0.04, "delta": -0.01}, "higher") == \
       "significantly lower (worse)"
   assert report.verdict({**row, "p_holm": 0.04}, None) == "significantly higher"
+  assert report.verdict({**row, "p_holm": 0.05}, "higher") == "no significant difference"
   assert report.verdict({"p_value": None, "delta": None, "n": 1}, "higher") == \
       "not testable: 1 complete pair"
 
@@ -793,6 +802,7 @@ def test_a_printed_p_is_on_the_side_of_005_that_the_verdict_is():
   table stars a significant divergence comparison like any other."""
   assert [report.fmt_p(p) for p in (0.0496, 0.04996, 0.0504, 0.05, 0.214, 0.0009)] == \
       ["0.0496", "0.04996", "0.050", "0.050", "0.214", "<0.001"]
+  assert report.fmt_p(0.001) == "0.001"   # "<0.001" is for smaller p only
   row = {**stats.mcnemar_exact([0] * 7, [1] * 7), "variant": "b", "baseline": "a",
          "metric": "diverged"}
   row["p_holm"] = row["p_value"]
@@ -817,6 +827,7 @@ def test_mean_and_interval_show_the_same_decimals():
   assert report.fmt_pm(2.7e-6, 3.4e-6) == "2.70e-06 ± 3.4e-06"     # tiny: scientific
   assert report.fmt_pm(-1e-5, 0.0021) == "0.0000 ± 0.0021"        # no sign on a rounded 0
   assert report.fmt_pm(-0.3, 40.0) == "0 ± 40"
+  assert report.fmt_pm(1e5, 1.5) == "1.00e+05 ± 1.5"                 # from 1e5: as fmt
 
 
 def test_training_variants_log_each_evaluation(caplog, tmp_path, monkeypatch):
@@ -831,6 +842,14 @@ def test_training_variants_log_each_evaluation(caplog, tmp_path, monkeypatch):
   lines = [r.getMessage() for r in caplog.records]
   assert lines == ["  step 20/40 | train loss 0.4000 0.4500 | eval/auc_mean 0.6100 0.6200 | "
                    "eval/loss 0.3000 0.3100"]
+  caplog.clear()   # retrieval: the recall at its largest K (here listed first), and the oracle's
+  sweep._log_evaluation(Progress(20, 40, 5.0, 1.0, (0.4,), 0,
+                                 {"eval/recall@100": [0.5], "eval/bayes_recall@100": [0.7],
+                                  "eval/recall@10": [0.2], "eval/bayes_recall@10": [0.3],
+                                  "eval/auc": [0.8], "eval/loss": [2.0]}))
+  assert [r.getMessage() for r in caplog.records] == [
+      "  step 20/40 | train loss 0.4000 | eval/auc 0.8000 | eval/loss 2.0000 | "
+      "eval/recall@100 0.5000 | eval/bayes_recall@100 0.7000"]
   # ... and one when its seeds start, which says whether a killed sweep's run resumed.
   caplog.clear()
   sweep._log_start([0, 1], 0)
@@ -1682,6 +1701,7 @@ def test_exact_counts_are_printed_whole():
   assert report.fmt(22832) == "22832" and report.fmt(-2304, 3) == "-2304"
   assert report.fmt(12345.6) == "12346" and report.fmt(0.123456) == "0.1235"
   assert report.fmt(2.5e6) == "2.50e+06" and report.fmt(1.5e-4) == "1.50e-04"
+  assert report.fmt(99999) == "99999" and report.fmt(100000) == "1.00e+05"   # (the bound)
 
 
 def test_a_one_seed_subset_report_says_what_it_is(tmp_path):

@@ -1126,7 +1126,7 @@ def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path)
   live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
   try:
     names = [f".a.json.tmp.{live.pid}", ".b.json.tmp.0", f".c.json.tmp.{10 ** 30}",
-             f".d.json.tmp.{os.getpid()}", "e.json"]
+             f".d.json.tmp.{os.getpid()}", ".f.json.tmp.1", "e.json"]   # (1: init, running)
     for name in names:
       (tmp_path / name).write_text("partial")
     writers.remove_temporaries(str(tmp_path), keep_live_writers=True)

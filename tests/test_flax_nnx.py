@@ -444,6 +444,9 @@ def test_methods_and_fields_follow_the_parameters():
   model = flax_nnx.to_nnx(pf.PhoenixModel(config, key=jax.random.key(0)))
   batch, emb = pf.example_batch(config, 2, jax.random.key(1))
   assert {"config", "unembeddings", "forward", "params"} <= set(dir(model))  # completion
+  assert hasattr(pf.PhoenixModel, "_check_candidates")   # private: not forwarded
+  with pytest.raises(AttributeError, match="has no attribute '_check_candidates'"):
+    model._check_candidates
   kept = model.forward
   model.params.unembeddings[...] = jnp.zeros_like(model.params.unembeddings[...])
   assert bool(jnp.all(kept(batch, emb)[0].logits == 0))
