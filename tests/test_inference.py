@@ -76,6 +76,12 @@ def test_weighted_score_by_name_and_by_vector():
     weighted_score(probs, [1.0, 2.0, 3.0])
   with pytest.raises(ValueError, match="non-finite value: nan"):
     weighted_score(probs, {"favorite_score": float("nan")})
+  with pytest.raises(ValueError, match="non-finite value: -inf"):
+    weighted_score(probs, [0.0] * 18 + [float("-inf")])
+  # An action just past the ones probs hold (report_score is index 17 of 19).
+  with pytest.raises(ValueError, match=r"weights names 'report_score' \(index 17\), probs "
+                                       "hold only 17 actions"):
+    weighted_score(probs[..., :17], {"report_score": 1.0})
   # Integer probabilities must not turn the weights into integers.
   np.testing.assert_allclose(weighted_score(np.ones((2, 19), np.int32), {"favorite_score": 0.7}),
                              [0.7, 0.7], rtol=1e-6)
@@ -395,6 +401,9 @@ BAD_INPUTS = {
     "NaN embedding on the device": (
         _replace_emb("user_embeddings", lambda x: jnp.asarray(_set((0, 0, 0), np.nan)(x))),
         r"user_embeddings holds nan at index \(0, 0, 0\)"),
+    "inf embedding on the device": (
+        _replace_emb("user_embeddings", lambda x: jnp.asarray(_set((0, 0, 1), -np.inf)(x))),
+        r"user_embeddings holds -inf at index \(0, 0, 1\)"),
     "no users": (lambda b, e: jax.tree.map(lambda x: np.asarray(x)[:0], (b, e)),
                  r"batch.user_hashes holds no users \(B = 0\)"),
 }
