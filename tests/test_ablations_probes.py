@@ -14,9 +14,11 @@ import pytest
 
 from ablations import (candidate_isolation, gqa_ratio, probes, rope_anchoring,
                        sandwich_norm, sweep)
+from conftest import ranking_config
+import phoenix_flax as pf
 from phoenix_flax.synthetic import SplitConfig, WorldConfig, make_world
 from phoenix_flax.training import make_system, parse_config
-from phoenix_flax.types import RecsysBatch
+from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, RecsysBatch
 
 
 def context(module, arm, tmp_path):
@@ -302,3 +304,15 @@ def test_candidate_isolation_derived_shift_mean_and_consistency_metric(tmp_path)
   # score_consistency, one of its metrics, is measured only when the config asks for it.
   assert sweep.Sweep(candidate_isolation.ABLATION, "smoke", str(tmp_path)).base.train \
       .score_consistency is True
+
+
+def test_candidate_slice_cuts_every_candidate_field():
+  """Post timestamps too (post age on): an unsliced one would pair chunk k's candidates
+  with the first chunk's ages."""
+  config = ranking_config(candidates=8, post_age_granularity_mins=60)
+  batch, _ = pf.example_batch(config, 2, jax.random.key(0))
+  part = probes.candidate_slice(batch, 2, 6)
+  for field in CANDIDATE_BATCH_FIELDS:
+    np.testing.assert_array_equal(getattr(part, field), getattr(batch, field)[:, 2:6],
+                                  err_msg=field)
+  assert part.history_post_hashes is batch.history_post_hashes

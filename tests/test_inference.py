@@ -117,8 +117,9 @@ def test_example_batch_is_valid_and_deterministic():
   many, _ = _batch(RANKING, batch_size=64)
   lengths = (np.asarray(many.history_post_hashes[:, :, 0]) != 0).sum(axis=1)
   assert (lengths.min(), lengths.max()) == (4, 8)
-  with pytest.raises(ValueError, match="history_lengths"):
-    _batch(history_lengths=[1, 9])
+  for lengths in ([1, 9], [-1, 2]):
+    with pytest.raises(ValueError, match=rf"history_lengths=\{lengths} must lie in \[0, 8\]"):
+      _batch(history_lengths=lengths)
 
 
 def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):

@@ -65,6 +65,10 @@ def test_to_batch_lays_out_own_logs(logs, system):
 
 def test_validate_training_batch_names_what_jit_would_hide(logs, system):
   batch, labels, mask = own_data.held_out(logs, np.arange(4))
+  # The held-out impression is each user's last, the one training never draws.
+  last = own_data.to_batch(logs, np.arange(4), np.full(4, logs.list_len.shape[1] - 1))
+  for got, want in zip(jax.tree.leaves((batch, labels, mask)), jax.tree.leaves(last)):
+    np.testing.assert_array_equal(got, want)
   raw = batch._replace(user_hashes=np.asarray(logs.user_id[:4, None].repeat(2, 1),
                                               np.int32))
   with pytest.raises(ValueError, match=r"batch.user_hashes holds \d+ at index \(0, 0\); "

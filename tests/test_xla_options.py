@@ -46,6 +46,16 @@ def test_off_switches(clean_env):
   clean_env.setenv(xla_options.DISABLE_ENV, "1")
   clean_env.setenv("XLA_FLAGS", f"--{OPTION}=default --xla_cpu_use_xnnpack=true")
   assert xla_options.compiler_options("cpu") == {}     # the user's XLA_FLAGS setting stands
+  # The CPU options are the CPU compiler's, even where another backend would accept them.
+  clean_env.delenv(xla_options.DISABLE_ENV)
+  clean_env.setenv("XLA_FLAGS", "")
+  clean_env.setattr(xla_options, "_accepted", lambda options, backend: True)
+  xla_options._options_for.cache_clear()
+  try:
+    assert xla_options.compiler_options("gpu") == {}
+    assert xla_options.compiler_options("cpu") == xla_options.CPU_OPTIONS
+  finally:   # (no answer of the stand-in stays cached)
+    xla_options._options_for.cache_clear()
 
 
 def test_trainer_chunk_is_compiled_with_the_options(clean_env):
