@@ -440,6 +440,8 @@ def test_host_sampler_draws_fresh_uniforms_from_its_seed():
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
   with pytest.raises(ValueError, match="batch_size"):
     host_sampler.HostSampler(world, split, 0, seed=7)
+  with pytest.raises(TypeError, match="split must be a SplitConfig, got dict"):
+    host_sampler.HostSampler(world, dataclasses.asdict(split), 4, seed=7)
 
 
 def test_training_throughput_counts_every_seeds_examples(monkeypatch):

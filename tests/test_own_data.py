@@ -39,6 +39,11 @@ def test_to_batch_lays_out_own_logs(logs, system):
   valid_S = np.asarray(batch.history_post_hashes[..., 0]) != 0
   np.testing.assert_array_equal(valid_S.sum(axis=1), logs.history_len[rows])
   np.testing.assert_array_equal(valid_S, np.arange(own_data.HISTORY) < logs.history_len[rows, None])
+  # Padding carries nothing, though the logs hold actions and surfaces past each length.
+  assert logs.history_actions[rows][~valid_S].any()
+  for field in ("history_actions", "history_product_surface", "candidate_product_surface"):
+    values = np.asarray(getattr(batch, field))
+    assert not values[~(valid_S if field.startswith("history") else mask)].any(), field
   np.testing.assert_array_equal(np.asarray(batch.candidate_post_hashes[..., 0]) != 0, mask)
   np.testing.assert_array_equal(mask.sum(axis=1), logs.list_len[rows, impressions])
   assert not labels[~mask].any()
@@ -212,6 +217,7 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
     ("--workdir=", "--workdir is empty"),   # (a traceback from os.makedirs(''))
     ("--workdir= ", "--workdir is empty"),   # (a folder named " ")
     ("--seed=-1", "--seed=-1: use 0 to 2**32 - 1"),
+    ("--seed=4294967296", "--seed=4294967296: use 0 to 2**32 - 1"),
     ("--workdir=/proc/own_data", "workdir '/proc/own_data' cannot be written"),
     # an experiments.run run directory, whose checkpoints the example's save would replace
     ("--workdir={run}", "holds a training run (config.json, result.json)")])
