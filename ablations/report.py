@@ -569,12 +569,16 @@ def plot_curves(results: Mapping, workdir: str, keys: Sequence[str], path: str) 
 
 def plot_effects(results: Mapping, metrics: Sequence[str], path: str) -> bool:
   """Δ vs the baseline with 95% CI error bars (red: significant), one panel per metric,
-  every panel on the same rows (variants, then arms pooled over conditions)."""
+  every panel on the same rows (variants, then arms pooled over conditions). Where there
+  is nothing to draw (no comparison has a Δ), an earlier plot at `path` is removed: the
+  combined report links a sweep's effects.png wherever the file exists."""
   comps = results.get("comparisons", []) + [
       dict(c, variant=f"{c['variant']} (pooled)") for c in results.get("pooled_comparisons", [])]
   comps = [c for c in comps if c["metric"] in metrics and c["delta"] is not None]
   panels = [m for m in metrics if any(c["metric"] == m for c in comps)][:MAX_EFFECT_PANELS]
   if not panels:
+    if os.path.exists(path):
+      os.remove(path)
     return False
   labels = list(dict.fromkeys(c["variant"] for c in comps))
   row = {label: len(labels) - 1 - i for i, label in enumerate(labels)}

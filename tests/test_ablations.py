@@ -405,8 +405,11 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path,
   left = [folder / ".REPORT.md.tmp.999999", folder / "gqa_ratio" / ".results.json.tmp.999999"]
   for path in left:
     path.write_text("partial")
+  ran = re.search(r"^Command:\n\n    (.*)$", (folder / "REPORT.md").read_text(), re.M)
   rerender.rerender(str(folder), "python -m ablations.rerender x")
   assert not [path for path in left if path.exists()]
+  # The combined report keeps the command that ran the sweeps (rerender's is `rendered`).
+  assert ran and f"Command:\n\n    {ran.group(1)}\n" in (folder / "REPORT.md").read_text()
   fresh = json.loads(one.read_text())
   listed = json.loads((folder / "results.json").read_text())   # the sweeps run_all ran
   assert set(drawn) == set(listed)
@@ -549,6 +552,46 @@ def _write(folder, text: str):
   folder.mkdir()
   (folder / "results.json").write_text(text)
   return folder
+
+
+def test_rerender_drops_an_effects_plot_it_cannot_draw_again(tmp_path):
+  """A sweep whose results no longer hold a comparison (its baseline alone, as a
+  `--variants` run of the baseline into its folder leaves them): its effects.png is
+  removed, and neither its REPORT.md nor the combined report links it any more."""
+  import shutil
+  from ablations import rerender
+  top = tmp_path / "results"
+  shutil.copytree(os.path.join(REPO, "docs", "results"), top)
+  one = top / "gqa_ratio"
+  results = json.loads((one / "results.json").read_text())
+  results["variants"] = {name: v for name, v in results["variants"].items()
+                         if name == results["baseline"]}
+  (one / "results.json").write_text(json.dumps(results))
+  combined = json.loads((top / "results.json").read_text())
+  combined["gqa_ratio"] = results
+  (top / "results.json").write_text(json.dumps(combined))
+  assert "effects.png" in rerender._listed_plots(str(one / "REPORT.md"), str(one))
+  assert "](gqa_ratio/effects.png)" in (top / "REPORT.md").read_text()
+  rerender.rerender(str(top), "x")
+  assert not (one / "effects.png").exists()
+  assert "effects.png" not in (one / "REPORT.md").read_text()
+  assert "](gqa_ratio/effects.png)" not in (top / "REPORT.md").read_text()
+  assert "](soft_capping/effects.png)" in (top / "REPORT.md").read_text()
+
+
+def test_rerender_refuses_a_run_all_folder_whose_sweeps_ran_at_several_presets(tmp_path):
+  """Its combined report names one preset (with that preset's note)."""
+  from ablations import rerender
+  top = tmp_path / "top"
+  top.mkdir()
+  (top / "results.json").write_text(json.dumps({"a": {}, "b": {}}))
+  _write(top / "a", _sweep_json())
+  _write(top / "b", _sweep_json(preset="smoke"))
+  with pytest.raises(rerender.RerenderError,
+                     match=re.escape("its sweeps ran at several presets ['cpu', 'smoke']")):
+    rerender.check(str(top))
+  (top / "b" / "results.json").write_text(_sweep_json())
+  rerender.check(str(top))
 
 
 def test_sweep_results_stats_and_report(tmp_path):
@@ -1402,13 +1445,15 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
                                                runner=fake_runner())
   other = tmp_path / "other"
   other.mkdir()
-  (other / "results.json").write_text('{"a": 1}\n')
   (other / "REPORT.md").write_text("mine\n")
-  for check in (lambda: make(toy_ablation(), str(other)),
-                lambda: run_all.make_sweeps(["toy"], str(other), make_sweep=make)):
-    with pytest.raises(ValueError, match="results.json is not the toy sweep's|"
-                                         "results.json is not ablations.run_all's"):
-      check()
+  # (the second: a map of objects, as run_all's, but none a sweep's of the ablation named)
+  for text in ('{"a": 1}\n', '{"toy": {"a": 1}}\n'):
+    (other / "results.json").write_text(text)
+    for check in (lambda: make(toy_ablation(), str(other)),
+                  lambda: run_all.make_sweeps(["toy"], str(other), make_sweep=make)):
+      with pytest.raises(ValueError, match="results.json is not the toy sweep's|"
+                                           "results.json is not ablations.run_all's"):
+        check()
   (other / "results.json").unlink()
   with pytest.raises(ValueError, match="holds a REPORT.md but no results.json, so the toy "
                                        "sweep did not write it"):
@@ -1509,7 +1554,9 @@ def test_cli_rejects_bad_flags_before_work(tmp_path):
           (["--workdir="], "--workdir is empty"),
           (["--workdir= "], "--workdir is empty"),   # (trained into a folder named " ")
           (["--ablations="], "--ablations is empty"),
-          (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once")]}
+          (["--ablations=gqa_ratio,gqa_ratio"], "names ['gqa_ratio'] more than once"),
+          (["--variants=kv8"], "--variants selects variants of one ablation; run that "
+                               "ablation's script instead")]}
   with ForkServer(env, preload=["ablations.sweep"]) as server:
     for module, module_cases in cases.items():
       for args, message in module_cases:
