@@ -180,7 +180,7 @@ def test_a_task_that_sets_a_wrong_type_names_the_ablation(tmp_path):
 def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
   """A task sees the user's overrides (its knobs follow the sizes they set), and an
   override of a knob the task sets wins over it."""
-  from ablations import candidate_isolation, rope_anchoring, soft_capping
+  from ablations import candidate_isolation, rope_anchoring, sandwich_norm, soft_capping
 
   def build(ablation, folder, overrides):
     # A runner of the test's own: the sweep traces no run to check the metric names
@@ -190,6 +190,8 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
 
   sw = build(rope_anchoring.ABLATION, "r", {"world.history_len": 4})
   assert sw.base.train_split.max_history == 3 and sw.base.eval_split.max_history == 3
+  for split in (sw.base.train_split, sw.base.eval_split):   # log-uniform in [1, 3S/4]
+    assert (split.history_dist, split.min_history) == ("log_uniform", 1)
   long = sw.base.extra_eval_splits.long_history
   assert (long.min_history, long.max_history) == (4, 4)
   sw = build(rope_anchoring.ABLATION, "r2",
@@ -199,8 +201,9 @@ def test_a_task_derives_its_knobs_from_the_overridden_config(tmp_path):
   sw = build(candidate_isolation.ABLATION, "c",
              {"world.num_candidates": 12, "ranking.top_k": (2,)})
   assert sw.base.extra_eval_splits.long_list.num_candidates == 24
-  sw = build(soft_capping.ABLATION, "s", {"train.num_steps": 1000})
-  assert sw.base.optim.warmup_steps == 50
+  for ablation in (soft_capping.ABLATION, sandwich_norm.ABLATION):   # 5% of the steps
+    sw = build(ablation, ablation.name, {"train.num_steps": 1000})
+    assert sw.base.optim.warmup_steps == 50, ablation.name
   # A serving shift is the evaluation split, overrides and all, changed in one way only.
   sw = build(candidate_isolation.ABLATION, "c2",
              {"eval_split.num_candidates": 6, "eval_split.min_candidates": 2,
@@ -321,7 +324,7 @@ def test_the_committed_results_are_what_the_analysis_computes(path):
 
 
 @pytest.mark.parametrize("module", ablations.modules(), ids=lambda m: m.__name__)
-def test_each_script_builds_the_design_of_its_committed_results(module):
+def test_each_script_builds_the_design_of_its_committed_results(module, tmp_path):
   """The committed results are what the script runs today: at their preset, the same
   variants with the same overrides (grids, dtypes, task knobs), the same baseline,
   metrics and directions of improvement, so a grid changed in a script cannot pass for
@@ -348,6 +351,9 @@ def test_each_script_builds_the_design_of_its_committed_results(module):
   assert list(ab.metrics) == committed["metrics"]
   assert list(ab.headline) == committed["headline"]
   assert {m: sweep.better(m, ab.better) for m in ab.metrics} == committed["better"]
+  # The preset's training length and evaluation set, as the script builds them today.
+  built = sweep.Sweep(ab, committed["preset"], str(tmp_path / name), runner=fake_runner())
+  assert built.training() == committed["training"]
 
 
 @pytest.mark.parametrize("path", COMMITTED, ids=lambda p: os.path.basename(os.path.dirname(p)))

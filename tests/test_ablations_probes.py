@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ablations import (candidate_isolation, gqa_ratio, probes, rope_anchoring,
+from ablations import (candidate_isolation, gqa_ratio, probes, report, rope_anchoring,
                        sandwich_norm, sweep)
 from conftest import ranking_config
 import phoenix_flax as pf
@@ -144,22 +144,38 @@ def test_count_params():
   assert probes.count_params(tree) == 15
 
 
-def test_sandwich_derived_metrics_and_rms_plot(tmp_path):
+def test_sandwich_derived_metrics_and_rms_plot(tmp_path, monkeypatch):
   found = {"residual_rms/layer_0": 1.0, "residual_rms/layer_1": 1.5, "residual_rms/layer_2": 3.0}
   assert sandwich_norm.derived(found) == {"residual_rms/last": 3.0, "residual_rms/growth": 3.0}
   assert sandwich_norm.derived({}) == {"residual_rms/last": None, "residual_rms/growth": None}
+  # A first layer's RMS of 0 (a rezero stream at init): no growth ratio, not a crash.
+  assert sandwich_norm.derived({"residual_rms/layer_0": 0.0, "residual_rms/layer_1": 2.0}) == {
+      "residual_rms/last": 2.0, "residual_rms/growth": None}
   variants = {}
   for arm in ("sandwich", "post"):
     name = f"{arm}_L3_lr0.003"
-    variants[name] = {"arm": arm, "cell": "L3_lr0.003", "seeds": [0]}
-    run_dir = tmp_path / name / "seed_0"
-    run_dir.mkdir(parents=True)
-    (run_dir / "result.json").write_text(json.dumps(
-        {"final": {k: v * (2 if arm == "post" else 1) for k, v in found.items()},
-         "diverged": False, "diverged_at_step": None, "steps": 20, "wall_seconds": 1.0,
-         "examples_per_second": 10.0}))
+    variants[name] = {"arm": arm, "cell": "L3_lr0.003", "seeds": [0, 1]}
+    for seed in (0, 1):
+      run_dir = tmp_path / name / f"seed_{seed}"
+      run_dir.mkdir(parents=True)
+      diverged = arm == "post" and seed == 1   # its RMS values stay out of the plot
+      (run_dir / "result.json").write_text(json.dumps(
+          {"final": {k: v * (2 if arm == "post" else 1) * (1e6 if diverged else 1)
+                     for k, v in found.items()},
+           "diverged": diverged, "diverged_at_step": 5 if diverged else None, "steps": 20,
+           "wall_seconds": 1.0, "examples_per_second": 10.0}))
+  figures = []
+  real_save = report.save_figure
+
+  def save_figure(fig, path):
+    figures.append(fig)
+    real_save(fig, path)
+  monkeypatch.setattr(report, "save_figure", save_figure)
   assert sandwich_norm.plot_rms({"variants": variants}, str(tmp_path)) == "residual_rms.png"
   assert os.path.getsize(tmp_path / "residual_rms.png") > 1000
+  (axes,) = figures[0].axes
+  lines = {line.get_label(): list(line.get_ydata()) for line in axes.get_lines()}
+  assert lines == {"sandwich": [1.0, 1.5, 3.0], "post": [2.0, 3.0, 6.0]}
 
 
 def test_gqa_tradeoff_plot(tmp_path):
@@ -170,6 +186,22 @@ def test_gqa_tradeoff_plot(tmp_path):
                           for k in (8, 1)}}
   assert gqa_ratio.plot_tradeoff(results, str(tmp_path)) == "gqa_tradeoff.png"
   assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
+
+
+def test_gqa_tradeoff_plot_keeps_seed_noise_from_filling_the_panel(tmp_path, monkeypatch):
+  """Means 0.0007 apart: each panel's AUC axis still spans at least ±0.02 about them."""
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  summary = lambda mean: {"mean": mean, "ci95": [mean - 0.0005, mean + 0.0005], "n": 3}
+  results = {"variants": {f"kv{k}": {"metrics": {"auc_mean": summary(0.7 + k / 10000),
+                                                 "kv_cache_bytes": summary(1000.0 * k),
+                                                 "params/transformer": summary(5000.0 + k)}}
+                          for k in (8, 1)}}
+  gqa_ratio.plot_tradeoff(results, str(tmp_path))
+  middle = 0.7 + 9 / 20000
+  for ax in figures[0].axes:
+    lo, hi = ax.get_ylim()
+    assert lo <= middle - 0.02 + 1e-9 and hi >= middle + 0.02 - 1e-9, (lo, hi)
 
 
 def test_scoring_throughput_times_the_systems_together(tmp_path, monkeypatch):
