@@ -211,6 +211,10 @@ def test_a_training_only_report_prints_no_forward_table():
   assert table.startswith("| q heads | kv heads |")
   no_serve = benchmark.run_benchmark([], cases={"full": TINY["full"]}, matmul_size=64)
   assert no_serve["kv_cache_config"]["name"] == "full"
+  # A serve case among the cases is the KV-cache model, timed or not.
+  serve = benchmark.run_benchmark([], cases={"full": TINY["full"], "serve": TINY["full"]},
+                                  matmul_size=64)
+  assert serve["kv_cache_config"]["name"] == "serve"
 
 
 def test_time_rounds_runs_iters_then_until_min_seconds():
@@ -307,6 +311,8 @@ def test_cli_rejects_bad_flags_before_any_timing(tmp_path):
             "--train_presets is empty"),
            (["--train_presets=", "--train_rounds=1"], "--train_rounds would change nothing"),
            (["--train_presets=", "--train_chunks=1"], "--train_chunks would change nothing"),
+           (["--train_presets=smoke", "--train_seeds="], "--train_presets=smoke with no "
+            "--train_seeds: give seed counts"),
            ([f"--out={tmp_path}"], "is a directory; name a file"),
            ([f"--out={tmp_path}/new_folder/"], "names no file"),   # (a folder not there yet)
            ([f"--out={a_file}/b.json"], f"{a_file} is not a directory"),
@@ -442,6 +448,20 @@ def test_host_sampler_draws_fresh_uniforms_from_its_seed():
     host_sampler.HostSampler(world, split, 0, seed=7)
   with pytest.raises(TypeError, match="split must be a SplitConfig, got dict"):
     host_sampler.HostSampler(world, dataclasses.asdict(split), 4, seed=7)
+
+
+def test_the_benchmarks_training_rows_pass_rounds_and_chunks_in_order(monkeypatch):
+  """`benchmark.training_throughput` measures the preset's config with its seed count,
+  the rounds and the chunks a round as given."""
+  from experiments import train_throughput
+  seen = []
+
+  def measure(config, rounds=3, chunks_per_round=2):   # (the real one's signature)
+    seen.append((config.num_seeds, rounds, chunks_per_round))
+    return {"speedup": 1.0}
+  monkeypatch.setattr(train_throughput, "measure", measure)
+  assert benchmark.training_throughput("smoke", 2, 3, 4) == {"preset": "smoke", "speedup": 1.0}
+  assert seen == [(2, 3, 4)]
 
 
 def test_training_throughput_counts_every_seeds_examples(monkeypatch):

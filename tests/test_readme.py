@@ -271,15 +271,27 @@ def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
   from experiments import quickstart
   from phoenix_flax.inference import RankingRunner
 
-  rank_chunked = RankingRunner.rank_chunked
+  rank_chunked, rank = RankingRunner.rank_chunked, RankingRunner.rank
+  chunk_sizes, ranked = [], []
   def planted(self, *args, **kwargs):
+    chunk_sizes.append(kwargs.get("chunk_size"))
     out = rank_chunked(self, *args, **kwargs)
     return out._replace(scores=out.scores.at[1, 5, 2].add(0.25))
+  def recorded(self, *args, **kwargs):
+    ranked.append(rank(self, *args, **kwargs))
+    return ranked[-1]
   monkeypatch.setattr(RankingRunner, "rank_chunked", planted)
+  monkeypatch.setattr(RankingRunner, "rank", recorded)
   with contextlib.redirect_stdout(io.StringIO()) as stdout:
     quickstart.rank_demo()
   diff = float(re.search(r"all at once = (\S+)", stdout.getvalue()).group(1))
   assert abs(diff - 0.25) <= 1e-3, stdout.getvalue()
+  assert chunk_sizes == [8] and "in chunks of 8:" in stdout.getvalue()   # as it says
+  # The illustrative weights count every negative action against a candidate.
+  from phoenix_flax.inference import NEGATIVE_ACTIONS
+  negative = [a for a in NEGATIVE_ACTIONS if a in quickstart.WEIGHTS]
+  assert negative and all(quickstart.WEIGHTS[a] < 0 for a in negative)
+  assert all(w > 0 for a, w in quickstart.WEIGHTS.items() if a not in NEGATIVE_ACTIONS)
   # Each row of the table names its candidate and that candidate's post.
   from phoenix_flax.config import PhoenixModelConfig
   from phoenix_flax.example import example_batch
@@ -289,7 +301,11 @@ def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
   rows = [tuple(map(int, m)) for m in re.findall(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+0\.",
                                                  stdout.getvalue(), re.M)]
   assert [rank for rank, _, _ in rows] == list(range(1, 9))
-  assert len({c for _, c, _ in rows}) == 8
+  # User 0's eight best candidates by p(favorite), best first.
+  (output,) = ranked
+  assert [c for _, c, _ in rows] == np.asarray(output.ranked_indices[0, :8]).tolist()
+  favorite = np.asarray(output.action("favorite_score"))[0]
+  assert [c for _, c, _ in rows] == np.argsort(-favorite, kind="stable")[:8].tolist()
   for _, c, post in rows:
     assert post == post_hashes[0, c, 0], (c, post)
 

@@ -145,7 +145,8 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
       ([smoke, "--config.mesh.num_devices=-1"],
        "the throughput comparison runs every loop on one device"),
       ([smoke, "--config.mesh.distributed=True"],   # which parse_config accepts
-       "the throughput comparison runs every loop on one device")]
+       "the throughput comparison runs every loop on one device"),
+      ([smoke, "positional"], "unexpected arguments ['positional']; every option is a --flag")]
   with ForkServer(subprocess_env()) as server:
     results = [server.run("experiments.run", args) for args, _ in cases]
     results += [server.run("experiments.train_throughput", args) for args, _ in throughput]
