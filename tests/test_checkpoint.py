@@ -1117,6 +1117,31 @@ def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too
     train, throughput, vmapped = runner._Group.logged_training(group)
     assert train == {0: {"train/loss": 1.0}}
     assert throughput == pytest.approx(want) and vmapped == 1   # no row has both rates
+  # An old file whose one rate is the compiling chunk's: that rate is all there is.
+  with open(tmp_path / writers.METRICS_FILE, "w") as f:
+    f.write(json.dumps({**rows[0], "perf/examples_per_second": 80.0}) + "\n")
+  assert runner._Group.logged_training(group)[1:] == (80.0, 1)
+  # The seeds trained together: those of the process that logged last (a run resumed
+  # with more seeds vmapped), from its examples per step over the batch size.
+  group.config = types.SimpleNamespace(train=types.SimpleNamespace(batch_size=4))
+  with open(tmp_path / writers.METRICS_FILE, "w") as f:
+    f.writelines(json.dumps({**r, "perf/steps_per_second": 10.0,
+                             "perf/examples_per_second": 10.0 * 4 * seeds}) + "\n"
+                 for r, seeds in zip(rows, (2, 2, 3)))
+  assert runner._Group.logged_training(group)[2] == 3
+
+
+def test_reused_runs_without_a_recorded_code_version_warn_of_nothing(tmp_path, caplog):
+  """Runs from before `code` was recorded, or from outside a checkout (null), are not
+  called other code's; one that names another version is."""
+  dirs = {0: str(tmp_path / "seed_0"), 1: str(tmp_path / "seed_1")}
+  with caplog.at_level("WARNING"):
+    runner._warn_if_other_code({0: {}, 1: {"code": None}}, dirs)
+  assert "other code" not in caplog.text
+  with caplog.at_level("WARNING"):
+    runner._warn_if_other_code({0: {}, 1: {"code": "0123456789ab"}}, dirs)
+  assert "1 finished run(s) reused as they are, trained by other code (0123456789ab" in (
+      caplog.text)
 
 
 def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path):

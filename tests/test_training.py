@@ -1433,6 +1433,42 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
   assert final["bayes_recall@10"] > 0
 
 
+def test_every_seed_diverging_in_the_compiling_chunk_still_times_it(tmp_path):
+  """A run whose seeds all diverge in its first chunk ends there: that chunk (compiling
+  included) is the only one, so it is timed, and the throughput is not 0."""
+  config = smoke_config(num_steps=20, steps_per_call=10, eval_every=0, checkpoint_every=0)
+  config.optim.update(learning_rate=1e12, grad_clip_norm=None, warmup_steps=0)
+  result = pf.training.run_experiment(config, str(tmp_path))[0]
+  assert result["diverged"] is True and result["steps"] == 10
+  assert result["examples_per_second"] > 0
+
+
+def test_the_progress_eta_counts_the_steps_and_evaluations_left(tmp_path, monkeypatch):
+  """On a clock that advances one second a reading, every chunk of 10 steps and every
+  evaluation takes 1 s: after step 20 of 40 (one chunk timed besides the compiling one),
+  20 steps and the evaluations at 30 and 40 are left, 2 s + 2 s; after step 30, 1 s + 1 s.
+  After the compiling chunk alone the estimate is unknown (NaN)."""
+  import itertools
+  import math
+  import time as real_time
+  ticks = itertools.count(1)
+
+  class Clock:   # the runner's `time` module, its perf_counter faked
+    def __getattr__(self, name):
+      return getattr(real_time, name)
+
+    @staticmethod
+    def perf_counter():
+      return float(next(ticks))
+  monkeypatch.setattr(runner, "time", Clock())
+  seen = []
+  pf.training.run_experiment(
+      smoke_config(num_steps=40, steps_per_call=10, eval_every=10, checkpoint_every=0),
+      str(tmp_path), progress=lambda p: seen.append((p.step, p.eta_seconds)))
+  assert [step for step, _ in seen] == [10, 20, 30, 40]
+  assert math.isnan(seen[0][1]) and [eta for _, eta in seen[1:]] == [4.0, 2.0, 0.0]
+
+
 def test_one_diverged_seed_leaves_the_others_training(tmp_path, monkeypatch):
   """Seeds trained together stop only when every one has diverged: a seed diverged from
   the start (as a restored one can be) leaves the other to train all its steps."""
