@@ -405,6 +405,16 @@ def test_every_model_entry_point_names_a_bad_field(entry):
       call(*one)
 
 
+def test_score_candidates_needs_candidate_isolation():
+  """Without isolation a candidate attends to the candidates before it, so no cached
+  context scores it: refused, rather than logits unlike the model's own forward."""
+  cfg = ranking_config(candidate_isolation=False)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  cache = model.encode_context(batch, emb)
+  with pytest.raises(ValueError, match="score_candidates needs candidate_isolation=True"):
+    model.score_candidates(cache, batch, emb)
+
+
 def test_score_candidates_refuses_a_cache_of_another_model():
   """A cache encoded by a model of another history length or forward dtype scored silently
   (wrong logits); one of another depth or head split failed deep in the scan. Each is

@@ -64,6 +64,8 @@ BAD_WORLD = [
     ("base_rates", dict(base_rates=0.1)), ("base_rates", dict(base_rates=None)),
     ("negative_actions", dict(negative_actions=14)),
     ("base_rates", dict(base_rates=np.array(0.1))),   # a 0-d array is no sequence either
+    ("recency_decay", dict(recency_decay=1.5)),   # a decay factor is at most 1
+    ("negative_actions", dict(negative_actions=(14, 14))),   # each action named once
 ]
 BAD_SPLIT = [
     ("max_history", dict(min_history=5, max_history=3)), ("min_history", dict(min_history=-1)),
@@ -119,6 +121,15 @@ def test_config_checks_across_fields_and_numpy_scalars():
   with pytest.raises(ValueError, match=rf"min_history=.*<= the world's history_len="
                                        rf"{SMALL.history_len} \(max_history is None"):
     SplitConfig(min_history=SMALL.history_len + 1).resolve(SMALL)
+  # a list's minimum length is at most its width, the split's or (unset) the world's
+  C = WorldConfig().num_candidates
+  with pytest.raises(ValueError, match=rf"SplitConfig\.min_candidates={C + 1} is invalid"):
+    SplitConfig(min_candidates=C + 1).resolve(WorldConfig())
+  # The boundaries themselves are valid: a list of exactly its minimum length, and as
+  # many posts and authors as topics.
+  assert SplitConfig(num_candidates=4, min_candidates=4).min_candidates == 4
+  assert SplitConfig(min_candidates=C).resolve(WorldConfig())[1] == C
+  assert WorldConfig(num_posts=16, num_authors=16, num_topics=16).num_posts == 16
 
 
 def test_a_cold_start_split_has_empty_histories():

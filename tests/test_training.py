@@ -81,6 +81,14 @@ def test_retrieval_system_user_tower_needs_no_candidates():
   users = eqx.filter_jit(lambda s, b: s.user_representation(b))
   np.testing.assert_array_equal(users(system, no_candidates), users(system, batch))
   assert system.tables(no_candidates).candidate_post_embeddings is None
+  # Half a candidate (one hash field None) is refused by name, not dropped or a TypeError.
+  for given, other in (("candidate_post_hashes", "candidate_author_hashes"),
+                       ("candidate_author_hashes", "candidate_post_hashes")):
+    half = batch._replace(**{other: None})
+    for call in (system.tables, system.user_representation):
+      with pytest.raises(ValueError, match=f"batch.{given} is given but the other candidate "
+                                           "hash field is None"):
+        call(half)
 
 
 def test_losses_refuse_shapes_that_would_broadcast():

@@ -69,7 +69,12 @@ class HashEmbeddingTables(eqx.Module):
     hist_post, hist_author = self.post_embeddings(batch.history_post_hashes,
                                                   batch.history_author_hashes)
     cand_post = cand_author = None
-    if batch.candidate_post_hashes is not None or batch.candidate_author_hashes is not None:
+    given = [f for f in ("candidate_post_hashes", "candidate_author_hashes")
+             if getattr(batch, f) is not None]
+    if len(given) == 1:   # (the lookup of the None one failed with a TypeError)
+      raise ValueError(f"batch.{given[0]} is given but the other candidate hash field is "
+                       "None: set both (a batch with candidates) or neither (a user tower's)")
+    if given:
       cand_post, cand_author = self.post_embeddings(batch.candidate_post_hashes,
                                                     batch.candidate_author_hashes)
     return RecsysEmbeddings(
