@@ -119,8 +119,9 @@ def test_overrides():
   for text, value in (("true", True), ("False", False), ("TRUE", True), ("True", True)):
     assert sweep.parse_override(f"model.right_anchored_rope={text}") == (
         "model.right_anchored_rope", value)            # as experiments.run reads them
-  with pytest.raises(ValueError, match="path.to.field=value"):
-    sweep.parse_override("num_layers")
+  for text in ("num_layers", "=5", " =x"):   # no path: refused, not a field named ""
+    with pytest.raises(ValueError, match="path.to.field=value"):
+      sweep.parse_override(text)
   deep = "-" * 5000 + "1"   # too deep for ast.literal_eval: a string, refused by its field
   assert sweep.parse_override(f"model.num_layers={deep}") == ("model.num_layers", deep)
   base = sweep.preset_config("smoke")

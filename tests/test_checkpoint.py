@@ -235,6 +235,17 @@ def test_a_run_refuses_a_directory_of_files_no_run_wrote(tmp_path):
     runner.check_run_dirs(config, str(logs))
 
 
+def test_a_bfloat16_checkpoint_reads_back_into_host_memory_as_bfloat16(tmp_path):
+  """NumPy writes bfloat16 as raw 2-byte records; `load(host=True)` views them as
+  bfloat16 again (they were a structured |V2 array, refused against the tree)."""
+  tree = {"w": jnp.arange(4, dtype=jnp.bfloat16) / 3, "n": jnp.arange(2, dtype=jnp.int32)}
+  checkpoint.save(str(tmp_path), 10, tree)
+  loaded = checkpoint.load(str(tmp_path), 10, tree, host=True)
+  assert isinstance(loaded["w"], np.ndarray) and loaded["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(loaded["w"], np.asarray(tree["w"]))
+  np.testing.assert_array_equal(loaded["n"], np.asarray(tree["n"]))
+
+
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   tree = {"a": np.arange(3, dtype=np.float32), "b": np.zeros((), np.int32)}
   for step in (10, 20, 30):
@@ -244,6 +255,9 @@ def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
   # A file named otherwise than `save` names them is no checkpoint: listed as step 4, it
   # could not be loaded, and the next save failed when it pruned it.
   (tmp_path / "checkpoint" / "step_4.eqx").write_bytes(b"")
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
+  # Nor is a folder under a checkpoint's name (load would fail on it).
+  (tmp_path / "checkpoint" / os.path.basename(checkpoint.checkpoint_path("", 40))).mkdir()
   assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
   checkpoint.save(str(tmp_path), 30, {"a": tree["a"] + 30, "b": tree["b"]}, keep=2)
   assert checkpoint.available_steps(str(tmp_path)) == [20, 30]

@@ -163,6 +163,21 @@ def test_a_run_directory_named_like_a_glob_touches_only_its_own_files(tmp_path):
   assert writers.event_file_name(run_dir, "probes").startswith(run_dir)
 
 
+def test_an_extra_event_file_replaces_every_earlier_one_of_its_name(tmp_path):
+  """A writer killed between moving its file in and removing the earlier one leaves two
+  (TensorBoard would read both, a probe twice at its step): the newer is the run's, and
+  the next write leaves one file of that name."""
+  import shutil
+  run_dir = str(tmp_path)
+  newer = writers.write_event_file(run_dir, "probes", {"probe": 1.0}, 30)
+  stamp, rest = os.path.basename(newer).removeprefix("events.out.tfevents.").split(".", 1)
+  older = os.path.join(run_dir, f"events.out.tfevents.{int(stamp) - 100}.{rest}")
+  shutil.copy(newer, older)
+  assert writers.event_file_name(run_dir, "probes") == newer
+  written = writers.write_event_file(run_dir, "probes", {"probe": 2.0}, 30)
+  assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*.probes")) == [written]
+
+
 def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path):
   """`write_event_file` (an ablation's probes) writes the finite numbers it is given, each
   under `tensorboard_tag` of its name: "@" becomes "_", "-" (a split named "eval-cold")

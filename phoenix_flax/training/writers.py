@@ -154,7 +154,8 @@ def _check_event_name(name: str) -> None:
 
 
 def event_file_name(run_dir: str, name: str) -> Optional[str]:
-  """The run's extra event file `name` (see `write_event_file`), or None."""
+  """The run's extra event file `name` (see `write_event_file`), the newest where a killed
+  writer left two, or None."""
   _check_event_name(name)
   found = matching(run_dir, f"events.out.tfevents.*.{name}")
   return found[-1] if found else None
@@ -192,11 +193,13 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
         events.write_event(_scalar_event(key, value, step))
     events.close()
     (written,) = matching(tmp, "events.out.tfevents.*")
-    old = event_file_name(run_dir, name)
+    # Every earlier one (a writer killed between its move and its removal left two).
+    olds = matching(run_dir, f"events.out.tfevents.*.{name}")
     path = os.path.join(run_dir, os.path.basename(written))
     os.replace(written, path)
-    if old is not None and old != path:
-      os.remove(old)
+    for old in olds:
+      if old != path:
+        os.remove(old)
     return path
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
