@@ -221,7 +221,8 @@ def _reference_wide_hash(i: int, num_buckets: int, k: int) -> int:
 
 
 def test_hash_ids_int64_and_bad_arguments():
-  ids = [2**40 + 3, 5, 2**32 + 5, 4, 2**32 + 4, -7, 3, 2**31, 2**63 - 1, -2**40]
+  ids = [2**40 + 3, 5, 2**32 + 5, 4, 2**32 + 4, -7, 3, 2**31, 2**63 - 1, -2**40,
+         2**31 - 1, -2**31, -2**31 - 1]   # (the last three: int32's bounds and one past)
   with enable_x64():   # jax int64 ids, as x64 allows
     wide = np.asarray(pf.hash_ids(jnp.array(ids, jnp.int64), 1 << 20, 2))
     wide_jit = np.asarray(jax.jit(lambda i: pf.hash_ids(i, 1 << 20, 2))(

@@ -245,6 +245,8 @@ def test_equinox_tx_hands_tx_the_equinox_parameter_tree(ranking_system):
     return jax.tree.map(lambda u: -u, updates), state
 
   tx = flax_nnx.equinox_tx(optax.GradientTransformation(init, update), wrapped)
+  with pytest.raises(TypeError, match="model must be an EquinoxModule"):   # the bare system
+    flax_nnx.equinox_tx(optax.sgd(0.1), system)
   optimizer = nnx.Optimizer(wrapped, tx, wrt=nnx.Param)
   params = eqx.filter(system, eqx.is_array)
   assert_same_module(seen["init"], params)

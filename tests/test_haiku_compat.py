@@ -4,6 +4,7 @@ example shapes: D=64, H=4, KV=2, d=32, 2 layers, w=2)."""
 
 import dataclasses
 import functools
+import json
 import types
 
 import equinox as eqx
@@ -373,6 +374,10 @@ def test_settings_the_release_cannot_run_do_not_export(ranking_params):
       candidate_seq_len=C)
   with pytest.raises(ValueError, match="attn_logit_cap=None"):
     _traced_export(haiku_compat.retrieval_model_to_haiku, pf.PhoenixRetrievalModel, retrieval)
+  # The release's settings spelled by other objects (a cap read from JSON) export.
+  released = haiku_compat.ranking_model_from_haiku(
+      tree, _ranking_config(attn_logit_cap=json.loads("30.0")))
+  _assert_trees_equal(haiku_compat.ranking_model_to_haiku(released), tree)
   anchored = haiku_compat.ranking_model_from_haiku(tree, _ranking_config(right_anchored_rope=True))
   _assert_trees_equal(haiku_compat.ranking_model_to_haiku(anchored), tree)  # a later-release flag
 

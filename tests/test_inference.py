@@ -823,3 +823,37 @@ def test_bfloat16_paths_agree_to_bfloat16_rounding():
   f32 = RankingRunner.from_config(dataclasses.replace(config, fprop_dtype="float32"),
                                   key=jax.random.key(0))
   assert max_abs_diff(f32.rank(batch, emb).scores, want.scores) > 1e-4
+
+
+# ------------------------------------------------- inputs refused by name (mutation audit)
+
+
+def test_a_users_cache_scores_its_candidates_whatever_its_later_user_hashes(ranker):
+  """A user is padding by its first user hash alone (as the model masks it): a user whose
+  first hash is set and later ones 0, or the reverse, keeps its own cache."""
+  batch, emb = _batch()
+  for first, rest in ((0, 7), (7, 0)):
+    hashes = np.array(batch.user_hashes)
+    hashes[0, 0], hashes[0, 1:] = first, rest
+    changed = batch._replace(user_hashes=hashes)
+    cache = ranker.encode_context(changed, emb)
+    got = ranker.score_candidates(cache, changed, emb, 4).scores
+    np.testing.assert_allclose(got, ranker.rank(changed, emb).scores, atol=1e-6)
+
+
+def test_runners_refuse_embeddings_of_another_type_by_name(ranker):
+  batch, emb = _batch()
+  for wrong in (tuple(emb), emb._asdict()):
+    with pytest.raises(TypeError, match="embeddings must be RecsysEmbeddings"):
+      ranker.rank(batch, wrong)
+
+
+def test_the_corpus_must_be_finite_and_hold_an_item(retriever):
+  hc = RETRIEVAL.hash_config
+  post = np.ones((3, hc.num_item_hashes, 32), np.float32)
+  author = np.ones((3, hc.num_author_hashes, 32), np.float32)
+  post[1, 0, 0] = np.nan
+  with pytest.raises(ValueError, match="post_embeddings holds nan"):
+    retriever.encode_corpus(post, author)
+  with pytest.raises(ValueError, match="N >= 1"):
+    retriever.set_corpus(np.zeros((0, 32), np.float32), np.zeros((0,), np.int32))

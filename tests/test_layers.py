@@ -204,6 +204,27 @@ def test_attention_refuses_a_mask_that_is_not_per_query():
   for mask in (jnp.ones((2, 1, 1, 4)), jnp.ones((4, 4))):
     with pytest.raises(ValueError, match=r"self-attention takes a \[B, 1, T, T\] mask"):
       attn(x, mask, pos)
+  # Nor does a [B, 1, T, S] mask of 3 queries over 5 keys pass (its "diagonal" is not
+  # the queries' own keys).
+  q, k = jnp.ones((1, 3, 2, 2, 8)), jnp.ones((1, 5, 2, 8))
+  with pytest.raises(ValueError, match=r"for 3 queries and 5 keys: self-attention takes"):
+    attn.attention_weights(q, k, jnp.ones((1, 1, 3, 5)))
+
+
+def test_variance_scaling_is_haikus_truncated_normal_rescaled_to_its_std():
+  """Haiku's VarianceScaling(1.0, "fan_in", "truncated_normal") divides 1/sqrt(fan_in) by
+  the std of a unit normal truncated to [-2, 2] (0.8796...), so the draws have std
+  1/sqrt(fan_in); computed here from the normal's density and CDF."""
+  import math
+  from phoenix_flax.layers import variance_scaling
+  density_2 = math.exp(-2.0) / math.sqrt(2 * math.pi)
+  truncated_std = math.sqrt(1 - 2 * 2 * density_2 / math.erf(2 / math.sqrt(2)))
+  assert truncated_std == pytest.approx(0.87962566103423978, rel=1e-15)
+  key = jax.random.PRNGKey(3)
+  for fan_in in (3, 64, 1000):
+    want = (1.0 / jnp.sqrt(jnp.float32(fan_in)) / truncated_std
+            * jax.random.truncated_normal(key, -2.0, 2.0, (16, 8), jnp.float32))
+    np.testing.assert_array_equal(variance_scaling(key, (16, 8), fan_in), want)
 
 
 def test_variance_scaling_is_the_same_with_x64_on():

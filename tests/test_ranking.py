@@ -464,6 +464,17 @@ def test_a_batch_of_no_users_or_no_candidates_names_the_field(impl):
       entry(*no_users)
 
 
+def test_history_actions_of_another_count_than_the_config_are_refused_by_name():
+  """(chex's shape AssertionError, deeper in, named neither the field nor the config.)"""
+  cfg = ranking_config()
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  fewer = batch._replace(history_actions=batch.history_actions[..., :5])
+  for entry in (model, model.encode_context):
+    with pytest.raises(ValueError, match=rf"history_actions has 5 actions, "
+                                         rf"config.num_actions={cfg.num_actions}"):
+      entry(fewer, emb)
+
+
 def test_fields_the_model_does_not_read_are_ignored():
   """Timestamps and dwell times count only with the options that read them (as released);
   otherwise the model neither checks nor reads them, in one pass or in micro-batches."""
