@@ -762,6 +762,9 @@ def test_which_side_of_a_metric_is_better():
   # A new metric at every K takes one entry; an ablation's own entry wins, None included.
   assert sweep.better("long_list/precision@5", {"precision@K": "higher"}) == "higher"
   assert sweep.better("recall@10", {"recall@10": None}) is None
+  assert sweep.better("logloss", {"logloss": "higher"}) == "higher"   # over a built-in one
+  # Only the last prefix is a split's: a metric of a split with its own prefix too.
+  assert sweep.better("serving/long_list/auc_mean") == "higher"
 
 
 def test_verdict_uses_the_holm_adjusted_p():
@@ -1206,6 +1209,26 @@ def test_report_names_the_code_that_trained_the_runs(tmp_path, monkeypatch, capl
                 runner=fake_runner(code=lambda variant: "cafe00000000")).run()
   assert "the report now covers fewer runs than the one it replaces (left out: variants " \
          "['c'], seeds []; their runs stay in" in caplog.text
+  caplog.clear()   # and with fewer seeds (every variant again)
+  with caplog.at_level(logging.WARNING):
+    sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=1,
+                runner=fake_runner(code=lambda variant: "cafe00000000")).run()
+  assert "(left out: variants [], seeds [1]; their runs stay in" in caplog.text
+
+
+def test_a_sweeps_seeds_start_at_the_configs_seed_and_its_directions_are_its_own(tmp_path):
+  """`--override=seed=7` with 2 seeds runs seeds 7 and 8 (their runs in seed_7/, seed_8/);
+  results.json's `better` reads the ablation's own directions over the built-in ones."""
+  ab = toy_ablation(better={"logloss": "higher"})
+  sw = sweep.Sweep(ab, "smoke", str(tmp_path), seeds=2, overrides={"seed": 7},
+                   runner=fake_runner())
+  assert sw.seeds == [7, 8]
+  results = sw.run()
+  assert results["seeds"] == [7, 8] and (tmp_path / "a" / "seed_8").is_dir()
+  assert results["better"]["logloss"] == "higher"
+  assert results["better"]["auc_mean"] == "higher"
+  with pytest.raises(ValueError, match="seeds=0: need at least 1"):
+    sweep.Sweep(ab, "smoke", str(tmp_path / "none"), seeds=0, runner=fake_runner())
 
 
 def test_unknown_metric_is_an_error(tmp_path):

@@ -244,6 +244,22 @@ def test_a_bfloat16_checkpoint_reads_back_into_host_memory_as_bfloat16(tmp_path)
   assert isinstance(loaded["w"], np.ndarray) and loaded["w"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(loaded["w"], np.asarray(tree["w"]))
   np.testing.assert_array_equal(loaded["n"], np.asarray(tree["n"]))
+  # Into a structure of shapes alone (as the runner restores a sharded state): numpy too.
+  like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  shaped = checkpoint.load(str(tmp_path), 10, like, host=True)
+  assert all(isinstance(leaf, np.ndarray) for leaf in shaped.values())
+  np.testing.assert_array_equal(shaped["w"], np.asarray(tree["w"]))
+
+
+def test_an_os_error_is_found_among_the_causes_and_contexts_of_a_failure():
+  """A full disk inside a serialiser that raises its own error, with or without `from`:
+  the OSError is found either way (a save names the disk, not the serialiser)."""
+  full = OSError(28, "No space left on device")
+  for linked in ("__cause__", "__context__"):
+    outer = RuntimeError("failed to serialise leaf")
+    setattr(outer, linked, full)
+    assert checkpoint._os_error(outer) is full
+  assert checkpoint._os_error(RuntimeError("no disk involved")) is None
 
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
