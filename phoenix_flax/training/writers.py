@@ -157,8 +157,14 @@ def event_file_name(run_dir: str, name: str) -> Optional[str]:
   """The run's extra event file `name` (see `write_event_file`), the newest where a killed
   writer left two, or None."""
   _check_event_name(name)
-  found = matching(run_dir, f"events.out.tfevents.*.{name}")
+  found = _event_files(run_dir, name)
   return found[-1] if found else None
+
+
+def _event_files(run_dir: str, name: str) -> list[str]:
+  """Every extra event file `name` in `run_dir`, oldest first (one, but where a writer was
+  killed between moving its file in and removing the earlier one)."""
+  return matching(run_dir, f"events.out.tfevents.*.{name}")
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -193,8 +199,7 @@ def write_event_file(run_dir: str, name: str, scalars: Mapping[str, Any], step: 
         events.write_event(_scalar_event(key, value, step))
     events.close()
     (written,) = matching(tmp, "events.out.tfevents.*")
-    # Every earlier one (a writer killed between its move and its removal left two).
-    olds = matching(run_dir, f"events.out.tfevents.*.{name}")
+    olds = _event_files(run_dir, name)   # every earlier one
     path = os.path.join(run_dir, os.path.basename(written))
     os.replace(written, path)
     for old in olds:
