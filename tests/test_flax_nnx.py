@@ -469,6 +469,18 @@ def test_methods_and_fields_follow_the_parameters():
       setattr(model, name, None)
   model.params.final_norm.scale[...] = 2.0   # as the message says
   assert bool(jnp.all(flax_nnx.to_equinox(model).final_norm.scale == 2.0))
+  # The wrapper's own attributes stay its own, even where a wrapped module (any Equinox
+  # one) has fields of their names.
+
+  class Scaled(eqx.Module):
+    params: jax.Array
+    structure: jax.Array
+
+    def __call__(self, x):
+      return x * self.params + self.structure
+  wrapped = flax_nnx.to_nnx(Scaled(jnp.arange(3.0), jnp.ones(3)))
+  wrapped.params, wrapped.structure = wrapped.params, wrapped.structure
+  np.testing.assert_array_equal(wrapped(jnp.ones(3)), jnp.arange(3.0) + 1)
   for refuses in (pf.RankingRunner, haiku_compat.ranking_model_to_haiku):
     with pytest.raises(TypeError, match="got NNXPhoenixModel; convert an NNX wrapper with "
                                         "phoenix_flax.flax_nnx.to_equinox"):
