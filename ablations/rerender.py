@@ -144,14 +144,13 @@ def _recompute(folder: str, command: str) -> dict:
 
 def _write_sweep(folder: str, results: dict) -> None:
   """effects.png drawn again, then results.json and REPORT.md (with the plots it listed)."""
-  plots = _listed_plots(os.path.join(folder, "REPORT.md"), folder)
   writers.remove_temporaries(folder, keep_live_writers=True)   # of a killed earlier writer
   headline = results.get("headline", [results["primary_metric"]])
   drawn = report.plot_effects(results, headline, os.path.join(folder, "effects.png"))
+  # Read after drawing: an effects.png with nothing left to draw is gone, so not listed.
+  plots = _listed_plots(os.path.join(folder, "REPORT.md"), folder)
   if drawn and "effects.png" not in plots:
     plots.append("effects.png")
-  elif not drawn and "effects.png" in plots:
-    plots.remove("effects.png")
   sweep.write_json(os.path.join(folder, "results.json"), results)
   report.write_atomic(os.path.join(folder, "REPORT.md"), report.markdown(results, plots))
 
