@@ -1779,6 +1779,38 @@ def test_exact_counts_are_printed_whole():
   assert report.fmt(12345.6) == "12346" and report.fmt(0.123456) == "0.1235"
   assert report.fmt(2.5e6) == "2.50e+06" and report.fmt(1.5e-4) == "1.50e-04"
   assert report.fmt(99999) == "99999" and report.fmt(100000) == "1.00e+05"   # (the bound)
+  assert [report.fmt(x) for x in (0.001, -0.001)] == ["0.001", "-0.001"]     # (the other)
+  assert report.fmt_ci([0.001, 0.0123]) == "[0.001, 0.0123]"
+
+
+def test_report_cells_at_their_edges(tmp_path):
+  """One pair, a diverged seed, a variant without Bayes values, rows without a Δ: each
+  reads what it is."""
+  one = stats.mcnemar_exact([0], [1])
+  assert report.smallest_p(one) == 1.0
+  assert report.verdict(one, "lower") == "not testable: 1 pair gives no exact p below 1.000"
+  # A diverged seed is not a missing value: 2 values from the 2 finished runs need no "(n=".
+  variant = {"seeds": [0, 1, 2], "diverged": 1, "metrics": {"auc": stats.summarize(
+      [0.7, 0.72, None])}}
+  assert report._variant_cell(variant, "auc") == report._cell(variant["metrics"]["auc"])
+  assert "(n=" not in report._variant_cell(variant, "auc")
+  # A finished run without a value is told.
+  assert report._variant_cell(dict(variant, diverged=0), "auc").endswith(" (n=2)")
+  # A variant that diverged in every seed has no Bayes value; the column stays for the rest.
+  results = {"baseline": "a", "experiment": "ranking", "comparisons": [], "variants": {
+      "a": {"arm": "a", "cell": "", "seeds": [0, 1], "diverged": 0, "bayes": {"auc": 0.81},
+            "metrics": {"auc": stats.summarize([0.7, 0.72])}},
+      "b": {"arm": "b", "cell": "", "seeds": [0, 1], "diverged": 2, "bayes": {},
+            "metrics": {}}}}
+  table = report.metric_table(results, "auc")
+  assert "| Bayes-optimal |" in table[0] and " | 0.81 | baseline |" in table[2]
+  assert "| b | 2 | 2 | n/a | n/a | n/a |" in table[3]
+  # Comparisons without a Δ draw nothing, and leave no plot behind.
+  path = str(tmp_path / "effects.png")
+  untestable = {"variant": "b", "metric": "auc", "delta": None, "ci95": None, "n": 0,
+                "p_value": None}
+  assert not report.plot_effects({"baseline": "a", "comparisons": [untestable]}, ["auc"], path)
+  assert not os.path.exists(path)
 
 
 def test_a_one_seed_subset_report_says_what_it_is(tmp_path):
