@@ -3,6 +3,7 @@ section, the retrieval loss as a system method, and experiments/own_data.py end 
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -193,16 +194,17 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
   assert own_data.retrieval_recall(retriever, logs, eval_rows, top_k=everything) == 1.0
   monkeypatch.undo()
   # The baseline: the 50 posts favorited most in the training impressions.
-  popular = own_data.popularity_recall(logs, eval_rows, top_k=50)
   liked = (logs.list_labels[..., 0] > 0) & (np.arange(own_data.CANDIDATES)
                                             < logs.list_len[..., None])
   counts = {}
   for post in logs.list_post[:, :-1][liked[:, :-1]]:
     counts[post] = counts.get(post, 0) + 1
-  top = set(sorted(counts, key=lambda p: (-counts[p], p))[:50])
-  hits = [logs.list_post[u, -1, np.argmax(liked[u, -1])] in top
-          for u in eval_rows if liked[u, -1].any()]
-  assert popular == pytest.approx(np.mean(hits))
+  for top_k in (50, 5):   # at 5 the held-out favorites would change the set (they did not)
+    top = set(sorted(counts, key=lambda p: (-counts[p], p))[:top_k])
+    hits = [logs.list_post[u, -1, np.argmax(liked[u, -1])] in top
+            for u in eval_rows if liked[u, -1].any()]
+    popular = own_data.popularity_recall(logs, eval_rows, top_k=top_k)
+    assert popular == pytest.approx(np.mean(hits))
   out = capsys.readouterr().out
   assert "ranker: training loss" in out and "retriever: training loss" in out
   gap = float(out.split("max |p difference| ")[1].split(")")[0])
@@ -232,6 +234,69 @@ def test_own_data_refuses_bad_flags_before_training(flag, message, tmp_path, for
   assert len(stderr.strip().splitlines()) <= 2, stderr[-2000:]
   assert "ranker:" not in stdout
   assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step_000000200.eqx"]
+
+
+def test_own_data_flag_bounds_and_a_half_written_run(tmp_path, monkeypatch, capsys):
+  """The documented bounds (10 steps, a batch of every user) are accepted, one past them
+  refused; a workdir holding only an unfinished run's config.json is refused too."""
+  ran = []
+  monkeypatch.setattr(own_data, "_run", lambda: ran.append(dict(vars(own_data.FLAGS))))
+
+  def main(**flags):
+    defaults = dict(num_steps=600, batch_size=64, workdir=str(tmp_path / "work"), seed=0,
+                    init_scale=0.05, logq_correction=True)
+    monkeypatch.setattr(own_data, "FLAGS", SimpleNamespace(**{**defaults, **flags}))
+    own_data.main(["own_data"])
+
+  main(num_steps=10, batch_size=2000)
+  assert [(r["num_steps"], r["batch_size"]) for r in ran] == [(10, 2000)]
+  for bad, message in ((dict(num_steps=9), "--num_steps=9: use at least 10"),
+                       (dict(batch_size=2001), "--batch_size=2001: use 1 to 2000")):
+    with pytest.raises(SystemExit) as e:
+      main(**bad)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text("{}")
+  with pytest.raises(SystemExit) as e:
+    main(workdir=str(run))
+  assert e.value.code == 2
+  assert "holds a training run (config.json), whose" in capsys.readouterr().err
+  assert len(ran) == 1
+
+
+def test_fit_warms_up_for_at_least_one_step(monkeypatch):
+  """The schedule starts from a learning rate of 0 at every run length: a twentieth of
+  the steps, and one step where a twentieth rounds to none."""
+  seen = []
+
+  def optimizer_from(optim, num_steps):
+    seen.append((num_steps, optim.warmup_steps))
+    raise StopIteration
+  monkeypatch.setattr(own_data.training, "optimizer_from", optimizer_from)
+  for num_steps in (10, 19, 20, 600):
+    with pytest.raises(StopIteration):
+      own_data.fit(None, None, None, num_steps, 3e-3)
+  assert seen == [(10, 1), (19, 1), (20, 1), (600, 30)]
+
+
+def test_held_out_is_each_users_last_impression(logs, monkeypatch):
+  """Evaluation lists are the impressions training never draws: the last of each user."""
+  rows = np.arange(6)
+  batch, labels, mask = own_data.held_out(logs, rows)
+  L = logs.list_len.shape[1]
+  np.testing.assert_array_equal(mask.sum(axis=1), logs.list_len[rows, L - 1])
+  np.testing.assert_array_equal(
+      batch.candidate_post_hashes[mask],
+      pf.hash_ids(logs.list_post[rows, L - 1][mask], own_data.BUCKETS["post"]))
+  np.testing.assert_array_equal(labels[mask], logs.list_labels[rows, L - 1][mask])
+  # Training draws each of the others.
+  drawn = []
+  monkeypatch.setattr(own_data, "to_batch", lambda logs, rows, at: drawn.extend(at.tolist()))
+  batches = own_data.training_batches(logs, batch_size=len(logs.user_id), seed=0)
+  for step in range(3):
+    batches(step)
+  assert sorted(set(drawn)) == list(range(L - 1))
 
 
 def test_retrieval_loss_methods_agree():
@@ -285,6 +350,9 @@ def test_post_ids_tell_apart_posts_that_share_a_hash(logs):
       candidate_post_hashes=hashes[[a, b, a]][None])
   ids = np.asarray(own_data.post_ids(batch))[0]
   assert ids[0] != ids[1] and ids[0] == ids[2]
+  # Swapped hashes, or hashes with the same sum, are other posts too.
+  batch = batch._replace(candidate_post_hashes=np.array([[[1, 5], [5, 1], [2, 4]]], np.int32))
+  assert len(set(np.asarray(own_data.post_ids(batch))[0].tolist())) == 3
 
 
 def test_positive_counts_count_each_training_impressions_first_favorite(logs):
