@@ -53,6 +53,8 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   # Tracked Python files that no run executes: a test, the setup script.
   (checkout / "tests" / "test_layers.py").write_text("def test_x(): assert False\n")
   (checkout / "setup.py").write_text("NAME = 'q'\n")
+  # Files in a package folder that are not Python: notes, a data file.
+  (checkout / "phoenix_flax" / "notes.txt").write_text("what I tried\n")
   assert provenance.code_version(str(checkout)) == clean
 
   layers = checkout / "phoenix_flax" / "layers.py"
@@ -93,6 +95,12 @@ def test_python_edits_are_told_apart_and_other_files_do_not_count(checkout):
   # Its name counts too: the same text under another name is another module.
   script.rename(checkout / "ablations" / "my_other_idea.py")
   assert provenance.code_version(str(checkout)) not in (two, clean)
+  # And one in experiments/ (a config file, a script).
+  (checkout / "ablations" / "my_other_idea.py").unlink()
+  assert provenance.code_version(str(checkout)) == clean
+  (checkout / "experiments" / "configs").mkdir(parents=True)
+  (checkout / "experiments" / "configs" / "mine.py").write_text("STEPS = 3\n")
+  assert provenance.code_version(str(checkout)).startswith(clean + "+changes.")
 
 
 def test_outside_a_checkout_there_is_no_version(checkout, tmp_path, monkeypatch):
@@ -154,6 +162,9 @@ def on_cpu(monkeypatch):
     (["model name\t: Intel(R) Xeon(R) Platinum", "flags\t: avx avx2 avx512f avx512bw"],
      "Intel(R) Xeon(R) Platinum, AVX-512"),
     (["processor\t: 0", "Features\t: fp asimd evtstrm sve"], None),   # Arm: no model name
+    # processors that differ (a hybrid part): the first one's name and extensions
+    (["processor\t: 0", "model name\t: Big Core", "flags\t: avx avx2 avx512f", "",
+      "processor\t: 1", "model name\t: Little Core", "flags\t: sse4_2"], "Big Core, AVX-512"),
 ])
 def test_machine_names_the_processor_and_its_widest_vector_extension(tmp_path, lines, want,
                                                                      on_cpu):
@@ -172,8 +183,10 @@ def test_machine_without_cpuinfo_still_names_something(tmp_path, on_cpu):
   assert got and got.endswith(f"{os.cpu_count()} cores")
 
 
-def test_machine_on_an_accelerator_names_the_device_kind_and_count(monkeypatch, tmp_path):
-  device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200")
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_machine_on_an_accelerator_names_the_device_kind_and_count(monkeypatch, tmp_path,
+                                                                   platform):
+  device = types.SimpleNamespace(platform=platform, device_kind="NVIDIA H200")
   monkeypatch.setattr(provenance.jax, "devices", lambda *args: [device, device])
   monkeypatch.setattr(provenance.jax, "device_count", lambda *args: 2)
   assert provenance.machine(str(tmp_path / "missing")) == "NVIDIA H200 x 2"
