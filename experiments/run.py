@@ -90,6 +90,13 @@ def headline_metrics(config) -> tuple[str, ...]:
                   for p in ("", "bayes_", "popularity_")))
 
 
+def progress_keys(config) -> tuple[str, ...]:
+  """The evaluation metrics a progress line shows: the mean AUC, and for the retrieval
+  task the recall at the config's first K (recall_k is validated later, by
+  run_experiment)."""
+  return ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
+
+
 def start_line(config, seeds: list[int], step: int) -> str:
   """What a run is about to do, printed before it compiles (so on CPU its first progress
   line comes tens of seconds later): which seeds, from which step,
@@ -155,8 +162,7 @@ def main(argv: list[str]) -> None:
     except BrokenPipeError:   # `| head`: the reader has what it wanted
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return
-  # The first K of a retrieval config (recall_k is validated later, by run_experiment).
-  eval_keys = ("eval/auc_mean",) + tuple(f"eval/{m}" for m in _recall_metrics(config)[:1])
+  eval_keys = progress_keys(config)
   report = None if _QUIET.value else (
       lambda p: print_progress(p, config.train.batch_size, eval_keys))
   start = None if _QUIET.value else (

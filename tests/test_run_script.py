@@ -198,6 +198,14 @@ def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):
       "~/prog", f"--workdir={home}/r", f"-config={home}"]
 
 
+def test_an_override_below_a_value_is_named_among_good_ones():
+  """The override that reaches below a value field is the one named, not a good override
+  of a value field given before it."""
+  assert cli._below_a_value(["train.num_steps", "model.num_layers"]) is None
+  assert cli._below_a_value(["train.num_steps", "task.foo", "world.base_rates.x"]) == (
+      "task.foo", "task")
+
+
 ORPHANED = """
 import os, sys, time
 sys.path.insert(0, sys.argv[1] + "/tests")
@@ -341,14 +349,16 @@ def test_print_config_lists_every_field_with_its_value(tmp_path):
 
 def test_progress_durations_and_the_summary_metrics():
   """ETA as h:mm:ss ("?" while unknown, never negative); the summary lists the recall
-  at each K of a retrieval config next to its Bayes value; the start line says what is
-  about to train. (A subprocess: importing
+  at each K of a retrieval config next to its Bayes value, a progress line the first; the
+  start line says what is about to train. (A subprocess: importing
   experiments.run defines its absl flags.)"""
   code = ("from experiments.configs import ranking, retrieval\n"
           "from experiments.run import _duration, headline_metrics\n"
           "print([_duration(s) for s in (3725.9, 59.0, 36000.0, -3.0, float('nan'))])\n"
           "print(list(headline_metrics(retrieval.get_config('smoke'))))\n"
           "print(list(headline_metrics(ranking.get_config('smoke'))))\n"
+          "from experiments.run import progress_keys\n"
+          "print([progress_keys(m.get_config('smoke')) for m in (ranking, retrieval)])\n"
           "from experiments.run import start_line\n"
           "c = ranking.get_config('smoke')\n"
           "for seeds, step in (([0], 0), ([1, 2, 3], 20), ([4], 40)):\n"
@@ -365,14 +375,16 @@ def test_progress_durations_and_the_summary_metrics():
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]
-  durations, retrieval_keys, ranking_keys, *starts, rate, compiled, one_seed = (
-      proc.stdout.splitlines()[-9:])
+  durations, retrieval_keys, ranking_keys, shown, *starts, rate, compiled, one_seed = (
+      proc.stdout.splitlines()[-10:])
   assert durations == str(["1:02:05", "0:00:59", "10:00:00", "0:00:00", "?"])
   headline = ["auc_mean", "bayes_auc_mean", "logloss", "auc", "bayes_auc"]
   assert retrieval_keys == str(headline + ["recall@10", "bayes_recall@10",
                                            "popularity_recall@10", "recall@100",
                                            "bayes_recall@100", "popularity_recall@100"])
   assert ranking_keys == str(headline)
+  # A progress line shows the mean AUC, and a retrieval run's recall at its first K.
+  assert shown == str([("eval/auc_mean",), ("eval/auc_mean", "eval/recall@10")])
   # The line before a run's first chunk (smoke: 40 steps of batch 8, chunks of 10).
   assert starts == [
       "seed 0: starting; 40 steps of batch 8 to go, a progress line every 10; compiling "
