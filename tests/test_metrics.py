@@ -122,6 +122,10 @@ def test_list_metrics_of_a_nan_score_and_of_no_candidate_are_nan():
   mask[0] = False
   assert float(ndcg_at_k_jit(scores, gains, mask, 1)) == 1.0
   assert float(recall_at_k_jit(scores, relevant, mask, 1)) == 1.0
+  # list_auc: a NaN score in one of two lists with a positive and a negative.
+  two = np.array([[2.0, 1.0, 0.0], [np.nan, 1.0, 0.0]], np.float32)
+  labels = np.array([[1, 0, 0], [1, 0, 1]], np.float32)
+  assert np.isnan(float(metrics.list_auc(two, labels, np.ones((2, 3), bool))))
   logits = np.zeros((2, 3, 4), np.float32)
   labels = np.ones((2, 3, 4), np.float32)
   none = np.zeros((2, 3), bool)
@@ -318,8 +322,9 @@ def test_corpus_hits_match_reference():
     every, _ = hits(np.broadcast_to(shared, (B, N)), ids, positive, ks)
     np.testing.assert_array_equal(one, every)
   assert np.all(np.isnan(one[positive.any(axis=1)]))
-  with pytest.raises(ValueError, match="ks"):
-    metrics.corpus_hits(scores, ids, positive, (16,))
+  for ks in ((16,), (0, 5), ()):   # beyond the corpus, no place at all (ks - 1 wraps), none
+    with pytest.raises(ValueError, match="must lie in"):
+      metrics.corpus_hits(scores, ids, positive, ks)
   # An id outside the corpus is never found (not clipped onto its last row), and a list
   # with a NaN score has an undefined order: NaN, not a count above its positives.
   found, total = hits(np.arange(5.0, dtype=np.float32)[None], np.array([[7, 4]]),

@@ -148,6 +148,10 @@ def test_paired_t_identical_differences_of_varying_values():
   assert coarse32["p_value"] == pytest.approx(0.25) and coarse32["ci95"] is None
   # A spread well above rounding is the t-test's.
   assert stats.paired_t([0.5, 0.6], [0.625, 0.7251])["test"] == "paired t"
+  # ... and so is a small one: gains of 3e-5 to 5e-5 at 0.7, hundreds of float32 steps.
+  small = stats.paired_t([0.70, 0.71, 0.72], [0.70005, 0.71003, 0.72004])
+  assert small["test"] == "paired t" and small["delta"] == pytest.approx(4e-5)
+  assert small["p_value"] < 0.05 and small["ci95"][0] > 0
   # Zero up to rounding is zero.
   zero = stats.paired_t([0.3, 0.6], [0.1 + 0.2, 0.6])
   assert zero["p_value"] == 1.0 and zero["delta"] == 0.0 and zero["ci95"] == [0.0, 0.0]

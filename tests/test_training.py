@@ -260,6 +260,11 @@ def test_a_soft_label_is_a_positive_above_one_half_for_the_loss_and_the_metrics(
   scores = np.array([3.0, 1.0, 2.0], np.float32)       # the 0.3 scored highest
   assert float(metrics.roc_auc(scores, labels[0, :, 0], mask[0])[0]) == 0.0
   assert float(metrics.recall_at_k(scores[None], labels[..., 0] > 0.5, mask, 1)) == 0.0
+  # ranking_metrics reads the labels by the same rule (the generator's probabilities too).
+  found = metrics.ranking_metrics(scores[None, :, None], labels, scores[None, :, None] / 4,
+                                  mask, k=1)
+  for key in ("auc_mean", "list_auc", "recall@1", "bayes_recall@1"):
+    assert float(found[key]) == 0.0, key
 
 
 # (name, task, config overrides): the smoke configs, and an idea with parameters of its own
