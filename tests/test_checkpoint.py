@@ -974,6 +974,8 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match=rf"result.json is not a finished run's result \(no "
                                           rf"valid {lacks}\); delete it and the run resumes"):
       run_experiment(config, run_dir)
+    with pytest.raises(ConfigError, match=r"is not a finished run's result"):
+      runner.check_run_dirs(config, run_dir)   # (the scripts' check before any seed trains)
 
 
 def test_checkpoint_io_errors_name_the_file(tmp_path, monkeypatch):
@@ -1159,6 +1161,39 @@ def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too
                              "perf/examples_per_second": 10.0 * 4 * seeds}) + "\n"
                  for r, seeds in zip(rows, (2, 2, 3)))
   assert runner._Group.logged_training(group)[2] == 3
+  # Rates of a short chunk whose ratio lands just below the count (2.9999999999999996).
+  with open(tmp_path / writers.METRICS_FILE, "w") as f:
+    f.write(json.dumps({**rows[0], "perf/steps_per_second": 10 / 0.013,
+                        "perf/examples_per_second": 120 / 0.013}) + "\n")
+  assert runner._Group.logged_training(group)[2] == 3
+  # No row with both rates: the group's own seed count.
+  group.seeds, group.dirs = [0, 1], {0: str(tmp_path), 1: str(tmp_path)}
+  with open(tmp_path / writers.METRICS_FILE, "w") as f:
+    f.write(json.dumps({**rows[0], "perf/examples_per_second": 80.0}) + "\n")
+  assert runner._Group.logged_training(group)[2] == 2
+
+
+def test_run_directory_checks_for_library_callers(tmp_path):
+  """`check_workdir` refuses a blank name; `check_run_dirs` names a seed directory that is
+  a link to nothing (not a bare FileExistsError later); `_lock_holder` tells only what a
+  holder wrote."""
+  for blank in ("", "   "):
+    with pytest.raises(NotADirectoryError, match="is blank"):
+      runner.check_workdir(blank)
+  config = ranking_configs.get_config("smoke")
+  config.num_seeds = 2
+  os.symlink(tmp_path / "nowhere", tmp_path / "seed_1")
+  with pytest.raises(NotADirectoryError, match="seed 1's run directory, is a file"):
+    runner.check_run_dirs(config, str(tmp_path))
+  lock = tmp_path / "lock"
+  for text, want in (("", ""), ("garbage\nmore", ""), ("pid 7\nmore", ""),
+                     ("pid 7 on h since t", "pid 7 on h since t; ")):
+    lock.write_text(text)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+      assert runner._lock_holder(fd) == want, text
+    finally:
+      os.close(fd)
 
 
 def test_reused_runs_without_a_recorded_code_version_warn_of_nothing(tmp_path, caplog):

@@ -1502,14 +1502,16 @@ def test_one_diverged_seed_leaves_the_others_training(tmp_path, monkeypatch):
 def test_every_training_statistic_is_logged():
   """A statistic that `Trainer.update` returns (an idea's own included) becomes a
   `train/` scalar: its mean over the chunk, per layer where it has a layer axis."""
-  stats = {"loss": [[1.0, 3.0]], "learning_rate": [[0.1, 0.2]], "temperature": [[0.5, 1.5]],
-           "max_attn_logit": [[[1.0, 5.0], [4.0, 2.0]]],
-           "residual_rms": [[[1.0, 2.0], [3.0, 4.0]]]}
+  # Three uneven steps: a mean is no median.
+  stats = {"loss": [[1.0, 2.0, 6.0]], "learning_rate": [[0.1, 0.2, 0.3]],
+           "temperature": [[0.5, 1.5, 4.0]],
+           "max_attn_logit": [[[1.0, 5.0], [4.0, 2.0], [0.0, 1.0]]],
+           "residual_rms": [[[1.0, 2.0], [3.0, 4.0], [8.0, 0.0]]]}
   assert _train_scalars(stats, 0) == {
-      "train/loss": 2.0, "train/learning_rate": 0.2, "train/temperature": 1.0,
+      "train/loss": 3.0, "train/learning_rate": 0.3, "train/temperature": 2.0,
       "train/max_attn_logit": 5.0, "train/max_attn_logit/layer_0": 4.0,
-      "train/max_attn_logit/layer_1": 5.0, "train/residual_rms/layer_0": 2.0,
-      "train/residual_rms/layer_1": 3.0}
+      "train/max_attn_logit/layer_1": 5.0, "train/residual_rms/layer_0": 4.0,
+      "train/residual_rms/layer_1": 2.0}
   with pytest.raises(ValueError, match="'grid' has shape \\(1, 1, 1\\) per seed"):
     _train_scalars({"grid": [[[[0.0]]]]}, 0)
 
