@@ -579,6 +579,10 @@ def test_make_placement_uses_the_visible_devices(caplog):
   with caplog.at_level("WARNING"):
     assert make_placement(1, True).mesh is None       # one device: no mesh, nothing to shard
   assert "shard_hash_tables=True has no effect" in caplog.text
+  caplog.clear()
+  with caplog.at_level("WARNING"):
+    make_placement(1, False)
+  assert "has no effect" not in caplog.text   # (nothing asked for, nothing to say)
   assert make_placement(-1, False).num_devices == n
   assert make_placement(n, False).num_devices == n
   with pytest.raises(ConfigError, match=f"num_devices={n + 1} is invalid: only {n} "

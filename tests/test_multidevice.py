@@ -54,6 +54,7 @@ batch = eqx.filter_jit(mesh_trainer.sample_train_batch)(mesh_trainer.world, one_
 out["batch_axes"] = sorted({str(x.sharding.spec[0] if len(x.sharding.spec) else None)
                             for x in jax.tree.leaves(batch) if x.ndim >= 1})
 out["table_devices_replicated"] = len(state.params.tables.post_table.sharding.device_set)
+out["table_spec_replicated"] = list(state.params.tables.post_table.sharding.spec)
 # The chunk's collectives: the gradients' all-reduce only; sampling the batch moves no data
 # between devices (each samples the whole batch and keeps its rows).
 hlo = mesh_trainer._chunk.lower(mesh_trainer.world, state).lowered.compile().as_text()
@@ -138,7 +139,8 @@ def test_eight_devices_match_one_device(tmp_path):
   np.testing.assert_allclose(out["replicated_loss"], single, rtol=2e-5, atol=1e-6)
   assert out["batch_axes"] == ["data"]
   assert out["collectives"] == []   # no collective-permute per step for the sampled batch
-  assert out["table_devices_replicated"] == 8
+  assert out["table_devices_replicated"] == 8   # on every device, each whole:
+  assert "data" not in out["table_spec_replicated"], out["table_spec_replicated"]
   # run_experiment on 8 devices (batch sharded, hash tables sharded by rows): the same
   # loss curve (chunk means of the per-step losses) and final AUC as one device.
   chunk_means = single.reshape(2, 4, 10).mean(axis=2)
@@ -337,3 +339,44 @@ def test_the_join_passes_every_mesh_field_and_leaves_foreign_handlers_alone(monk
   assert during == [dict(fields, SIGTERM=signal.SIG_DFL, SIGINT=signal.SIG_IGN),
                     dict(fields, SIGTERM=ours, SIGINT=signal.SIG_IGN)]
   assert after == {signal.SIGTERM: ours, signal.SIGINT: signal.SIG_IGN}
+
+
+def test_a_failed_join_is_a_config_error_and_another_thread_may_join(monkeypatch):
+  """What `jax.distributed.initialize` raises, a ValueError or a RuntimeError (a
+  coordinator that cannot be reached), becomes a ConfigError naming the mesh fields; a
+  join from a thread other than the main one leaves the signal handlers alone (Python
+  allows them to be set only in the main thread)."""
+  import threading
+  from phoenix_flax.training import ConfigError, sharding
+
+  def fails(error):
+    def initialize(**kwargs):
+      raise error
+    return initialize
+
+  monkeypatch.setattr(sharding.jax.distributed, "is_initialized", lambda: False)
+  for error, match in ((RuntimeError("UNAVAILABLE: failed to connect"),
+                        r"initialize failed \(UNAVAILABLE: failed to connect\)\. Set "
+                        r"config.mesh.coordinator_address"),
+                       (ValueError("coordinator_address should be defined"),
+                        r"initialize failed \(coordinator_address should be defined\)"),
+                       (RuntimeError("initialize() must be called before any JAX calls"),
+                        r"came after this process had started its JAX backend")):
+    monkeypatch.setattr(sharding, "_distributed_initialized", False)
+    monkeypatch.setattr(sharding.jax.distributed, "initialize", fails(error))
+    with pytest.raises(ConfigError, match=match):
+      sharding.initialize_distributed("127.0.0.1:1234", 2, 1)
+  joined, errors = [], []
+  monkeypatch.setattr(sharding, "_distributed_initialized", False)
+  monkeypatch.setattr(sharding.jax.distributed, "initialize",
+                      lambda **kwargs: joined.append(kwargs["process_id"]))
+
+  def join():
+    try:
+      sharding.initialize_distributed("127.0.0.1:1234", 2, 1)
+    except Exception as e:   # (re-raised below, in the test's thread)
+      errors.append(e)
+  thread = threading.Thread(target=join)
+  thread.start()
+  thread.join()
+  assert errors == [] and joined == [1]

@@ -1516,6 +1516,18 @@ def test_every_training_statistic_is_logged():
     _train_scalars({"grid": [[[[0.0]]]]}, 0)
 
 
+def test_make_system_draws_the_tables_at_the_configs_scale():
+  """`model.embedding_init_scale` is the hash tables' initial std (the systems' own
+  default is 1.0), for both tasks."""
+  for module in (ranking_configs, retrieval_configs):
+    for scale in (0.05, 0.5):
+      config = module.get_config("smoke")
+      config.model.embedding_init_scale = scale
+      system = make_system(parse_config(config), jax.random.PRNGKey(0))
+      for table in (system.tables.user_table, system.tables.post_table):
+        assert float(np.std(np.asarray(table))) == pytest.approx(scale, rel=0.1)
+
+
 @pytest.mark.slow
 def test_retrieval_task_trains_and_reports_recall(tmp_path, main):
   out = main("experiments.run", "--config=experiments/configs/retrieval.py:smoke",
