@@ -1095,6 +1095,13 @@ def test_an_extra_split_naming_some_fields_only_is_the_same_config_when_run_agai
   config.extra_eval_splits.long.max_history = 2
   with pytest.raises(ConfigError, match=r"differs in \['extra_eval_splits.long.max_history'"):
     run_experiment(config, run_dir)
+  # A finished run without the split is no run with it (reused, it would lack long/*).
+  plain = ranking_configs.get_config("smoke")
+  plain.train.update(num_steps=10, eval_every=10, checkpoint_every=10)
+  run_experiment(plain, str(tmp_path / "plain"))
+  with pytest.raises(ConfigError, match=r"differs in \['extra_eval_splits.long.candidate_order"
+                                        r"', .*'extra_eval_splits.long.max_history', "):
+    run_experiment(config, str(tmp_path / "plain"))
 
 
 def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_path):
