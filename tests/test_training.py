@@ -1448,12 +1448,23 @@ def test_divergence_is_recorded_not_raised(tmp_path, cli):
 
 def test_every_seed_diverging_in_the_compiling_chunk_still_times_it(tmp_path):
   """A run whose seeds all diverge in its first chunk ends there: that chunk (compiling
-  included) is the only one, so it is timed, and the throughput is not 0."""
+  included) is the only one, so it is timed, and the throughput is not 0; it is evaluated
+  and its progress line reports it finished."""
   config = smoke_config(num_steps=20, steps_per_call=10, eval_every=0, checkpoint_every=0)
   config.optim.update(learning_rate=1e12, grad_clip_norm=None, warmup_steps=0)
-  result = pf.training.run_experiment(config, str(tmp_path))[0]
-  assert result["diverged"] is True and result["steps"] == 10
-  assert result["examples_per_second"] > 0
+  config.num_seeds = 2
+  seen = []
+  results = pf.training.run_experiment(config, str(tmp_path), progress=seen.append)
+  for result in results.values():
+    assert result["diverged"] is True and result["steps"] == 10
+    assert result["examples_per_second"] > 0
+  # Its one progress line says so: both diverged, nothing left to wait for, and the
+  # final evaluation (made although eval_every=0 never asked for one before the end).
+  [p] = seen
+  assert (p.step, p.num_diverged, p.eta_seconds) == (10, 2, 0.0)
+  assert "eval/auc_mean" in p.evaluated
+  for k in (0, 1):
+    assert "eval/auc_mean" in read_metrics(str(tmp_path / f"seed_{k}"))[-1]
 
 
 def test_the_progress_eta_counts_the_steps_and_evaluations_left(tmp_path, monkeypatch):
