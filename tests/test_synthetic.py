@@ -15,7 +15,8 @@ import phoenix_flax as pf
 from phoenix_flax.synthetic import (SplitConfig, WorldConfig, make_world, post_features,
                                     sample_batch, true_logits, user_interest)
 from phoenix_flax.synthetic.sampling import MAX_AGE_S, _ages_s, _history_lengths, _randint
-from phoenix_flax.synthetic.world import UNIFORM_VALUES, history_weights, ids_in_topic
+from phoenix_flax.synthetic.world import (UNIFORM_VALUES, history_weights, ids_in_topic,
+                                          uniform_below)
 from phoenix_flax.training.metrics import per_action_auc
 
 SMALL = WorldConfig(num_users=64, num_posts=200, num_authors=24, num_topics=8, latent_dim=8,
@@ -460,8 +461,31 @@ def test_ids_and_hashes_beyond_a_float32_uniform_reach_every_integer():
   np.testing.assert_allclose(np.bincount(posts // 2 % 3) / len(posts), 1 / 3, atol=0.02)
   # Up to 2**23 integers the uniform itself gives them (the draws of every preset).
   np.testing.assert_array_equal(_randint(u, 0, 1000, key), np.floor(np.asarray(u) * 1000))
+  # ... up to and including 2**23 itself; above it the key draws, up to the last integer
+  # (for a count below the bound too), and for a topic of 2**23 + 1 ids.
+  np.testing.assert_array_equal(uniform_below(u, UNIFORM_VALUES, UNIFORM_VALUES, key),
+                                np.floor(np.asarray(u) * UNIFORM_VALUES))
+  small = np.asarray(uniform_below(u, jnp.full(u.shape, 3), 2 * UNIFORM_VALUES, key))
+  assert set(np.unique(small).tolist()) == {0, 1, 2}
+  topic = jnp.zeros(u.shape, jnp.int32)
+  draws = [np.asarray(ids_in_topic(topic, 2 * UNIFORM_VALUES + 1, 2, u, jax.random.PRNGKey(k)))
+           for k in (3, 4)]
+  assert np.mean(draws[0] == draws[1]) < 0.01 and draws[0].max() < 2 * UNIFORM_VALUES + 1
   with pytest.raises(ValueError, match="needs a key"):
     _randint(u, 0, n)
+
+
+def test_the_world_and_its_sampler_refuse_arguments_of_another_kind():
+  """A dict for a config, or no users in a batch, is named (not an AttributeError, a
+  hashing error from jit, or an empty batch)."""
+  w = world()
+  with pytest.raises(TypeError, match="cfg must be a WorldConfig, got dict"):
+    make_world(dataclasses.asdict(SMALL), jax.random.PRNGKey(0))
+  with pytest.raises(TypeError, match="split must be a SplitConfig, got dict"):
+    sample_batch(w, dataclasses.asdict(SplitConfig()), 4, jax.random.PRNGKey(0))
+  for bad in (0, -1):
+    with pytest.raises(ValueError, match=f"batch_size={bad}"):
+      sample_batch(w, SplitConfig(), bad, jax.random.PRNGKey(0))
 
 
 def test_the_default_world_and_its_batches_are_unchanged():
