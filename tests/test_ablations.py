@@ -304,6 +304,39 @@ def test_an_interaction_of_identical_differences_is_not_exact():
   assert (row["delta"], row["ci95"], row["p_value"]) == (3.0, [3.0, 3.0], 0.0)
 
 
+def _variants(values):
+  return {f"{arm}_{cell}": {"arm": arm, "cell": cell, "metrics": {"m": {"per_seed": v}}}
+          for (arm, cell), v in values.items()}
+
+
+def test_pooled_and_interaction_rows_at_their_edges():
+  """A baseline seed that diverged at one level leaves the interaction; an arm that is
+  the same in every seed does not make an interaction exact; a pooled row compares an arm
+  with the baseline at the levels the arm ran, and an arm with no baseline level beside
+  it has no pooled row."""
+  v = {("base", "lo"): [0.70, 0.71, 0.69, 0.72], ("x", "lo"): [0.72, 0.73, 0.70, 0.75],
+       ("base", "hi"): [0.70, None, 0.69, 0.71], ("x", "hi"): [0.75, 0.74, 0.73, 0.77]}
+  [row] = analysis.interactions(_variants(v), {"c": ["lo", "hi"]}, "base", ["m"])
+  assert row["n"] == 3 and row["delta"] == pytest.approx(0.03)
+  seeds = [0.61, 0.67, 0.72]
+  v = {("base", "lo"): seeds, ("x", "lo"): [0.5] * 3,
+       ("base", "hi"): [s + 0.01 for s in seeds], ("x", "hi"): [0.6] * 3}
+  [row] = analysis.interactions(_variants(v), {"c": ["lo", "hi"]}, "base", ["m"])
+  assert (row["ci95"], row["p_value"]) == (None, 0.25), row
+  assert row["test"] == "sign-flip permutation (identical differences)"
+  # x ran at `hi` alone (a --variants subset), where the baseline is 0.1 above `lo`.
+  v = {("a", "lo"): [0.60, 0.61, 0.59, 0.62], ("a", "hi"): [0.70, 0.71, 0.69, 0.72],
+       ("x", "hi"): [0.72, 0.72, 0.71, 0.75]}
+  [row] = analysis.compare(_variants(v), {"c": ["lo", "hi"]}, "a", ["m"])["pooled_comparisons"]
+  assert row["conditions"] == 1 and row["delta"] == pytest.approx(0.02)
+  v = {("base", "lo"): [0.70, 0.71, 0.69], ("base", "hi"): [0.70, 0.72, 0.69],
+       ("x", "lo"): [0.72, 0.73, 0.70], ("x", "hi"): [0.75, 0.74, 0.73],
+       ("y", "mid"): [0.8, 0.8, 0.81]}
+  pooled = analysis.compare(_variants(v), {"c": ["lo", "mid", "hi"]}, "base",
+                            ["m"])["pooled_comparisons"]
+  assert [r["variant"] for r in pooled] == ["x"]
+
+
 COMMITTED = sorted(glob.glob(os.path.join(REPO, "docs", "results", "*", "results.json")))
 
 
