@@ -476,6 +476,7 @@ def test_rerender_recomputes_statistics_and_reports_from_results_alone(tmp_path,
   assert "| ΔΔ `score_consistency` | corr0.5 − corr0 |" in text
   assert "computed again from results.json by code " in text
   assert "![curves](curves.png)" in text and "![effects](effects.png)" in text
+  assert text.count("](effects.png)") == 1   # listed before, and drawn again: once
   combined = json.loads((folder / "results.json").read_text())
   assert combined["candidate_isolation"] == fresh
   assert "computed again from results.json" in (folder / "REPORT.md").read_text()
@@ -522,6 +523,9 @@ def _sweep_json(per_seed=(0.5, None), metrics=("m",), seeds=(0, 1), **extra) -> 
      '"baseline": "a"}', "its 'primary_metric' None is none of its metrics"),
     ('{"one": {}}', "one holds no results.json"),   # a run_all folder: each sweep checked
     (_sweep_json(seeds=None), "names no 'seeds' list"),
+    (_sweep_json(per_seed=[], seeds=[]), "names no 'seeds' list"),
+    ('{"ablation": "x", "variants": {"a": {"arm": "a", "metrics": {}}}, "metrics": ["m"], '
+     '"preset": "cpu", "baseline": "a"}', "variant 'a' names no 'arm' and 'cell'"),
     (_sweep_json(conditions={"lr": ["lo"]}), "has 'conditions' but no 'arms' list"),
     (_sweep_json(metrics=["m", "n"]), "variant 'a' has no per-seed values of 'n'"),
     (_sweep_json(per_seed=[0.5]), "variant 'a' has 1 per-seed values of 'm' for its 2 seeds"),
@@ -545,6 +549,14 @@ def test_rerender_checks_every_folder_before_rewriting_any(tmp_path, text, messa
     rerender.main(["rerender", str(good), str(bad)])
   assert stop.value.code == 2
   assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+
+
+def test_rerender_without_a_folder_is_a_usage_error(capsys):
+  from ablations import rerender
+  with pytest.raises(SystemExit) as stop:
+    rerender.main(["rerender"])
+  assert stop.value.code == 2
+  assert "name one or more sweep folders" in capsys.readouterr().err
 
 
 def test_rerender_refuses_a_field_it_cannot_render_before_writing(tmp_path, capsys):
