@@ -94,9 +94,14 @@ def test_chunked_scoring_reports_the_largest_change_of_any_batch(monkeypatch):
   monkeypatch.setattr(probes, "logits", lambda system, batch: jnp.zeros((1, 2, 3)))
   monkeypatch.setattr(probes, "chunked_logits", lambda system, batch, size: jnp.zeros(
       (1, 2, 3)).at[0, 0].set(changes[batch]).at[0, 1].set(9.0))
-  monkeypatch.setattr(probes, "pooled_shift_metrics", lambda logits_list, bs: {})
+  pooled = []
+  monkeypatch.setattr(probes, "pooled_shift_metrics",
+                      lambda logits_list, bs: pooled.append(list(logits_list)) or {})
   out = probes.chunked_scoring("system", batches, chunk_size=1)
   assert out == {"max_logit_change": pytest.approx(0.5)}
+  # The metrics are those of the chunked scores, not of the whole lists'.
+  [scored] = pooled
+  assert [float(x[0, 0, 0]) for x in scored] == pytest.approx(changes)
 
 
 def test_gqa_probe_counts_parameters_and_cache(tmp_path):
