@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -762,6 +763,22 @@ def test_a_training_state_beyond_memory_is_refused_before_anything_is_written(
   limit(sharded - 1)
   with pytest.raises(ConfigError, match="lower the world's bucket counts$"):
     runner.check_memory(spec, placement(8, True))
+  # Each vmapped seed holds its own parameters and moments (the world is shared) ...
+  c4 = copy.deepcopy(c)   # (the spec holds `c` itself)
+  c4.num_seeds = 4
+  seeds4 = parse_config(c4)
+  limit(leaves(world) + 4 * 3 * leaves(params) + 4 * 64)
+  runner.check_memory(seeds4, placement(1, False))
+  limit(leaves(world) + 4 * 3 * leaves(params) - 1)
+  with pytest.raises(ConfigError, match="for 4 seeds"):
+    runner.check_memory(seeds4, placement(1, False))
+  # ... and simulated CPU devices each hold a copy in the one host memory.
+  monkeypatch.setattr(runner.jax, "local_device_count", lambda: 8)
+  limit(8 * (state + 64))
+  runner.check_memory(spec, placement(8, False))
+  limit(8 * state - 1)
+  with pytest.raises(ConfigError, match="more than RAM"):
+    runner.check_memory(spec, placement(8, False))
   limit(None)   # a backend that does not say: nothing is refused
   runner.check_memory(spec, placement(1, False))
 
