@@ -1141,6 +1141,20 @@ def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path):
   rows = writers.read_metrics(os.path.join(workdir, "seed_1"))
   rates = [r["perf/examples_per_second"] for r in rows if "perf/examples_per_second" in r]
   assert got[1]["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))
+  # Seed 0 finished here, seed 1 before: the results still come in seed order.
+  os.remove(os.path.join(workdir, "seed_0", runner.RESULT_FILE))
+  assert list(run_experiment(config, workdir)) == [0, 1]
+
+
+def test_a_checkpoint_due_one_step_before_the_end_is_written(tmp_path):
+  """Every checkpoint_every steps a checkpoint, the one due just before the last step
+  too (the final step's is written anyway)."""
+  config = ranking_configs.get_config("smoke")
+  config.train.update(num_steps=20, steps_per_call=1, eval_every=0, checkpoint_every=19,
+                      eval_batches=1)
+  config.output.keep_checkpoints = 3
+  run_experiment(config, str(tmp_path))
+  assert checkpoint.available_steps(str(tmp_path)) == [19, 20]
 
 
 def test_the_logged_rate_leaves_out_the_compiling_chunk_in_old_metrics_files_too(tmp_path):

@@ -1578,6 +1578,8 @@ def test_retrieval_task_trains_and_reports_recall(tmp_path, main):
   train_rows = [r for r in rows if "train/loss" in r]
   assert train_rows and all(r["train/max_attn_logit"] > 0 and r["train/residual_rms/layer_0"] > 0
                             for r in train_rows)
+  # The share of users with a positive in their list, which the in-batch loss counts.
+  assert all(0 < r["train/positive_fraction"] <= 1 for r in train_rows)
 
 
 @pytest.mark.slow
@@ -1719,6 +1721,10 @@ def test_the_corpus_oracle_is_the_true_top_k_and_a_reference_not_a_ceiling():
               for b in range(len(ids))]
       np.testing.assert_array_equal(found[:, 0], want)
       assert sum(want) > 0
+      # A budget of 48 users, which 128 lists do not divide into: chunks of 32 then.
+      found_32, _ = bayes_corpus_hits(world, sb.interest, bias_B, 0, ids, positive_BC, (K,),
+                                      budget=48 * N * (wc.latent_dim + wc.num_actions))
+      np.testing.assert_array_equal(found_32, found)
     topic_logits_BT = wc.retrieval_sharpness * np.asarray(sb.interest) @ np.asarray(
         world.topic_vecs_TL).T
     topic_BT = np.exp(topic_logits_BT - topic_logits_BT.max(1, keepdims=True))
