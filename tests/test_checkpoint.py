@@ -1126,7 +1126,7 @@ def test_a_run_resumed_for_its_last_chunk_reports_the_rate_logged_before(tmp_pat
   assert result["examples_per_second"] == pytest.approx(len(rates) / sum(1 / x for x in rates))
 
 
-def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path):
+def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path, monkeypatch):
   """Two seeds trained vmapped, the process killed between their result.json files: the
   re-run finishes seed 1 alone from the final checkpoint, and its result says it trained
   with 2 seeds (the logged rates it reports are those of both), as uninterrupted."""
@@ -1135,7 +1135,12 @@ def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path):
   workdir = str(tmp_path / "run")
   want = run_experiment(config, workdir)
   os.remove(os.path.join(workdir, "seed_1", runner.RESULT_FILE))
+  compiled = []   # (nothing left to train: the training program is not compiled)
+  real = loop.Trainer.compile_chunk
+  monkeypatch.setattr(loop.Trainer, "compile_chunk",
+                      lambda self, state: compiled.append(1) or real(self, state))
   got = run_experiment(config, workdir)
+  assert compiled == []
   assert got[1]["final"] == want[1]["final"]
   assert got[1]["num_seeds_vmapped"] == want[1]["num_seeds_vmapped"] == 2
   rows = writers.read_metrics(os.path.join(workdir, "seed_1"))
