@@ -6,13 +6,14 @@ For a sweep whose run directories are gone (such as docs/results, which keeps re
 REPORT.md and the plots only), or after a change to the statistics (`ablations.stats`,
 `ablations.analysis`) or to the report: the per-seed values in results.json are kept,
 each variant's summaries (`stats.summarize`) and the comparisons, pooled comparisons and
-interactions (`analysis.compare`) are computed again, effects.png is drawn again, and REPORT.md is written with the plots
-it listed before (curves need the runs: with them, run the sweep's own command instead,
-which redraws everything and reuses every run). results.json records the code and
-command that did this as `rendered`; its `environment` still describes the sweep's
-process. A folder of `python -m ablations.run_all` (its results.json maps each ablation
-to its results) is rendered ablation by ablation, then its combined report; name that
-folder, not one of its ablations, or the combined report keeps the old figures.
+interactions (`analysis.compare`) are computed again, effects.png is drawn again, and
+REPORT.md is written with the plots it listed before (curves need the runs: with them,
+run the sweep's own command instead, which redraws everything and reuses every run).
+results.json records the code and command that did this as `rendered`; its `environment`
+still describes the sweep's process. A folder of `python -m ablations.run_all` (its
+results.json maps each ablation to its results) is rendered ablation by ablation, then
+its combined report; name that folder, not one of its ablations, or the combined report
+keeps the old figures.
 """
 
 from __future__ import annotations

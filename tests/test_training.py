@@ -28,8 +28,8 @@ from phoenix_flax.training import checkpoint, metrics, provenance, runner, schem
 from phoenix_flax.training.loss import binary_cross_entropy, is_positive
 from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
                                         popularity_keys, popularity_scores, unstack)
-from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars, metric_names,
-                                          load_run)
+from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars,
+                                          load_run, metric_names)
 from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
 from phoenix_flax.training.writers import read_metrics
 
@@ -650,8 +650,8 @@ def test_evaluation_pools_diagnostics_and_score_consistency_over_batches():
   (candidate, action) over all its batches (of the primary split only), `loss` the
   training loss (action weights included) over every valid candidate of them,
   `residual_rms/layer_i` layer i's RMS averaged over the batches and `max_attn_logit` the
-  maximum over batches and layers (`max_attn_logit/layer_i` over batches): checked against forwards of each evaluation batch run
-  one by one."""
+  maximum over batches and layers (`max_attn_logit/layer_i` over batches): checked
+  against forwards of each evaluation batch run one by one."""
   cfg = ranking_configs.get_config("smoke")
   cfg.model.candidate_isolation = False     # companions move the scores
   cfg.model.num_layers = 2
@@ -856,7 +856,8 @@ OUT_OF_RANGE = [
     ("retrieval", {"retrieval.recall_k": (5, 401)}, r"retrieval.recall_k=\(5, 401\) is invalid: "
      "K must be at most world.num_posts=400"),
     ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid: only"),
-    ("ranking", {"seed": 2**32}, r"seed=4294967296 is invalid: must be an integer in \[0, 2\*\*32\)"),
+    ("ranking", {"seed": 2**32},
+     r"seed=4294967296 is invalid: must be an integer in \[0, 2\*\*32\)"),
     ("ranking", {"world_seed": -1}, r"world_seed=-1 is invalid"),
     ("ranking", {"eval_seed": 2**64}, r"eval_seed=18446744073709551616 is invalid"),
     ("ranking", {"eval_seed": 0}, r"eval_seed=0 is invalid: must differ from world_seed"),

@@ -282,10 +282,11 @@ def ranking_metrics(logits_BCA: Array, labels_BCA: Array, probs_BCA: Optional[Ar
   Bayes one clips the true probabilities to [1e-7, 1 - 1e-7] in float32),
   `calibration_error` (`calibration_error`: every action's predictions pooled),
   `list_auc` / `bayes_list_auc` (the favorite's AUC within each list, averaged over the
-  lists with a favorited and a not-favorited candidate: `list_auc`), `ndcg@k` of the favorite ranking with the true favorite
-  probability as gain (1.0 = Bayes order), `recall@k` / `bayes_recall@k` of the favorited
-  candidates (favorite label a positive), for each `k` (an int or several; a k at or above a list's
-  size ranks the whole list, so its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
+  lists with a favorited and a not-favorited candidate: `list_auc`), `ndcg@k` of the
+  favorite ranking with the true favorite probability as gain (1.0 = Bayes order),
+  `recall@k` / `bayes_recall@k` of the favorited candidates (favorite label a positive),
+  for each `k` (an int or several; a k at or above a list's size ranks the whole list, so
+  its recall is 1.0), `num_valid_actions`, and `auc/<action>` and
   `bayes_auc/<action>` per action (NaN, null in JSON, where the action is not valid: no
   positive or no negative among the lists). Which actions are valid depends on the
   labels only, so the Bayes figures never depend on the model. A NaN logit of a valid

@@ -39,8 +39,9 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   JAX's connection retries add a few) until all `num_processes` processes have joined,
   so start the same command on every host. A process that is still waiting then is
   aborted by JAX's runtime (a native fatal error, not a Python exception), after the log
-  line this writes first has said what it waits for. While it waits, Ctrl-C and SIGTERM end the process at once (the call blocks
-  in native code, where Python's handlers cannot run). A failure to start (no
+  line this writes first has said what it waits for. While it waits, Ctrl-C and SIGTERM
+  end the process at once (the call blocks in native code, where Python's handlers cannot
+  run). A failure to start (no
   coordinator given and none detected) is a `ConfigError` naming the `config.mesh`
   fields.
   """
