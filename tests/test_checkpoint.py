@@ -1151,6 +1151,26 @@ def test_a_seed_finished_alone_reports_the_seeds_it_trained_with(tmp_path, monke
   assert list(run_experiment(config, workdir)) == [0, 1]
 
 
+def test_seeds_resumed_together_keep_their_own_wall_time(tmp_path):
+  """Each seed's wall_seconds continues from its own checkpoint's: seeds resumed together
+  may have trained apart before (seed 1's process here ran 1000 s longer)."""
+  config = ranking_configs.get_config("smoke")
+  config.num_seeds = 2
+  config.train.update(num_steps=20, eval_every=0, checkpoint_every=10, eval_batches=1)
+  run_experiment(config, str(tmp_path))
+  like = runner.checkpoint_like(loop.Trainer(parse_config(config)))
+  for k in (0, 1):
+    seed_dir = str(tmp_path / f"seed_{k}")
+    os.remove(os.path.join(seed_dir, runner.RESULT_FILE))
+    os.remove(checkpoint.checkpoint_path(seed_dir, 20))
+  seed_1 = str(tmp_path / "seed_1")
+  found = checkpoint.load(seed_1, 10, like, host=True)
+  found["wall_seconds"] = np.asarray(float(found["wall_seconds"]) + 1000.0, np.float64)
+  checkpoint.save(seed_1, 10, found, keep=2)
+  results = run_experiment(config, str(tmp_path))
+  assert results[1]["wall_seconds"] - results[0]["wall_seconds"] == pytest.approx(1000, abs=1)
+
+
 def test_a_checkpoint_due_one_step_before_the_end_is_written(tmp_path):
   """Every checkpoint_every steps a checkpoint, the one due just before the last step
   too (the final step's is written anyway)."""
