@@ -443,6 +443,13 @@ def test_an_unreadable_checkpoint_resumes_from_the_one_before_it(tmp_path, caplo
     assert got[k]["final"] == want[k]["final"] and got[k]["steps"] == 40
     assert [r["step"] for r in writers.read_metrics(seed_dirs[k])] == [10, 20, 30, 40]
   assert load_run(seed_dirs[1]).step == 40   # the damaged file was replaced by the retrained one
+  # A fresh run resumes nothing, and says nothing of resuming.
+  caplog.clear()
+  fresh = ranking_configs.get_config("smoke")
+  fresh.train.update(num_steps=10, eval_every=0, checkpoint_every=0, eval_batches=1)
+  with caplog.at_level("WARNING", logger=runner.__name__):
+    run_experiment(fresh, str(tmp_path / "fresh"))
+  assert "resuming" not in caplog.text
 
   for d in seed_dirs:
     os.remove(os.path.join(d, "result.json"))
