@@ -288,12 +288,9 @@ def test_an_interaction_of_identical_differences_is_not_exact():
     assert row["test"] == "sign-flip permutation (identical differences)"
     assert row["ci95"] is None
   # A baseline arm that gives the same value in every seed does not make the rest exact.
-  values = {("base", "lo"): [0.5] * 3, ("x", "lo"): seeds[:3],
-            ("base", "hi"): [0.5] * 3, ("x", "hi"): seeds[:3] + 0.01}
-  variants = {f"{arm}_{cell}": {"arm": arm, "cell": cell, "metrics": {
-      "m": {"per_seed": np.asarray(v, np.float64).tolist()}}}
-      for (arm, cell), v in values.items()}
-  [row] = analysis.interactions(variants, {"c": ["lo", "hi"]}, "base", ["m"])
+  values = {("base", "lo"): [0.5] * 3, ("x", "lo"): seeds[:3].tolist(),
+            ("base", "hi"): [0.5] * 3, ("x", "hi"): (seeds[:3] + 0.01).tolist()}
+  [row] = analysis.interactions(_variants(values), {"c": ["lo", "hi"]}, "base", ["m"])
   assert (row["ci95"], row["p_value"]) == (None, 0.25), row
   assert row["test"] == "sign-flip permutation (identical differences)"
   # A deterministic metric (the same value in every seed, each variant) stays exact.

@@ -41,9 +41,8 @@ def initialize_distributed(coordinator_address: Optional[str] = None,
   aborted by JAX's runtime (a native fatal error, not a Python exception), after the log
   line this writes first has said what it waits for. While it waits, Ctrl-C and SIGTERM
   end the process at once (the call blocks in native code, where Python's handlers cannot
-  run). A failure to start (no
-  coordinator given and none detected) is a `ConfigError` naming the `config.mesh`
-  fields.
+  run). A failure to start (no coordinator given and none detected) is a `ConfigError`
+  naming the `config.mesh` fields.
   """
   global _distributed_initialized
   if _distributed_initialized or jax.distributed.is_initialized():
