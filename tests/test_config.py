@@ -14,7 +14,8 @@ from conftest import ranking_config, retrieval_config, transformer_config
 
 @pytest.mark.parametrize("emb_size, widening, expected",
                          [(128, 4.0, 344), (256, 2, 344), (64, 2, 88), (32, 2.0, 48),
-                          (48, 2.0, 64), (12, 1.0, 8)])   # already multiples of 8
+                          (48, 2.0, 64), (12, 1.0, 8),   # already multiples of 8
+                          (10, 3.75, 24)])   # int(37.5) * 2 // 3 = 24, not int(75) // 3 = 25
 def test_ffn_size(emb_size, widening, expected):
   assert pf.ffn_size(emb_size, widening) == expected
   cfg = transformer_config(emb_size=emb_size, widening_factor=widening)
@@ -165,6 +166,13 @@ def test_values_on_the_edge_of_their_range_are_accepted():
   assert ranking_config(post_age_granularity_mins=6000).num_post_age_buckets == 2
   assert ranking_config(num_continuous_actions=0, dwell_hidden_size=1).dwell_hidden_size == 1
   assert transformer_config(widening_factor=0.0625).ffn_size == 8   # int(2.0) * 2 // 3 = 1
+  # Attention scales up to 1e6 are taken (MAX_ATTENTION_SCALE), and nothing past it.
+  assert transformer_config(attn_logit_cap=1e6).attn_logit_cap == 1e6
+  assert transformer_config(attn_output_multiplier=1e6).attn_output_multiplier == 1e6
+  for field in ("attn_logit_cap", "attn_output_multiplier"):
+    with pytest.raises(ValueError, match=
+                       rf"\.{field}=2000000\.0 is invalid: must be at most 1e\+06"):
+      transformer_config(**{field: 2e6})
 
 
 def test_micro_batch_rows_auto_is_2048_on_cpu_and_off_elsewhere(monkeypatch):
