@@ -405,6 +405,44 @@ def test_every_model_entry_point_names_a_bad_field(entry):
       call(*one)
 
 
+def test_each_field_is_checked_for_its_dtype():
+  """Each check of `types.py` names the field whose dtype is wrong: fields that a model
+  would cast (float surfaces or timestamps, integer embeddings) are refused, not cast."""
+  cfg = ranking_config(post_age_granularity_mins=60)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  as_type = lambda x, dtype: jnp.asarray(x, dtype)
+  bad = [("history_product_surface must hold integers", batch._replace(
+              history_product_surface=as_type(batch.history_product_surface, jnp.float32)), emb),
+         ("impression_timestamps must hold integers", batch._replace(
+              impression_timestamps=as_type(batch.impression_timestamps, jnp.float32)), emb),
+         ("candidate_post_embeddings must hold floats", batch, emb._replace(
+              candidate_post_embeddings=as_type(emb.candidate_post_embeddings, jnp.int32)))]
+  for match, b, e in bad:
+    with pytest.raises(AssertionError, match=match):
+      model.build_inputs(b, e)
+
+
+def test_item_and_author_hash_counts_may_differ():
+  """Every check and projection takes the item and author hash counts from their own
+  fields: with 2 item and 3 author hashes both models run, and the cached context scores
+  as the forward pass does."""
+  hc = pf.HashConfig(num_user_hashes=1, num_item_hashes=2, num_author_hashes=3)
+  cfg = ranking_config(hash_config=hc)
+  model, (batch, emb) = model_for(cfg), padded_batch(cfg)
+  assert emb.history_author_embeddings.shape[2] == 3
+  out, _ = forward(model, batch, emb)
+  cached = call(lambda m, b, e: m.score_candidates(m.encode_context(b, e), b, e),
+                model, batch, emb)
+  np.testing.assert_allclose(cached.logits, out.logits, atol=1e-5)
+  rcfg = retrieval_config(hash_config=hc)
+  retrieval = pf.PhoenixRetrievalModel(rcfg, key=jax.random.key(0))
+  batch, emb = padded_batch(rcfg)
+  user, _ = call(retrieval.build_user_representation, batch, emb)
+  items, _ = call(retrieval.build_candidate_representation, batch, emb)
+  assert user.shape == (2, EMB) and items.shape == (2, 3, EMB)
+  assert np.all(np.isfinite(user)) and np.all(np.isfinite(items))
+
+
 def test_score_candidates_needs_candidate_isolation():
   """Without isolation a candidate attends to the candidates before it, so no cached
   context scores it: refused, rather than logits unlike the model's own forward."""

@@ -65,6 +65,10 @@ def test_candidate_tower_mean_pool_has_no_parameters():
   assert out16.dtype == jnp.float32
   np.testing.assert_allclose(out16, mean / np.linalg.norm(mean, axis=-1, keepdims=True),
                              atol=1e-5)
+  # Below the normalisation's 1e-6 floor the mean's own length shows (a sum's would not
+  # match): a mean of norm sqrt(32) * 1e-7 = 5.7e-7 comes out at 0.57.
+  tiny = call(tower, jnp.full((1, 1, HASHES, EMB), 1e-7, jnp.float32))
+  np.testing.assert_allclose(unit_norms(tiny), np.sqrt(EMB) * 0.1, rtol=1e-5)
 
 
 def test_candidate_tower_checks_its_input():
