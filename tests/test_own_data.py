@@ -159,6 +159,10 @@ def test_optimizer_from_an_optim_section_is_the_runs_optimizer():
     training.optimizer_from(optim, 100)
   with pytest.raises(training.ConfigError, match="optim must be a ConfigDict"):
     training.optimizer_from({"learning_rate": 1e-3}, 100)
+  del optim["momentum"], optim["grad_clip_norm"]
+  with pytest.raises(training.ConfigError, match=r"optim: unknown fields \[\], missing "
+                                                  r"fields \['grad_clip_norm'\]"):
+    training.optimizer_from(optim, 100)
 
 
 @pytest.mark.slow

@@ -850,6 +850,7 @@ OUT_OF_RANGE = [
     ("ranking", {"train.action_weights": (1e39,) + (1.0,) * 18},
      r"train.action_weights=\(1e\+39, 1.0, .*in \[0, 1e\+06\]"),
     ("ranking", {"train.action_weights": (1e-9,) * 19}, r"with a sum >= 1e-6"),
+    ("ranking", {"train.action_weights": (1.0,) * 20}, r"train.action_weights=\(1.0, .*19"),
     ("retrieval", {"train.batch_size": 1}, "train.batch_size=1 is invalid: retrieval needs"),
     ("ranking", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
     ("retrieval", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
@@ -870,13 +871,15 @@ OUT_OF_RANGE = [
      "more distinct"),
     ("ranking", {"ranking.top_k": ()}, r"ranking.top_k=\(\) is invalid"),
     ("ranking", {"mesh.num_devices": -2}, "mesh.num_devices=-2 is invalid"),
+    ("ranking", {"mesh.num_devices": 0}, "mesh.num_devices=0 is invalid"),
     ("ranking", {"mesh.distributed": True, "mesh.coordinator_address": "localhost"},
      "mesh.coordinator_address='localhost' is invalid: use 'host:port'"),
     *[("ranking", {"mesh.distributed": True, "mesh.coordinator_address": address},
        f"mesh.coordinator_address='{address}' is invalid: use 'host:port' \\(a port in "
        "1..65535\\)")   # 'localhost:abc' crashed the process in gRPC, not a refusal
       for address in ("localhost:abc", "localhost:", "localhost:99999", ":1234",
-                      "10.0.0.1:0", "10.0.0.1:65536")],
+                      "10.0.0.1:0", "10.0.0.1:65536",
+                      "localhost:\u0661\u0662\u0663\u0664")],   # digits int() reads
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": False},
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": 0},   # 0 == False let it through
@@ -892,6 +895,11 @@ OUT_OF_RANGE = [
     ("ranking", {"optim.learning_rate": 0.0}, "optim.learning_rate=0.0 is invalid"),
     ("ranking", {"optim.weight_decay": -0.1}, "optim.weight_decay=-0.1 is invalid"),
     ("ranking", {"train.num_steps": 0}, "train.num_steps=0 is invalid"),
+    ("ranking", {"train.batch_size": 0}, "train.batch_size=0 is invalid"),
+    ("ranking", {"train.eval_every": -10}, "train.eval_every=-10 is invalid"),
+    ("ranking", {"train.checkpoint_every": -10}, "train.checkpoint_every=-10 is invalid"),
+    ("ranking", {"num_seeds": 0}, "num_seeds=0 is invalid"),
+    ("retrieval", {"retrieval.recall_k": (0, 10)}, r"retrieval.recall_k=\(0, 10\) is invalid"),
     ("ranking", {"train.num_steps": 2_147_483_800},   # 200 x 10,737,419: past int32
      "train.num_steps=2147483800 is invalid: must be at most 2147483647"),
     ("ranking", {"train.steps_per_call": 0}, "train.steps_per_call=0 is invalid"),
@@ -908,6 +916,9 @@ OUT_OF_RANGE = [
     ("ranking", {"output.keep_checkpoints": 0}, "output.keep_checkpoints=0 is invalid"),
     ("ranking", {"mesh.num_processes": 0}, "mesh.num_processes=0 is invalid"),
     ("ranking", {"mesh.process_id": -1}, "mesh.process_id=-1 is invalid"),
+    ("ranking", {"mesh.distributed": True, "mesh.coordinator_address": "10.0.0.1:1234",
+                 "mesh.num_processes": 2, "mesh.process_id": 2},
+     "mesh.process_id=2 is invalid"),
     ("ranking", {"mesh.initialization_timeout": 0}, "mesh.initialization_timeout=0 is invalid"),
 ]
 
@@ -924,6 +935,7 @@ NO_OUT_OF_RANGE_CASE = {
 # Values on the edge of what their fields allow (a world of 400 posts, 19 actions).
 AT_THE_EDGE = {
     "optim.b1": 0.0, "optim.end_lr_fraction": 1.0, "optim.warmup_steps": 0, "optim.eps": 1e-30,
+    "optim.weight_decay": 0.0, "optim.grad_clip_norm": None,   # plain Adam, no clipping
     "train.eval_batch_size": 2, "train.eval_every": 0, "train.checkpoint_every": 0,
     "train.action_weights": (1.0,) + (0.0,) * 18, "ranking.top_k": (1, 400),
     "mesh.num_devices": -1,
@@ -1043,6 +1055,10 @@ def test_every_training_field_has_an_out_of_range_case():
 def test_values_at_the_edge_of_their_range_are_accepted():
   spec = parse_config(_overridden("ranking", AT_THE_EDGE))
   assert spec.action_weights == (1.0,) + (0.0,) * 18
+  # The most steps an int32 step counter holds (one step a call, no evaluation or checkpoint
+  # on the way).
+  parse_config(_overridden("ranking", {"train.num_steps": 2**31 - 1, "train.steps_per_call": 1,
+                                       "train.eval_every": 0, "train.checkpoint_every": 0}))
   retrieval = parse_config(_overridden("retrieval", {
       "train.batch_size": 2, "retrieval.positive_action": 18, "retrieval.recall_k": (1, 400)}))
   assert retrieval.config.train.batch_size == 2
@@ -1050,6 +1066,14 @@ def test_values_at_the_edge_of_their_range_are_accepted():
   parse_config(_overridden("ranking", {"world.num_posts": 50, "optim.warmup_steps": 39}))
   with pytest.raises(ConfigError, match=r"SplitConfig has no field\(s\) \['max_histroy'\]"):
     split_config(max_histroy=4)
+
+
+def test_paths_named_matches_whole_field_names():
+  """Where the hints of `experiments/cli.py` and `ablations/sweep.py` point a misplaced
+  field: the paths whose last key is the name itself, not one ending with it."""
+  assert schema.paths_named("num_steps") == ["train.num_steps"]
+  assert schema.paths_named("seed") == ["seed"]
+  assert schema.paths_named("steps") == [] and schema.paths_named("k") == []
 
 
 def test_the_evaluations_a_run_has_still_to_make():
