@@ -76,6 +76,19 @@ def test_sampling_counts_decay_and_count_every_present_positive():
     update_sampling_counts(counts, hashes[:, :1], present, 0.5)
 
 
+def test_the_counted_positive_is_the_first_unmasked_one():
+  """`positive_hashes` picks what `in_batch_loss` trains on: a positive label on a masked
+  (padded) slot counts for nothing, so user 0's positive is slot 2, and user 1 has none."""
+  labels = np.zeros((2, 3, 2), np.float32)
+  labels[0, 0, 1] = labels[0, 2, 1] = labels[1, 1, 1] = 1.0
+  mask = np.array([[False, True, True], [True, False, True]])
+  hashes = jnp.asarray([[[11, 12], [21, 22], [31, 32]], [[41, 42], [51, 52], [61, 62]]])
+  batch = type("Batch", (), {"candidate_post_hashes": hashes})()
+  got, has = RetrievalSystem.positive_hashes(batch, labels, mask, positive_action=1)
+  assert np.asarray(got)[0].tolist() == [31, 32]
+  assert np.asarray(has).tolist() == [True, False]
+
+
 def test_training_counts_the_positives_of_every_step_and_corrects_the_loss():
   """After a chunk, the state's count sketch is the decayed sum of every step's positives
   under each post hash function; each step's loss is the in-batch loss with the smaller of

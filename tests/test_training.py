@@ -44,6 +44,10 @@ def test_hash_tables_padding_is_zero_and_gets_no_gradient():
   tables = HashEmbeddingTables(5, 7, 3, 4, key=jax.random.PRNGKey(0))
   for table in (tables.user_table, tables.post_table, tables.author_table):
     assert not np.any(np.asarray(table[0])) and np.all(np.asarray(table[1:]) != 0)
+  # Each table draws from its own key: no row is another table's same row.
+  user, post, author = (np.asarray(t[1:3]) for t in (tables.user_table, tables.post_table,
+                                                      tables.author_table))
+  assert not np.any(user == post) and not np.any(user == author) and not np.any(post == author)
   hashes = jnp.array([[0, 2], [4, 0]])
   post, _ = tables.post_embeddings(hashes, hashes % 3)
   assert np.all(np.asarray(post[0, 0]) == 0) and np.all(np.asarray(post[1, 1]) == 0)
@@ -82,6 +86,15 @@ def test_retrieval_system_user_tower_needs_no_candidates():
   users = eqx.filter_jit(lambda s, b: s.user_representation(b))
   np.testing.assert_array_equal(users(system, no_candidates), users(system, batch))
   assert system.tables(no_candidates).candidate_post_embeddings is None
+  # Serving with a corpus mask: what it leaves out is never retrieved.
+  hashes = jnp.arange(1, 41).reshape(20, 2)
+  corpus = system.corpus_representation(hashes, hashes % 7 + 1)
+  top = eqx.filter_jit(lambda s, b, c, m: s(b, c, 3, m))
+  free = np.unique(np.asarray(top(system, no_candidates, corpus, None).top_k_indices))
+  mask = np.ones(20, bool)
+  mask[free] = False
+  kept = np.asarray(top(system, no_candidates, corpus, jnp.asarray(mask)).top_k_indices)
+  assert mask[kept].all(), (free, kept)
   # Half a candidate (one hash field None) is refused by name, not dropped or a TypeError.
   for given, other in (("candidate_post_hashes", "candidate_author_hashes"),
                        ("candidate_author_hashes", "candidate_post_hashes")):
