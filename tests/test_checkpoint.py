@@ -515,12 +515,12 @@ def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_p
   (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 20}\n{"step": 3')
   assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 20}]
   assert writers.read_metrics(str(tmp_path / "none")) == []
-  (tmp_path / "metrics.jsonl").write_text(
-      '{"step": 10}\n{"st\x00\n3\n{"loss": 1.0}\n{"step": true}\n{"step": 40}\n')
+  (tmp_path / "metrics.jsonl").write_bytes(
+      b'{"step": 10}\n{"st\x00\n3\n{"loss": 1.0}\n{"step": true}\n\xff\xfe\n{"step": 40}\n')
   with caplog.at_level("WARNING", logger=writers.__name__):
     assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 40}]
-  warned = [n for n in range(1, 7) if f"metrics.jsonl line {n} is not" in caplog.text]
-  assert warned == [2, 3, 4, 5]
+  warned = [n for n in range(1, 8) if f"metrics.jsonl line {n} is not" in caplog.text]
+  assert warned == [2, 3, 4, 5, 6]   # (6: bytes that are no UTF-8)
   # A row cut just before its newline parses, but is still the unfinished last line: it
   # is dropped, silently like any cut-short row.
   caplog.clear()
@@ -1266,20 +1266,34 @@ def test_reused_runs_without_a_recorded_code_version_warn_of_nothing(tmp_path, c
       caplog.text)
 
 
-def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path):
+def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path,
+                                                                       monkeypatch):
   """`remove_temporaries(keep_live_writers=True)` (sweep folders, probed runs) keeps the
-  temporary file of a writer still running on this host and removes the rest, names with
-  numbers no process can have included; without it, every one goes."""
+  temporary file of a writer still running on this host (another user's too, which this
+  process may not signal) and removes the rest, names with numbers no process can have
+  included; without it, every one goes. A name that only starts like a temporary's is no
+  temporary."""
   live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  others = 4_000_000   # a pid of another user's process: signalling it is not permitted
+  real_kill = os.kill
+
+  def kill(pid, sig):
+    if pid == others:
+      raise PermissionError(1, "Operation not permitted")
+    return real_kill(pid, sig)
+
+  monkeypatch.setattr(os, "kill", kill)
   try:
-    names = [f".a.json.tmp.{live.pid}", ".b.json.tmp.0", f".c.json.tmp.{10 ** 30}",
-             f".d.json.tmp.{os.getpid()}", ".f.json.tmp.1", "e.json"]   # (1: init, running)
+    names = [f".a.json.tmp.{live.pid}", f".g.json.tmp.{others}", ".b.json.tmp.0",
+             f".c.json.tmp.{10 ** 30}", f".d.json.tmp.{os.getpid()}", ".f.json.tmp.1",
+             "e.json", ".h.json.tmp.5.bak", ".i.json.tmp.9x"]   # (1: init, running)
     for name in names:
       (tmp_path / name).write_text("partial")
+    assert [writers.is_temporary(name) for name in names] == [True] * 6 + [False] * 3
     writers.remove_temporaries(str(tmp_path), keep_live_writers=True)
-    assert sorted(os.listdir(tmp_path)) == sorted([names[0], "e.json"])
+    assert sorted(os.listdir(tmp_path)) == sorted(names[:2] + names[6:])
     writers.remove_temporaries(str(tmp_path))
-    assert os.listdir(tmp_path) == ["e.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[6:])
   finally:
     live.kill()
     live.wait()

@@ -83,6 +83,19 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
   assert start.group_name == ""   # one seed in the workdir itself: a group of its own
 
 
+def _events(run_dir):
+  """Every event of a run's event files, file by file."""
+  from tensorboardX.proto.event_pb2 import Event
+  return [Event.FromString(payload)
+          for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+          for _, payload in writers._records(open(path, "rb").read())]
+
+
+def _hparams_events(run_dir, tag):
+  return [e for e in _events(run_dir) if e.HasField("summary")
+          and any(v.tag == tag for v in e.summary.value)]
+
+
 def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
   named by the variant's directory, so that the same variant of another sweep (another
@@ -91,7 +104,7 @@ def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   variant_dir = tmp_path / "smoke" / "candidate_isolation" / "causal_corr0"
   for seed in (0, 1):
     run_dir = str(variant_dir / f"seed_{seed}")
-    writer = RunWriter(run_dir, {"seed": seed}, None,
+    writer = RunWriter(run_dir, {"seed": seed, "optim.learning_rate": 0.003}, None,
                        runner._hparams_group(run_dir, seed))
     writer.close(finished=True)
     content = _accumulator(run_dir).PluginTagToContent("hparams")
@@ -99,6 +112,8 @@ def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
         content["_hparams_/session_start_info"]).session_start_info
     assert start.group_name == str(variant_dir)
     assert start.hparams["seed"].number_value == seed
+    # A float is a number too: HParams filters and sorts numbers by value, not as text.
+    assert start.hparams["optim.learning_rate"].number_value == pytest.approx(0.003)
   other = str(tmp_path / "cpu" / "candidate_isolation" / "causal_corr0" / "seed_0")
   assert runner._hparams_group(other, 0) != runner._hparams_group(str(variant_dir / "seed_0"), 0)
   assert runner._hparams_group(str(tmp_path / "run"), 0) == ""
@@ -108,8 +123,11 @@ def test_a_diverged_runs_hparams_session_ends_as_a_failure(tmp_path):
   """The HParams view's status filter tells a diverged run from a finished one."""
   for diverged, status in ((False, "STATUS_SUCCESS"), (True, "STATUS_FAILURE")):
     run_dir = str(tmp_path / str(diverged))
-    RunWriter(run_dir, {"seed": 0}, None, "").close(finished=True, diverged=diverged)
+    writer = RunWriter(run_dir, {"seed": 0}, None, "")
+    writer.close(finished=True, diverged=diverged)
+    writer.close(finished=True)   # closing again does nothing: no second session end
     assert session_end_status(run_dir) == status
+    assert len(_hparams_events(run_dir, "_hparams_/session_end_info")) == 1
 
 
 def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
@@ -124,6 +142,10 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   writer.close(finished=False)
   writer = RunWriter(run_dir, hparams, resume_step=20)   # within the same second too
   assert [r["step"] for r in read_metrics(run_dir)] == [10, 20]
+  from tensorboardX.proto.event_pb2 import SessionLog
+  writer.flush()
+  assert [e.step for e in _events(run_dir) if e.HasField("session_log")
+          and e.session_log.status == SessionLog.START] == [21]   # the restart marker
   writer.log(30, {"train/loss": 33.0, "eval/recall@5": float("nan")}, 3.5)
   writer.close(finished=True)
   acc = _accumulator(run_dir)
@@ -174,8 +196,10 @@ def test_an_extra_event_file_replaces_every_earlier_one_of_its_name(tmp_path):
   older = os.path.join(run_dir, f"events.out.tfevents.{int(stamp) - 100}.{rest}")
   shutil.copy(newer, older)
   assert writers.event_file_name(run_dir, "probes") == newer
+  os.makedirs(os.path.join(run_dir, ".probes.abc123"))   # a writer killed while writing
   written = writers.write_event_file(run_dir, "probes", {"probe": 2.0}, 30)
   assert glob.glob(os.path.join(run_dir, "events.out.tfevents.*.probes")) == [written]
+  assert not [name for name in os.listdir(run_dir) if name.startswith(".")]
 
 
 def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path):
@@ -188,15 +212,17 @@ def test_an_extra_event_file_holds_the_finite_numbers_under_their_tags(tmp_path)
             # NumPy and JAX numbers count too (np.float32 and np.int64 were left out):
             "np/f32": np.float32(2.5), "np/i64": np.int64(4), "np/0d": np.array(0.25),
             "jax/0d": jnp.float32(0.5), "np/nan": np.float32("nan"), "np/flag": np.bool_(True),
-            "np/vector": np.ones(2), "jax/vector": jnp.ones(1)}
+            "np/vector": np.ones(2), "jax/vector": jnp.ones(1), "np/i0d": np.array(7),
+            "jax/i0d": jnp.int32(3)}
   writers.write_event_file(str(tmp_path), "probes", values, 30)
   acc = _accumulator(str(tmp_path))
   assert set(acc.Tags()["scalars"]) == {"probe/ok", "eval-cold/recall_5", "probe/int",
-                                        "np/f32", "np/i64", "np/0d", "jax/0d"}
+                                        "np/f32", "np/i64", "np/0d", "jax/0d", "np/i0d",
+                                        "jax/i0d"}
   assert [e.value for e in acc.Scalars("np/f32")] == [2.5]
   # Files are found by their name's suffix: "x.probes" would have been found as "probes"
   # (and replaced by its next write), so names are plain words.
-  for bad in ("x.probes", "prob*", ""):
+  for bad in ("x.probes", "prob*", "", 5, None):
     with pytest.raises(ValueError, match="use letters, digits, '_' and '-' only"):
       writers.write_event_file(str(tmp_path), bad, values, 30)
     with pytest.raises(ValueError, match="use letters, digits"):
@@ -319,6 +345,25 @@ def test_events_reach_disk_while_a_run_trains(tmp_path, monkeypatch):
   writer.log(20, {"train/loss": 2.0}, 2.0)
   assert [e.step for e in _accumulator(str(tmp_path)).Scalars("train/loss")] == [10, 20]
   writer.close(finished=False)
+
+
+def test_a_writer_flushes_once_an_interval_not_at_every_row(tmp_path, monkeypatch):
+  """Each flush fsyncs, so a row a second over 40 s flushes 3 times with a 10 s interval
+  (at 10.5, 21.5 and 32.5 s), not at every row once the first interval has passed."""
+  now = [0.0]
+  clock = type("Clock", (), {"monotonic": staticmethod(lambda: now[0]),
+                             "time": staticmethod(time.time),
+                             "time_ns": staticmethod(time.time_ns)})
+  monkeypatch.setattr(writers, "time", clock)
+  monkeypatch.setattr(writers, "FLUSH_SECONDS", 10.0)
+  writer = RunWriter(str(tmp_path), {"model.num_layers": 2}, None)
+  flushed, flush = [], writer.flush
+  writer.flush = lambda: (flushed.append(now[0]), flush())
+  for second in range(40):
+    now[0] = second + 0.5
+    writer.log(second, {"train/loss": 1.0}, now[0])
+  writer.close(finished=False)
+  assert flushed == [10.5, 21.5, 32.5]
 
 
 def _free_port() -> int:
