@@ -1657,6 +1657,29 @@ def test_plain_loops_draw_from_their_own_samplers_and_train(monkeypatch):
       return fn()
     return call
 
+  # The device-sampled loop draws from the training split too, a new batch each step.
+  first, second = real_device(), real_device()
+  assert first.candidate_mask.shape == loops.host_sampler().candidate_mask.shape
+  assert not np.array_equal(first.batch.candidate_post_hashes,
+                            second.batch.candidate_post_hashes)
+
+  class Loss:   # counts the reads of each step's loss back to the host
+    reads = 0
+
+    def __init__(self, value):
+      self.value = value
+
+    def __float__(self):
+      Loss.reads += 1
+      return float(self.value)
+
+  real_update = loops._update
+
+  def update(state, batch):
+    state, stats = real_update(state, batch)
+    return state, {**stats, "loss": Loss(stats["loss"])}
+
+  monkeypatch.setattr(loops, "_update", update)
   monkeypatch.setattr(loops, "host_sampler", counted("host", real_host))
   monkeypatch.setattr(loops, "_device_sampled", counted("device", real_device))
   step = int(loops.plain_state.step)
@@ -1665,8 +1688,35 @@ def test_plain_loops_draw_from_their_own_samplers_and_train(monkeypatch):
   assert calls == {"host": 3, "device": 0}
   loops.plain(2, device_sampled=True)
   assert calls == {"host": 3, "device": 2}
+  assert Loss.reads == 5   # every step's loss, as a plain loop logs it
   assert int(loops.plain_state.step) == step + 5
   assert not np.array_equal(np.asarray(loops.plain_state.params.tables.post_table), table)
+
+
+def test_the_throughput_loops_refuse_a_mesh_and_a_state_too_large_first(monkeypatch):
+  """Every loop runs on one device, so any `mesh.*` setting is refused; and a training
+  state too large for the device is refused before the trainer is built (and compiled)."""
+  from experiments import train_throughput
+  for field, value in (("num_devices", 4), ("shard_hash_tables", True), ("distributed", True)):
+    config = ranking_configs.get_config("smoke")
+    config.mesh[field] = value
+    with pytest.raises(ConfigError, match=r"leave mesh\.\* at its defaults"):
+      train_throughput.check_one_device(config)
+  train_throughput.check_one_device(ranking_configs.get_config("smoke"))
+
+  class Refused(Exception):
+    pass
+
+  def refuse(_):
+    raise Refused
+
+  def trainer(_):
+    raise AssertionError("the trainer was built before the placement check")
+
+  monkeypatch.setattr(train_throughput, "check_placement", refuse)
+  monkeypatch.setattr(train_throughput, "Trainer", trainer)
+  with pytest.raises(Refused):
+    train_throughput._Loops(ranking_configs.get_config("smoke"))
 
 
 @pytest.mark.parametrize("backend,expected", [("cpu", "float32"), ("gpu", "bfloat16"),
