@@ -260,6 +260,45 @@ def test_an_os_error_is_found_among_the_causes_and_contexts_of_a_failure():
     setattr(outer, linked, full)
     assert checkpoint._os_error(outer) is full
   assert checkpoint._os_error(RuntimeError("no disk involved")) is None
+  # A subclass (a permission, a missing folder) is an OSError too.
+  denied = PermissionError(13, "Permission denied")
+  outer = RuntimeError("failed to serialise leaf")
+  outer.__context__ = denied
+  assert checkpoint._os_error(outer) is denied
+  # A chain that loops back on itself ends the search (the alarm fails a search that
+  # does not end, rather than hang the suite).
+  a, b = RuntimeError("a"), RuntimeError("b")
+  a.__cause__, b.__cause__ = b, a
+
+  def endless(*_):
+    raise TimeoutError("_os_error went round a cyclic chain of causes")
+
+  previous = signal.signal(signal.SIGALRM, endless)
+  signal.alarm(10)
+  try:
+    assert checkpoint._os_error(a) is None
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_save_that_fails_names_the_disk_or_lets_the_error_be(tmp_path, monkeypatch):
+  """A failure with an OSError behind it becomes a CheckpointError naming the file; any
+  other failure comes out as it was raised."""
+  tree = {"a": np.ones(2, np.float32)}
+  for error, expected in ((PermissionError(13, "Permission denied"), checkpoint.CheckpointError),
+                          (RuntimeError("not serialisable"), RuntimeError)):
+    def failing(f, tree, error=error):
+      raise error
+
+    monkeypatch.setattr(checkpoint.eqx, "tree_serialise_leaves", failing)
+    with pytest.raises(expected) as raised:
+      checkpoint.save(str(tmp_path), 10, tree)
+    assert type(raised.value) is expected
+  monkeypatch.undo()
+  for step in (10, 20, 30):   # without `keep`, the two newest are kept
+    checkpoint.save(str(tmp_path), step, tree)
+  assert checkpoint.available_steps(str(tmp_path)) == [20, 30]
 
 
 def test_checkpoint_files_are_atomic_and_pruned(tmp_path):
