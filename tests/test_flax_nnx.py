@@ -5,6 +5,7 @@ ImportError that names the `flax` extra."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import equinox as eqx
 import jax
@@ -268,6 +269,15 @@ def test_equinox_tx_hands_tx_the_equinox_parameter_tree(ranking_system):
   with pytest.raises(ValueError, match="not a parameter of the NNXPhoenixModel"):
     nnx.Optimizer(wrapped, flax_nnx.equinox_tx(optax.sgd(0.1), other), wrt=nnx.Param)
 
+  # Extra arguments of the update (optax's `value=` for reduce_on_plateau) reach the tx.
+  def scaled(updates, state, params=None, *, scale=1.0):
+    return jax.tree.map(lambda u: u * scale, updates), state
+
+  extra = flax_nnx.equinox_tx(optax.GradientTransformationExtraArgs(init, scaled), wrapped)
+  ones = jax.tree.map(jnp.ones_like, pure)
+  updates, _ = extra.update(ones, extra.init(pure), pure, scale=5.0)
+  assert all(np.all(np.asarray(x) == 5.0) for x in jax.tree.leaves(updates))
+
 
 @pytest.fixture(scope="module")
 def trained(spec):
@@ -437,6 +447,52 @@ def test_arrays_in_a_sequence_are_keyed_by_their_index():
   assert_same_module(flax_nnx.to_equinox(wrapped), module, same_arrays=True)
 
 
+class _Opaque:
+  """A pytree node registered without keys (its children get flat indices)."""
+
+  def __init__(self, value):
+    self.value = value
+
+
+jax.tree_util.register_pytree_node(_Opaque, lambda o: ((o.value,), None),
+                                   lambda _, children: _Opaque(*children))
+
+
+class _HoldsOpaque(eqx.Module):
+  opaque: _Opaque
+
+
+@needs_flax
+def test_arrays_of_a_node_without_keys_are_keyed_by_their_index():
+  """A child that JAX names only by its flat index sits under that index, as a
+  sequence's does."""
+  wrapped = flax_nnx.to_nnx(_HoldsOpaque(_Opaque(jnp.ones(2))))
+  assert state_paths(wrapped) == {"params/opaque/0": nnx.Param}
+
+
+@needs_flax
+def test_systems_from_config_take_their_init_scale():
+  """`from_config` builds the system `RankingSystem(...)` / `RetrievalSystem(...)` builds
+  from the same key, its tables at the given scale."""
+  for wrapper, config in ((flax_nnx.NNXRankingSystem, ranking_config()),
+                          (flax_nnx.NNXRetrievalSystem, retrieval_config())):
+    built = flax_nnx.to_equinox(wrapper.from_config(config, 16, 16, 16, rngs=nnx.Rngs(0),
+                                                    init_scale=0.05))
+    direct = wrapper._wraps(config, 16, 16, 16, key=nnx.Rngs(0).params(), init_scale=0.05)
+    assert_same_module(built, direct)
+    assert float(np.std(np.asarray(built.tables.post_table)[1:])) < 0.1
+
+
+@needs_flax
+def test_forwarded_methods_keep_their_names_docs_and_signatures():
+  for wrapper, name in ((flax_nnx.NNXPhoenixModel, "forward"),
+                        (flax_nnx.NNXPhoenixRetrievalModel, "build_user_representation"),
+                        (flax_nnx.NNXRankingSystem, "forward")):
+    method, original = getattr(wrapper, name), getattr(wrapper._wraps, name)
+    assert method.__name__ == name and method.__doc__ == original.__doc__
+    assert inspect.signature(method) == inspect.signature(original)
+
+
 @needs_flax
 def test_methods_and_fields_follow_the_parameters():
   """A method kept across an update runs on the new parameters; `nnx.jit` takes the
@@ -468,6 +524,8 @@ def test_methods_and_fields_follow_the_parameters():
                                              + how):
       setattr(model, name, None)
   model.params.final_norm.scale[...] = 2.0   # as the message says
+  model._head = "a note"   # a private name is the wrapper's own, even one the model has
+  assert model._head == "a note"
   assert bool(jnp.all(flax_nnx.to_equinox(model).final_norm.scale == 2.0))
   # The wrapper's own attributes stay its own, even where a wrapped module (any Equinox
   # one) has fields of their names.

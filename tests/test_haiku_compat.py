@@ -513,6 +513,14 @@ def test_wrong_argument_types_are_rejected(ranking_params):
     haiku_compat.ranking_model_from_haiku(tree, _retrieval_config())
   with pytest.raises(TypeError, match="params must be a mapping"):
     haiku_compat.ranking_model_from_haiku([tree], _ranking_config())
+  # Exporting a model of the other kind is refused by name, each way.
+  ranking = jax.eval_shape(lambda: pf.PhoenixModel(_ranking_config(), key=jax.random.key(0)))
+  retrieval = jax.eval_shape(lambda: pf.PhoenixRetrievalModel(_retrieval_config(),
+                                                              key=jax.random.key(0)))
+  with pytest.raises(TypeError, match="model must be a PhoenixRetrievalModel, got PhoenixModel"):
+    haiku_compat.retrieval_model_to_haiku(ranking)
+  with pytest.raises(TypeError, match="model must be a PhoenixModel, got PhoenixRetrievalModel"):
+    haiku_compat.ranking_model_to_haiku(retrieval)
 
 
 @pytest.mark.parametrize("attention_impl", ["isolated", "dense"])
