@@ -15,6 +15,7 @@ def test_mask_shape():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 def test_mask_dtype(dtype):
   assert pf.make_recsys_attn_mask(5, 3, dtype=dtype).dtype == dtype
+  assert causal_mask(5, dtype=dtype).dtype == dtype
 
 
 def test_context_block_is_causal():

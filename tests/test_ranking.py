@@ -1,6 +1,7 @@
 """PhoenixModel: isolation, padding, positions, init, transforms, dtypes, diagnostics,
 input checks, and the isolated-vs-dense equality grid (outputs and gradients)."""
 
+import collections
 import dataclasses
 
 import equinox as eqx
@@ -399,6 +400,14 @@ def test_every_model_entry_point_names_a_bad_field(entry):
     call(batch._replace(candidate_post_hashes=batch.candidate_post_hashes.astype(jnp.float32),
                         history_post_hashes=batch.history_post_hashes.astype(jnp.float32)),
          emb)
+  # Another type with the same fields (the release's namedtuples, say) is refused by type.
+  foreign_batch = collections.namedtuple("ReleaseBatch", pf.RecsysBatch._fields)(*batch)
+  with pytest.raises(TypeError, match="batch must be a RecsysBatch, got ReleaseBatch"):
+    call(foreign_batch, emb)
+  foreign_emb = collections.namedtuple("ReleaseEmbeddings", pf.RecsysEmbeddings._fields)(*emb)
+  with pytest.raises(TypeError, match="embeddings must be RecsysEmbeddings, got "
+                                      "ReleaseEmbeddings"):
+    call(batch, foreign_emb)
   if entry == "score_candidates":   # a batch of other users than the cache's
     one = jax.tree.map(lambda x: x[:1], (batch, emb))
     with pytest.raises(AssertionError, match="candidate_post_hashes"):

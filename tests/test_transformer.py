@@ -231,6 +231,21 @@ def test_softmax_skips_the_row_max_only_where_the_cap_allows():
   assert shift_free(4.8, jnp.float16, 1) and not shift_free(5.0, jnp.float16, 1)
 
 
+def test_float16_isolated_attention_keeps_the_row_max():
+  """float16 cannot hold exp(30): under the release's cap its isolated softmax keeps the
+  row max (the decision is made for the forward dtype, not float32), and its outputs are
+  finite and close to the dense path's."""
+  tr = pf.Transformer(transformer_config(attn_logit_cap=30.0, attn_output_multiplier=4.0),
+                      key=jax.random.key(0))
+  x = (4 * inputs()).astype(jnp.float16)
+  mask = jnp.ones((B, T), bool)
+  iso = tr.isolated(x[:, :OFFSET], mask[:, :OFFSET], x[:, OFFSET:], mask[:, OFFSET:])
+  dense = tr(x, mask, OFFSET)
+  assert float(jnp.max(iso.max_abs_attn_logit)) > 20   # exp of it is beyond float16
+  assert np.all(np.isfinite(np.asarray(iso.embeddings, np.float32)))
+  assert max_abs_diff(iso.embeddings, dense.embeddings) < 0.05
+
+
 def _isolated_attention_args(cfg, seed=0, context_mask=None, candidate_mask=None,
                              queries=3):
   """Arguments of `_isolated_attention` with 5 context tokens: `queries` candidates, or
@@ -446,6 +461,15 @@ def test_every_entry_point_checks_its_tokens():
     tr.score_candidates(cand[:1], PADDING[:1, OFFSET:], cache)
   with pytest.raises(TypeError, match="cache must be a ContextCache, got tuple"):
     tr.score_candidates(cand, PADDING[:, OFFSET:], tuple(cache))   # (an AttributeError)
+  _, bf16_cache = tr.encode_context(ctx.astype(jnp.bfloat16), PADDING[:, :OFFSET])
+  with pytest.raises(ValueError, match="cache.keys has dtype bfloat16, expected float32"):
+    tr.score_candidates(cand, PADDING[:, OFFSET:], bf16_cache)   # (promoted silently)
+  # A 0/1 float mask is taken, and the cache holds it as booleans, as scoring expects.
+  _, float_cache = tr.encode_context(ctx, PADDING[:, :OFFSET].astype(jnp.float32))
+  assert float_cache.padding_mask.dtype == jnp.bool_
+  np.testing.assert_array_equal(
+      tr.score_candidates(cand, PADDING[:, OFFSET:], float_cache).embeddings,
+      tr.score_candidates(cand, PADDING[:, OFFSET:], cache).embeddings)
   with pytest.raises(ValueError, match="candidates: padding_mask"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, :OFFSET])
   with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
