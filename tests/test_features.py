@@ -84,6 +84,8 @@ def test_post_age_bucket_and_normalization_refuse_wrong_dtypes():
 def test_missing_timestamps_map_to_zero():
   assert bucket(impression=0, post=NOW) == 0
   assert bucket(impression=NOW, post=0) == 0
+  # A missing impression time wins even over a timestamp that reads as older (negative).
+  assert bucket(impression=0, post=-7200) == 0
 
 
 def test_negative_age_maps_to_zero():
@@ -248,6 +250,9 @@ def test_hash_ids_int64_and_bad_arguments():
     pf.hash_ids(jnp.arange(3), 1)
   with pytest.raises(ValueError, match="num_hashes"):
     pf.hash_ids(jnp.arange(3), 10, 0)
+  for flag in (True, np.True_):   # 1 as a bool is a mistake, not one hash
+    with pytest.raises(ValueError, match="num_hashes"):
+      pf.hash_ids(jnp.arange(3), 10, flag)
   with pytest.raises(ValueError, match="integers"):
     pf.hash_ids(jnp.arange(3.0), 10)
   with pytest.raises(ValueError, match="num_buckets"):

@@ -14,6 +14,7 @@ from phoenix_flax.example import example_batch, example_corpus
 from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingRunner, RetrievalRunner,
                                     validate_inputs, weighted_score)
 from phoenix_flax.transformer import ContextCache
+from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS
 
 from conftest import compiled_programs, max_abs_diff
 
@@ -344,6 +345,13 @@ def _replace_emb(field, fn):
   return corrupt
 
 
+def _without_candidates(batch, emb):
+  """Every candidate field cut to `[B, 0, ...]`."""
+  cut = lambda tree, fields: tree._replace(**{
+      f: np.asarray(getattr(tree, f))[:, :0] for f in fields if getattr(tree, f) is not None})
+  return cut(batch, CANDIDATE_BATCH_FIELDS), cut(emb, CANDIDATE_EMBEDDING_FIELDS)
+
+
 def _set(index, value):
   def fn(x):
     x = x.copy()
@@ -407,6 +415,13 @@ BAD_INPUTS = {
         r"user_embeddings holds -inf at index \(0, 0, 1\)"),
     "no users": (lambda b, e: jax.tree.map(lambda x: np.asarray(x)[:0], (b, e)),
                  r"batch.user_hashes holds no users \(B = 0\)"),
+    "no candidates": (_without_candidates,
+                      r"batch.candidate_post_hashes holds no candidates \(C = 0\)"),
+    # A wrong number of axes names where B and C came from too.
+    "surface with an extra axis": (
+        _replace_batch("candidate_product_surface", lambda x: x[..., None]),
+        r"candidate_product_surface has shape \(2, 6, 1\), expected \(2, 6\) \[B, C\] "
+        r"\(B=2 from batch.user_hashes; C=6 from batch.candidate_post_hashes\)$"),
 }
 
 
@@ -647,7 +662,6 @@ def test_user_side_encoders_take_a_batch_without_candidates(ranker, retriever):
   """`encode_context` and `encode_user` read the user's side only: a batch whose candidate
   fields are None (a serving system's, before it has candidates) gives what the whole
   batch gives."""
-  from phoenix_flax.types import CANDIDATE_BATCH_FIELDS, CANDIDATE_EMBEDDING_FIELDS
   for config, encode in ((RANKING, ranker.encode_context), (RETRIEVAL, retriever.encode_user)):
     batch, emb = _batch(config)
     bare = (batch._replace(**dict.fromkeys(CANDIDATE_BATCH_FIELDS)),
@@ -799,6 +813,15 @@ def test_score_candidates_rejects_a_cache_of_other_users_or_another_dtype(ranker
     ranker.score_candidates(cache._replace(padding_mask=None), batch, emb, 4)
   np.testing.assert_allclose(ranker.score_candidates(cache, batch, emb, 4).scores,
                              ranker.rank(batch, emb).scores, atol=1e-5, rtol=0)
+  # A history item is padding by its first hash alone (the model's rule): a 0 in a later
+  # hash of a valid item is no mismatch with the cache.
+  full, full_emb = _batch(batch_size=2, history_lengths=[8, 8])
+  hashes = np.array(full.history_post_hashes)
+  hashes[0, 0, -1] = 0
+  full = full._replace(history_post_hashes=hashes)
+  np.testing.assert_allclose(
+      ranker.score_candidates(ranker.encode_context(full, full_emb), full, full_emb, 4).scores,
+      ranker.rank(full, full_emb).scores, atol=1e-5, rtol=0)
 
 
 
