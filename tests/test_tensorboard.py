@@ -84,11 +84,10 @@ def test_event_files_hold_every_metric_and_the_hparams(run_dir):
 
 
 def _events(run_dir):
-  """Every event of a run's event files, file by file."""
-  from tensorboardX.proto.event_pb2 import Event
-  return [Event.FromString(payload)
-          for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
-          for _, payload in writers._records(open(path, "rb").read())]
+  """Every event of a run's event files, file by file, as TensorBoard's loader reads them."""
+  from tensorboard.backend.event_processing import event_file_loader
+  return [event for path in sorted(glob.glob(os.path.join(run_dir, "events.out.tfevents.*")))
+          for event in event_file_loader.LegacyEventFileLoader(path).Load()]
 
 
 def _hparams_events(run_dir, tag):
@@ -142,7 +141,7 @@ def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
   writer.close(finished=False)
   writer = RunWriter(run_dir, hparams, resume_step=20)   # within the same second too
   assert [r["step"] for r in read_metrics(run_dir)] == [10, 20]
-  from tensorboardX.proto.event_pb2 import SessionLog
+  from tensorboard.compat.proto.event_pb2 import SessionLog
   writer.flush()
   assert [e.step for e in _events(run_dir) if e.HasField("session_log")
           and e.session_log.status == SessionLog.START] == [21]   # the restart marker
@@ -261,7 +260,6 @@ def test_a_resume_removes_the_killed_runs_later_events_from_its_files(tmp_path):
   files themselves must lose the steps after the resume step: a tag the resumed run does
   not log again at that step (a rate, which its compiling first chunk does not log) would
   otherwise keep the killed process's point, which metrics.jsonl no longer has."""
-  from tensorboard.backend.event_processing import event_file_loader
   run_dir = str(tmp_path)
   writer = RunWriter(run_dir, {"model.num_layers": 2}, None)
   for step in (10, 20, 30):
@@ -271,12 +269,8 @@ def test_a_resume_removes_the_killed_runs_later_events_from_its_files(tmp_path):
   writer = RunWriter(run_dir, {"model.num_layers": 2}, resume_step=20)
   writer.log(30, {"train/loss": 33.0, "perf/first_call_seconds": 9.0}, 3.0)
   writer.close(finished=True)
-  points = []
-  for name in sorted(os.listdir(run_dir)):
-    if name.startswith("events.out.tfevents."):
-      for event in event_file_loader.LegacyEventFileLoader(os.path.join(run_dir, name)).Load():
-        points += [(v.tag, event.step) for v in event.summary.value
-                   if v.metadata.plugin_data.plugin_name != "hparams"]
+  points = [(v.tag, event.step) for event in _events(run_dir) for v in event.summary.value
+            if v.metadata.plugin_data.plugin_name != "hparams"]
   assert sorted(points) == sorted(
       [("train/loss", 10), ("train/loss", 20), ("train/loss", 30),
        ("perf/examples_per_second", 10), ("perf/examples_per_second", 20),
