@@ -90,11 +90,6 @@ def _events(run_dir):
           for event in event_file_loader.LegacyEventFileLoader(path).Load()]
 
 
-def _hparams_events(run_dir, tag):
-  return [e for e in _events(run_dir) if e.HasField("summary")
-          and any(v.tag == tag for v in e.summary.value)]
-
-
 def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
   named by the variant's directory, so that the same variant of another sweep (another
@@ -126,7 +121,8 @@ def test_a_diverged_runs_hparams_session_ends_as_a_failure(tmp_path):
     writer.close(finished=True, diverged=diverged)
     writer.close(finished=True)   # closing again does nothing: no second session end
     assert session_end_status(run_dir) == status
-    assert len(_hparams_events(run_dir, "_hparams_/session_end_info")) == 1
+    assert len([e for e in _events(run_dir) if any(
+        v.tag == "_hparams_/session_end_info" for v in e.summary.value)]) == 1
 
 
 def test_run_writer_resumes_at_a_step_and_starts_afresh(tmp_path):
