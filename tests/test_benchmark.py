@@ -249,6 +249,17 @@ def test_time_rounds_medians_the_second_run_of_each_round(monkeypatch):
                               "b": make("b", [100, 3, 100, 3, 100, 30])}, iters=3, warmup=0)
   assert found == {"a": 2, "b": 3}
   assert order == ["a", "a", "b", "b"] * 3
+  # The timed span waits for the result: an asynchronously dispatched call costs its
+  # dispatch (1 s) plus the wait (5 s).
+  class Pending:
+    def block_until_ready(self):
+      clock[0] += 5
+      return self
+  def dispatch():
+    clock[0] += 1
+    return Pending()
+  assert timing.time_rounds({"a": dispatch}, iters=1, warmup=0) == {"a": 6}
+  order.clear()
   # Warmup runs (1000 s each, compiling say) are timed in no round.
   assert timing.time_rounds({"a": make("a", [1000, 1000, 100, 1])}, iters=1,
                             warmup=2) == {"a": 1}
@@ -446,8 +457,29 @@ def test_host_sampler_draws_fresh_uniforms_from_its_seed():
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)))
   with pytest.raises(ValueError, match="batch_size"):
     host_sampler.HostSampler(world, split, 0, seed=7)
+  with pytest.raises(ValueError, match="batch_size=4.0"):   # up front, not a later TypeError
+    host_sampler.HostSampler(world, split, 4.0, seed=7)
   with pytest.raises(TypeError, match="split must be a SplitConfig, got dict"):
     host_sampler.HostSampler(world, dataclasses.asdict(split), 4, seed=7)
+  # The first history item has no earlier one to weigh: its interest is the taste, with no
+  # 0/0 on the way (a floating-point error would raise here).
+  with np.errstate(all="raise"):
+    host_sampler.HostSampler(world, split, 4, seed=7)()
+
+
+def test_host_sampler_categorical_stays_in_range_when_the_cdf_rounds_low():
+  """float32 rounding can leave the softmax CDF's last entry below a uniform just under 1;
+  the draw is then the last category, not one past it."""
+  from experiments.host_sampler import _categorical, _softmax
+  u = np.array([np.nextafter(np.float32(1), np.float32(0))], np.float32)
+  rng = np.random.default_rng(0)
+  for _ in range(1000):
+    logits = rng.normal(size=(1, 16)).astype(np.float32) * 3
+    if np.cumsum(_softmax(logits), -1)[0, -1] < u[0]:
+      break
+  else:
+    raise AssertionError("no logits found whose float32 CDF ends below u")
+  assert int(_categorical(u, logits)[0]) == 15
 
 
 def test_the_benchmarks_training_rows_pass_rounds_and_chunks_in_order(monkeypatch):

@@ -67,6 +67,13 @@ BAD_WORLD = [
     ("base_rates", dict(base_rates=np.array(0.1))),   # a 0-d array is no sequence either
     ("recency_decay", dict(recency_decay=1.5)),   # a decay factor is at most 1
     ("negative_actions", dict(negative_actions=(14, 14))),   # each action named once
+    # every id range fits int32, and the open bounds are open
+    ("num_posts", dict(num_posts=2**31)), ("num_authors", dict(num_authors=2**31)),
+    ("user_buckets", dict(user_buckets=2**31)), ("author_buckets", dict(author_buckets=2**31)),
+    ("mean_post_age_hours", dict(mean_post_age_hours=0.0)),
+    ("base_rates", dict(base_rates=(0.0,) + (0.1,) * 18)),   # an infinite base logit
+    ("base_rates", dict(base_rates=(1.0,) + (0.1,) * 18)),
+    ("negative_actions", dict(negative_actions=(-1, 14))),   # -1 would index the last action
 ]
 BAD_SPLIT = [
     ("max_history", dict(min_history=5, max_history=3)), ("min_history", dict(min_history=-1)),
@@ -107,6 +114,8 @@ def test_config_checks_across_fields_and_numpy_scalars():
   assert scale == 2 and type(scale) is int
   rates = WorldConfig(base_rates=np.full(19, 0.1, np.float32)).base_rates
   assert len(rates) == 19 and all(type(r) is float for r in rates)
+  rates = WorldConfig(base_rates=(np.float32(0.1),) * 19).base_rates   # a tuple of them too
+  assert all(type(r) is float for r in rates)
   negs = WorldConfig(negative_actions=(np.int64(14),)).negative_actions
   assert negs == (14,) and type(negs[0]) is int
   fraction = SplitConfig(relevant_fraction=np.float32(0.25)).relevant_fraction
@@ -131,6 +140,12 @@ def test_config_checks_across_fields_and_numpy_scalars():
   assert SplitConfig(num_candidates=4, min_candidates=4).min_candidates == 4
   assert SplitConfig(min_candidates=C).resolve(WorldConfig())[1] == C
   assert WorldConfig(num_posts=16, num_authors=16, num_topics=16).num_posts == 16
+  # The closed bounds are valid: a decay of 1 weighs every item alike, and the mixes and
+  # probabilities take 0 and 1.
+  assert WorldConfig(recency_decay=1.0).recency_decay == 1.0
+  for f in ("interest_mix", "topic_switch_prob", "explore_prob"):
+    assert getattr(WorldConfig(**{f: 0.0}), f) == 0.0
+    assert getattr(WorldConfig(**{f: 1.0}), f) == 1.0
 
 
 def test_a_cold_start_split_has_empty_histories():

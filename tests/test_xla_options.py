@@ -38,6 +38,16 @@ def test_unknown_option_is_refused_not_fatal():
   assert not xla_options._accepted({"xla_no_such_option_anywhere": ""}, "cpu")
 
 
+def test_a_jaxlib_that_refuses_the_options_gets_none(clean_env):
+  """Options this jaxlib does not know would fail every compile: none are passed."""
+  clean_env.setattr(xla_options, "_accepted", lambda options, backend: False)
+  xla_options._options_for.cache_clear()
+  try:
+    assert xla_options.compiler_options("cpu") == {}
+  finally:   # (no answer of the stand-in stays cached)
+    xla_options._options_for.cache_clear()
+
+
 def test_off_switches(clean_env):
   assert xla_options.compiler_options("gpu") == {}
   assert xla_options.compiler_options("tpu") == {}
@@ -92,6 +102,8 @@ def test_a_top_level_call_compiles_with_the_options_a_nested_one_without(clean_e
   with pytest.raises(Exception, match="xla_no_such_option_anywhere"):
     f(x)
   np.testing.assert_allclose(jax.jit(lambda x: f(x))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
+  # a tracer passed by keyword alone makes a nested call too
+  np.testing.assert_allclose(jax.jit(lambda x: f(x=x))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
 
 
 def test_filter_jit_runs_nested_under_other_traces(clean_env):
