@@ -112,6 +112,9 @@ def test_example_batch_is_valid_and_deterministic():
   assert emb.candidate_post_embeddings.dtype == jnp.float32
   again, _ = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
   np.testing.assert_array_equal(batch.user_hashes, again.user_hashes)
+  other, _ = example_batch(config, 3, jax.random.key(2), num_candidates=5,
+                           history_lengths=[0, 3, 8])
+  assert not np.array_equal(batch.user_hashes, other.user_hashes)   # the key's every word
   plain, _ = _batch(RANKING)
   assert plain.impression_timestamps is None and plain.history_dwell_times is None
   # Without history_lengths, each user's lies in [S // 2, S] (S = 8 here), both ends drawn.
@@ -127,7 +130,11 @@ def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):
   emb, ids = corpus
   assert emb.shape == (100, 32) and ids.shape == (100,)
   np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-5)
-  assert len(set(np.asarray(ids).tolist())) == 100
+  ids = np.asarray(ids).tolist()
+  assert len(set(ids)) == 100
+  assert ids != sorted(ids)    # shuffled: an id says nothing about an item's place
+  _, other = example_corpus(100, 32, jax.random.key(2))
+  assert np.asarray(other).tolist() != ids
 
 
 def test_example_data_takes_numpy_integer_sizes_and_refuses_bools():
@@ -141,6 +148,8 @@ def test_example_data_takes_numpy_integer_sizes_and_refuses_bools():
     example_batch(RANKING, True, jax.random.key(0))
   with pytest.raises(ValueError, match="num_items=True"):
     example_corpus(True, 8, jax.random.key(0))
+  with pytest.raises(ValueError, match="must be 2 integers"):
+    example_batch(RANKING, 2, jax.random.key(0), history_lengths=[1.5, 2.0])
 
 
 # ---------------------------------------------------------------------------- ranking

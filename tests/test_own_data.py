@@ -357,6 +357,11 @@ def test_post_ids_tell_apart_posts_that_share_a_hash(logs):
   # Swapped hashes, or hashes with the same sum, are other posts too.
   batch = batch._replace(candidate_post_hashes=np.array([[[1, 5], [5, 1], [2, 4]]], np.int32))
   assert len(set(np.asarray(own_data.post_ids(batch))[0].tolist())) == 3
+  # The second hash counts in post buckets: (1, 4097) and (2, 1) are two posts.
+  batch = batch._replace(candidate_post_hashes=np.array([[[1, 4097], [2, 1]]], np.int32))
+  ids = np.asarray(own_data.post_ids(batch))[0]
+  assert ids[0] != ids[1] and ids.tolist() == [own_data.BUCKETS["post"] + 4097,
+                                               2 * own_data.BUCKETS["post"] + 1]
 
 
 def test_positive_counts_count_each_training_impressions_first_favorite(logs):

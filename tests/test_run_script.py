@@ -191,11 +191,28 @@ def test_a_tilde_in_a_path_flag_is_the_home_directory(tmp_path):
     assert status == 2 and needle in stderr, stderr
   assert os.listdir(cwd) == ["~"]
   # Only a path flag's value, and only before `--`.
-  argv = ["prog", "--override=x=~/a", "--workdir=a~b", "--out", "~/x", "--", "--out=~/y"]
+  argv = ["prog", "--override=x=~/a", "--workdir=a~b", "--out", "~/x", "workdir=~/a", "--",
+          "--out=~/y"]
   assert cli.expand_home(argv) == argv
   home = os.path.expanduser("~")
   assert cli.expand_home(["~/prog", "--workdir=~/r", "-config=~"]) == [
       "~/prog", f"--workdir={home}/r", f"-config={home}"]
+
+
+def test_the_run_block_gives_back_the_signal_handlers_it_found():
+  """`exit_on_run_errors` installs its own SIGINT and SIGTERM handlers for the block and
+  restores the ones it found when the block ends, a caller's own among them."""
+  own = lambda signum, frame: None
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  before_term = signal.signal(signal.SIGTERM, own)
+  try:
+    with cli.exit_on_run_errors():
+      assert signal.getsignal(signal.SIGTERM) is not own
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is own
+  finally:
+    signal.signal(signal.SIGINT, before)
+    signal.signal(signal.SIGTERM, before_term)
 
 
 def test_an_override_below_a_value_is_named_among_good_ones():
