@@ -276,7 +276,7 @@ def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
   def planted(self, *args, **kwargs):
     chunk_sizes.append(kwargs.get("chunk_size"))
     out = rank_chunked(self, *args, **kwargs)
-    return out._replace(scores=out.scores.at[1, 5, 2].add(0.25))
+    return out._replace(scores=out.scores.at[1, 5, 2].add(-0.25))   # |difference|
   def recorded(self, *args, **kwargs):
     ranked.append(rank(self, *args, **kwargs))
     return ranked[-1]
@@ -308,6 +308,15 @@ def test_quickstart_prints_the_chunked_scores_difference(monkeypatch):
   assert [c for _, c, _ in rows] == np.argsort(-favorite, kind="stable")[:8].tolist()
   for _, c, post in rows:
     assert post == post_hashes[0, c, 0], (c, post)
+  # ... and user 0's probabilities and weighted score, to the 4 decimals printed.
+  from phoenix_flax.inference import weighted_score
+  weighted = np.asarray(weighted_score(output.scores, quickstart.WEIGHTS))[0]
+  shown = np.stack([np.asarray(output.action(a))[0] for a in quickstart.SHOWN_ACTIONS], -1)
+  values = [list(map(float, m.split())) for m in re.findall(
+      r"^\s*\d+\s+\d+\s+\d+((?:\s+-?\d+\.\d{4}){5})\s*$", stdout.getvalue(), re.M)]
+  assert len(values) == 8
+  for (_, c, _), row in zip(rows, values):
+    np.testing.assert_allclose(row, [*shown[c], weighted[c]], atol=6e-5, err_msg=str(c))
 
 
 # Import name -> the distribution that provides it, for every third-party import we use.
