@@ -42,6 +42,8 @@ def test_to_batch_lays_out_own_logs(logs, system):
   np.testing.assert_array_equal(valid_S, np.arange(own_data.HISTORY) < logs.history_len[rows, None])
   # Padding carries nothing, though the logs hold actions and surfaces past each length.
   assert logs.history_actions[rows][~valid_S].any()
+  # A made-up history is the user's engagements: every item favorited.
+  assert logs.history_actions[..., own_data.FAVORITE].all()
   for field in ("history_actions", "history_product_surface", "candidate_product_surface"):
     values = np.asarray(getattr(batch, field))
     assert not values[~(valid_S if field.startswith("history") else mask)].any(), field
@@ -203,7 +205,9 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
   counts = {}
   for post in logs.list_post[:, :-1][liked[:, :-1]]:
     counts[post] = counts.get(post, 0) + 1
-  for top_k in (50, 5):   # at 5 the held-out favorites would change the set (they did not)
+  # At every cut, ties in count go to the lower post id; at 5 the held-out favorites would
+  # change the set (they did not).
+  for top_k in range(1, 100):
     top = set(sorted(counts, key=lambda p: (-counts[p], p))[:top_k])
     hits = [logs.list_post[u, -1, np.argmax(liked[u, -1])] in top
             for u in eval_rows if liked[u, -1].any()]
@@ -295,12 +299,16 @@ def test_held_out_is_each_users_last_impression(logs, monkeypatch):
       pf.hash_ids(logs.list_post[rows, L - 1][mask], own_data.BUCKETS["post"]))
   np.testing.assert_array_equal(labels[mask], logs.list_labels[rows, L - 1][mask])
   # Training draws each of the others.
-  drawn = []
-  monkeypatch.setattr(own_data, "to_batch", lambda logs, rows, at: drawn.extend(at.tolist()))
-  batches = own_data.training_batches(logs, batch_size=len(logs.user_id), seed=0)
+  drawn, users = [], []
+  def record(logs, rows, at):
+    drawn.extend(at.tolist())
+    users.append(rows.tolist())
+  monkeypatch.setattr(own_data, "to_batch", record)
+  batches = own_data.training_batches(logs, batch_size=len(logs.user_id) - 10, seed=0)
   for step in range(3):
     batches(step)
   assert sorted(set(drawn)) == list(range(L - 1))
+  assert all(len(set(rows)) == len(rows) for rows in users)   # a batch holds no user twice
 
 
 def test_retrieval_loss_methods_agree():
