@@ -181,7 +181,14 @@ def test_own_data_example_trains_evaluates_saves_and_serves(logs, tmp_path, caps
   restored = checkpoint.load(str(tmp_path), 20, ranker)
   jax.tree.map(np.testing.assert_array_equal, eqx.filter(restored, eqx.is_array),
                eqx.filter(ranker, eqx.is_array))
+  rank_chunked, chunk_sizes = pf.RankingRunner.rank_chunked, []
+  def recorded(self, batch, embeddings, chunk_size):
+    chunk_sizes.append(chunk_size)
+    return rank_chunked(self, batch, embeddings, chunk_size)
+  monkeypatch.setattr(pf.RankingRunner, "rank_chunked", recorded)
   ranked = own_data.serve_one_user(restored, logs, int(eval_rows[0]))
+  monkeypatch.undo()
+  assert chunk_sizes == [4] and 4 < own_data.CANDIDATES   # chunks of 4, as its line says
   # The runner scores what the training forward scores.
   batch, _, mask = own_data.held_out(logs, eval_rows[:1])
   logits = eqx.filter_jit(lambda s, b: s(b))(ranker, batch)
@@ -286,6 +293,19 @@ def test_fit_warms_up_for_at_least_one_step(monkeypatch):
     with pytest.raises(StopIteration):
       own_data.fit(None, None, None, num_steps, 3e-3)
   assert seen == [(10, 1), (19, 1), (20, 1), (600, 30)]
+
+
+def test_generator_metrics_score_the_held_out_lists_with_the_logs_own_logits(logs):
+  """The ceiling line: the made-up logs' true logits, ranked on each user's last list."""
+  from phoenix_flax.training import metrics
+  rows = np.arange(40)
+  _, labels, mask = own_data.held_out(logs, rows)
+  L = logs.list_len.shape[1]
+  want = metrics.ranking_metrics(logs.list_true_logit[rows, L - 1], labels, None, mask, k=5)
+  got = own_data.generator_metrics(logs, rows)
+  assert got.keys() == want.keys() and "auc_mean" in got
+  for k in want:
+    assert got[k] == pytest.approx(float(want[k]), nan_ok=True), k
 
 
 def test_held_out_is_each_users_last_impression(logs, monkeypatch):
