@@ -112,8 +112,7 @@ def test_example_batch_is_valid_and_deterministic():
   assert emb.candidate_post_embeddings.dtype == jnp.float32
   again, _ = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
   np.testing.assert_array_equal(batch.user_hashes, again.user_hashes)
-  other, _ = example_batch(config, 3, jax.random.key(2), num_candidates=5,
-                           history_lengths=[0, 3, 8])
+  other, _ = _batch(config, batch_size=3, seed=2, num_candidates=5, history_lengths=[0, 3, 8])
   assert not np.array_equal(batch.user_hashes, other.user_hashes)   # the key's every word
   plain, _ = _batch(RANKING)
   assert plain.impression_timestamps is None and plain.history_dwell_times is None
