@@ -441,27 +441,40 @@ run_app(main)
     assert ("teardown ran" in proc.stdout) == teardown
 
 
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-@pytest.mark.parametrize("rest", ["time.sleep(2)", "pass"])
-def test_a_signal_during_a_garbage_collector_callback_still_stops(signum, status, rest):
+@pytest.mark.parametrize("where, signum, status, rest", [
+    ("callback", signal.SIGINT, 130, "time.sleep(2)"),
+    ("callback", signal.SIGTERM, 143, "time.sleep(2)"),
+    ("callback", signal.SIGINT, 130, "pass"),
+    ("callback", signal.SIGTERM, 143, "pass"),
+    ("__del__", signal.SIGINT, 130, "time.sleep(2)"),
+    ("__del__", signal.SIGTERM, 143, "pass")])
+def test_a_signal_in_a_gc_callback_or_del_still_stops(where, signum, status, rest):
   """Python loses an exception raised inside a garbage-collector callback (JAX registers
-  one, run at any allocation) with "Exception ignored", and the command would carry on;
-  `exit_on_run_errors` sends such a signal again once the callback has returned, so the
-  block still stops with the signal's status, also when it ends before that (`pass`)."""
+  one, run at any allocation) or a `__del__` method with "Exception ignored", and the
+  command would carry on; `exit_on_run_errors` sends such a signal again once the callback
+  has returned, so the block still stops with the signal's status, also when it ends
+  before that (`pass`)."""
+  trigger = {"callback": "gc.callbacks.append(callback)\nwith exit_on_run_errors():\n"
+                         "  gc.collect()",
+             "__del__": "with exit_on_run_errors():\n  Dropped()   # its __del__ runs"}[where]
   script = f"""
 import gc, os, signal, sys, time
 from experiments.cli import exit_on_run_errors
 # as in an interactive shell (pytest-xdist's workers, and so their children, ignore SIGINT)
 signal.signal(signal.SIGINT, signal.default_int_handler)
-def callback(phase, info):
-  if phase == "start" and not sent:
+def send():
+  if not sent:
     sent.append(1)
     os.kill(os.getpid(), {int(signum)})
-    time.sleep(0.01)   # the handler runs here, inside the callback
+    time.sleep(0.01)   # the handler runs here, inside the callback or __del__
+def callback(phase, info):
+  if phase == "start":
+    send()
+class Dropped:
+  def __del__(self):
+    send()
 sent = []
-gc.callbacks.append(callback)
-with exit_on_run_errors():
-  gc.collect()
+{trigger}
   {rest}
 print("carried on")
 time.sleep(0.2)   # a signal sent again after the block would land here
