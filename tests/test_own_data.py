@@ -15,6 +15,7 @@ import phoenix_flax as pf
 from experiments import own_data
 from phoenix_flax import training
 from phoenix_flax.training import checkpoint
+from phoenix_flax.training.runner import RunInUseError, lock_run_dir
 
 from conftest import REPO
 
@@ -293,6 +294,97 @@ def test_fit_warms_up_for_at_least_one_step(monkeypatch):
     with pytest.raises(StopIteration):
       own_data.fit(None, None, None, num_steps, 3e-3)
   assert seen == [(10, 1), (19, 1), (20, 1), (600, 30)]
+
+
+def test_fit_records_the_first_steps_loss_then_every_tenth(monkeypatch):
+  """`fit`'s losses, printed as "training loss A -> B": the first step's, taken before
+  any update, then the last step's of each tenth of the run."""
+  monkeypatch.setattr(own_data.training, "validate_training_batch", lambda *args: None)
+
+  class Weights(eqx.Module):
+    w: jax.Array
+
+  def loss_fn(system, target):
+    return jnp.sum((system.w - target) ** 2)
+
+  # Step i pulls w towards i + 1: at w = 0 the first step's loss is 3 * 1**2, the second's
+  # (the warmup's learning rate 0 left w at 0) 3 * 2**2.
+  system, losses = own_data.fit(Weights(jnp.zeros(3)), loss_fn,
+                                lambda i: (jnp.full(3, i + 1.0),), 20, 0.1)
+  assert len(losses) == 11 and losses[:2] == [3.0, 12.0]
+  assert losses[-1] != losses[-2] and np.all(np.asarray(system.w) > 0)
+
+
+def test_train_retriever_uses_the_logq_counts_only_when_asked(logs, monkeypatch):
+  """`logq=True` (`--logq_correction`, the default) trains on the in-batch loss corrected
+  by `positive_counts`; `logq=False` on the plain one, a different loss."""
+  seen = {}
+
+  def fit(system, loss_fn, batches, num_steps, learning_rate):
+    batch = batches(0)
+    seen[len(seen)] = system, batch, float(eqx.filter_jit(loss_fn)(system, *batch))
+    return system, [0.0]
+  monkeypatch.setattr(own_data, "fit", fit)
+  for logq in (True, False):
+    own_data.train_retriever(logs, num_steps=10, batch_size=16, seed=0, logq=logq)
+  counts = jnp.asarray(own_data.positive_counts(logs))
+  for (system, (batch, labels, mask), got), counts_KH in zip(seen.values(), (counts, None)):
+    want, _, _ = eqx.filter_jit(lambda s: s.in_batch_loss(
+        batch, labels, mask, own_data.post_ids(batch), positive_action=own_data.FAVORITE,
+        temperature=0.05, sampling_counts_KH=counts_KH))(system)
+    assert got == pytest.approx(float(want), rel=1e-5)
+  assert seen[0][2] != pytest.approx(seen[1][2], rel=1e-3)
+
+
+def test_retrieval_recall_checks_each_user_against_their_own_favorite(logs, monkeypatch):
+  """A runner that retrieves, for each user, just that user's held-out favorite has recall
+  1 at `top_k=1`; one that retrieves the next user's favorite instead, about none."""
+  monkeypatch.setattr(own_data, "fit", lambda system, *args: (system, [0.0]))
+  retriever = own_data.train_retriever(logs, num_steps=10, batch_size=16, seed=0)
+  rows = np.arange(3, 43)
+  first, has = own_data.held_out_favorite(logs, rows)
+  assert has.sum() > 10 and len(set(first[has].tolist())) > 10
+  row_of = {post: i for i, post in enumerate(logs.catalogue_post.tolist())}
+  own = np.array([[row_of[post]] for post in first.tolist()], np.int32)
+  for found, want in ((own, 1.0), (np.roll(own, 1, axis=0), None)):
+    monkeypatch.setattr(pf.RetrievalRunner, "retrieve",
+                        lambda self, batch, embeddings, top_k: SimpleNamespace(
+                            top_k_post_ids=found))
+    got = own_data.retrieval_recall(retriever, logs, rows, top_k=1)
+    hits = (first == first[np.roll(np.arange(len(rows)), 1)])[has].mean()
+    assert got == (want if want is not None else pytest.approx(hits)) and hits < 0.5
+
+
+def test_own_data_main_runs_every_step_under_the_workdirs_lock(logs, tmp_path, monkeypatch,
+                                                                capsys):
+  """`main` at a small size (the module's logs, the training loop stubbed out): each step
+  prints its line, the checkpoint is written, `--nologq_correction` reaches the retriever,
+  and the workdir's run lock is held while `_run` works and released after."""
+  workdir = str(tmp_path / "work")
+  monkeypatch.setattr(own_data, "FLAGS", SimpleNamespace(
+      num_steps=10, batch_size=16, workdir=workdir, seed=0, init_scale=0.05,
+      logq_correction=False))
+  monkeypatch.setattr(own_data, "make_logs", lambda num_users=2000, seed=0: logs)
+  monkeypatch.setattr(own_data, "fit", lambda system, *args: (system, [0.5, 0.25]))
+  train_retriever, asked = own_data.train_retriever, []
+
+  def recorded(logs, num_steps, batch_size, seed, init_scale, logq):
+    asked.append(logq)
+    with pytest.raises(RunInUseError, match="is being trained by another process"):
+      lock_run_dir(workdir)
+    return train_retriever(logs, num_steps, batch_size, seed, init_scale, logq)
+  monkeypatch.setattr(own_data, "train_retriever", recorded)
+  own_data.main(["own_data"])
+  assert asked == [False]
+  os.close(lock_run_dir(workdir))   # released
+  out = capsys.readouterr().out
+  for line in ("ranker: training loss 0.5000 -> 0.2500 over 10 steps",
+               "ranker on the 120 users' held-out impressions: auc_mean ",
+               "written and read back", "serving user ", "retriever: training loss 0.5000",
+               "retriever: recall@100 of the held-out favorited post over 400 catalogue "
+               "posts", "done in "):
+    assert line in out, out
+  assert os.listdir(os.path.join(workdir, "checkpoint")) == ["step_000000010.eqx"]
 
 
 def test_generator_metrics_score_the_held_out_lists_with_the_logs_own_logits(logs):
