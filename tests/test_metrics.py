@@ -281,6 +281,9 @@ def test_a_constant_model_gets_the_chance_level_whatever_the_order():
   scores = np.array([[0.0, -np.inf, 1.0, 0.0]], np.float32)
   pad_first = np.array([[False, True, True, False]])
   assert float(recall_at_k_jit(scores, np.array([[0, 1, 0, 0]], bool), pad_first, 2)) == 1.0
+  # A k beyond the list is the whole list, however large (2**31 no longer fits an int32).
+  for k in (4, 5, 2**31):
+    assert float(recall_at_k_jit(constant, relevant, mask, k)) == 1.0, k
 
 
 def test_corpus_hits_match_reference():
@@ -325,11 +328,15 @@ def test_corpus_hits_match_reference():
   for ks in ((16,), (0, 5), ()):   # beyond the corpus, no place at all (ks - 1 wraps), none
     with pytest.raises(ValueError, match="must lie in"):
       metrics.corpus_hits(scores, ids, positive, ks)
-  # An id outside the corpus is never found (not clipped onto its last row), and a list
-  # with a NaN score has an undefined order: NaN, not a count above its positives.
+  # An id outside the corpus is never found (not clipped onto its last row, or for a
+  # negative id its first), and a list with a NaN score has an undefined order: NaN, not a
+  # count above its positives.
   found, total = hits(np.arange(5.0, dtype=np.float32)[None], np.array([[7, 4]]),
                       np.array([[True, True]]), (1,))
   assert (float(found[0, 0]), int(total[0])) == (1.0, 2)
+  found, total = hits(np.arange(5.0, 0.0, -1, dtype=np.float32)[None], np.array([[-1, 3]]),
+                      np.array([[True, True]]), (1,))
+  assert (float(found[0, 0]), int(total[0])) == (0.0, 2)
   scores = np.array([[np.nan, 3, 2, 1, 0], [4, 3, 2, 1, 0]], np.float32)
   found, _ = hits(scores, np.array([[1, 2], [0, 2]]), np.array([[True, False], [True, True]]),
                   (2,))

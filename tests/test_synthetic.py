@@ -342,19 +342,22 @@ def test_list_correlation_gives_each_list_one_session_topic():
 
 def test_list_correlation_moves_the_interest_labels_are_drawn_from():
   """A correlated list shifts the user's interest toward its session topic (by
-  list_correlation * session_scale), and the list's probabilities come from that interest."""
-  w = world()
+  list_correlation * session_scale), and the list's probabilities come from that interest.
+  A session_scale other than the default 1 is one of the cases (a shift by the correlation
+  alone passed them all)."""
   T = SMALL.num_topics
-  for corr in (1.0, 0.5):
+  for session_scale, corr in ((SMALL.session_scale, 1.0), (SMALL.session_scale, 0.5),
+                              (0.25, 1.0), (0.25, 0.5)):
+    w = dataclasses.replace(world(), cfg=dataclasses.replace(SMALL, session_scale=session_scale))
     split = SplitConfig(relevant_fraction=1.0, list_correlation=corr)
     sb = sample(w, split, 64, jax.random.PRNGKey(1))
     base = user_interest(w, sb.user_ids, jnp.maximum(sb.history_post_ids, 0), sb.history_len)
     moved = np.asarray(sb.interest) - np.asarray(base)
     scale = np.linalg.norm(moved, axis=-1)
-    np.testing.assert_allclose(scale, corr * SMALL.session_scale, rtol=1e-4)
+    np.testing.assert_allclose(scale, corr * session_scale, rtol=1e-4)
     if corr == 1.0:   # every list is its session topic's (see the test above)
       topic = np.asarray(sb.candidate_post_ids)[:, 0] % T
-      np.testing.assert_allclose(moved, SMALL.session_scale * np.asarray(w.topic_vecs_TL)[topic],
+      np.testing.assert_allclose(moved, session_scale * np.asarray(w.topic_vecs_TL)[topic],
                                  atol=1e-5)
 
 

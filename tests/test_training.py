@@ -262,6 +262,30 @@ def test_in_batch_softmax_loss_excludes_invalid_users_and_duplicate_posts():
   assert idx.tolist()[0] == 2 and has.tolist() == [True, False]
 
 
+def test_losses_of_a_batch_with_nothing_to_learn_are_zero_not_nan():
+  """A ranking batch without a valid candidate, or a retrieval batch where no user has a
+  positive, has loss 0 and gradient 0 (a NaN there would end the seed as diverged); and an
+  eager call under `jax_debug_nans`, invalid users included, meets no NaN on the way."""
+  rng = np.random.default_rng(4)
+  logits = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+  labels = jnp.ones((2, 3, 4))
+  none = jnp.zeros((2, 3), bool)
+  loss, grad = jax.value_and_grad(ranking_loss)(logits, labels, none)
+  assert float(loss) == 0.0 and not np.any(np.asarray(grad))
+  scores = jnp.asarray(rng.normal(size=(4, 4)), jnp.float32)
+  for temperature in (0.05, 1.0):
+    loss, grad = jax.value_and_grad(in_batch_softmax_loss)(scores, jnp.zeros(4, bool),
+                                                           temperature)
+    assert float(loss) == 0.0 and not np.any(np.asarray(grad)), temperature
+  valid = jnp.array([True, False, True, True])
+  want = jax.jit(jax.value_and_grad(in_batch_softmax_loss), static_argnums=2)(scores, valid,
+                                                                             0.5)
+  with jax.debug_nans(True):
+    got = jax.value_and_grad(in_batch_softmax_loss)(scores, valid, 0.5)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-7)
+
+
 def test_a_soft_label_is_a_positive_above_one_half_for_the_loss_and_the_metrics():
   """Own data may carry soft labels in [0, 1]: the retrieval loss's positive and every
   metric's agree on which count (above 0.5), so a 0.3 is no positive for either."""

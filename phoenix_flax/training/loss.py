@@ -42,7 +42,8 @@ def ranking_loss(logits_BCA: Array, labels_BCA: Array, mask_BC: Array,
   `sum_{b,c valid} sum_a w_a * bce(b,c,a) / (#valid * sum_a w_a)`; with no weights this
   is the mean BCE per (candidate, action), the same scale as the log-loss metric. Padded
   candidates, and actions weighted 0, are selected out, not multiplied by 0: whatever
-  their logits hold (NaN, ±inf), neither the loss nor its gradient sees it.
+  their logits hold (NaN, ±inf), neither the loss nor its gradient sees it. A batch
+  without a valid candidate has loss 0 and gradient 0, not NaN.
 
   `action_weights_A` must lie in [0, `MAX_ACTION_WEIGHT`] and sum to a normal float32
   number (at least 1.2e-38: weights summing to 1e-40 became 0 in float32, and the loss
@@ -117,8 +118,9 @@ def in_batch_softmax_loss(scores_BB: Array, valid_B: Array, temperature: float,
   without a positive (`valid_B` false) contribute no row and no negative column; when
   `positive_ids_B` is given, another user's positive that is the same post is not counted
   as a negative (other collisions stay: a post the user engaged with elsewhere in its
-  list is a negative when it is another user's positive). Mean over valid rows. Every row
-  keeps its own positive, so the excluded columns can be -inf.
+  list is a negative when it is another user's positive). Mean over valid rows (0, with
+  gradient 0, when no user has a positive). Every row keeps its own positive, so the
+  excluded columns can be -inf.
 
   The negatives are drawn as often as posts are positives, so without a correction a
   popular post is pushed down more than a rare one. `log_q_B` (optional) is the log of
