@@ -28,12 +28,13 @@ SCRIPTS = ablations.modules()
 EFFECT = {"a": 0.0, "b": 0.03, "c": -0.001}
 
 
-def fake_runner(diverge=(), code=None):
+def fake_runner(diverge=(), code=None, bayes=None):
   """A stand-in for run_experiment: writes result.json and metrics.jsonl per seed.
 
   AUC = 0.7 + EFFECT[arm] + a wobble that depends on arm and seed, and b's effect grows
   at the `hi` condition level (an interaction, varying by seed); `diverge` lists
-  (variant, seed); `code(variant)`, if given, is the code version each result records."""
+  (variant, seed); `code(variant)`, if given, is the code version each result records;
+  `bayes(variant, seed)`, if given, the Bayes AUC each reports (else 0.81 at `hi`, 0.8)."""
   calls = []
 
   def run(config, workdir):
@@ -48,7 +49,8 @@ def fake_runner(diverge=(), code=None):
       result = {"final": {"auc_mean": None if diverged else auc, "logloss": 0.3 - auc / 10,
                           "calibration_error": 0.01, "residual_rms/layer_0": 1.0,
                           "residual_rms/layer_1": 2.0,
-                          "bayes_auc_mean": 0.81 if variant.endswith("_hi") else 0.8},
+                          "bayes_auc_mean": (bayes(variant, seed) if bayes else
+                                             0.81 if variant.endswith("_hi") else 0.8)},
                 "diverged": diverged, "diverged_at_step": 7 if diverged else None,
                 "steps": 20, "wall_seconds": 1.0, "examples_per_second": 10.0}
       if code is not None:
@@ -110,6 +112,8 @@ def test_ablation_validation():
   with pytest.raises(ValueError, match="primary_metric"):
     toy_ablation(primary_metric="ndcg")
   assert toy_ablation().headline == ("auc_mean", "diverged")
+  # "diverged" joins the default headline only as one of the ablation's metrics.
+  assert toy_ablation(metrics=("auc_mean", "logloss")).headline == ("auc_mean",)
 
 
 def test_overrides():
@@ -776,6 +780,8 @@ def test_sweep_results_stats_and_report(tmp_path):
   older["variants"] = {n: dict(v, bayes={**v["bayes"], "auc": 0.8})
                        for n, v in older["variants"].items()}
   assert "| Bayes oracle (a reference) |" in report.metric_table(older, "auc_mean")[0]
+  older["variants"]["c_hi"]["bayes"] = {}    # every run of it diverged: no Bayes value
+  assert "| Bayes oracle (a reference) |" in report.metric_table(older, "auc_mean")[0]
   assert "| Δ `auc_mean` | lo | hi |" in text and "| b | +0.03 (p <0.001) * |" in text
   # The interaction table: b's difference grows from `lo` to `hi`, c's does not move.
   inter_table = text.split("| ΔΔ `auc_mean` | hi − lo |\n| --- | --- |\n")[1]
@@ -989,6 +995,9 @@ def test_small_effect_reads_not_significant(tmp_path):
   other = {**results, "seeds": [0, 1]}
   assert "(near chance) with few seeds;" in report.combined_markdown(
       [("x", results), ("y", other)], str(tmp_path), "smoke")
+  unrecorded = {k: v for k, v in results.items() if k != "seeds"}   # older results.json
+  assert "(near chance) with few seeds;" in report.combined_markdown(
+      [("x", unrecorded)], str(tmp_path), "smoke")
   results["preset"] = "cpu"
   assert "Smoke preset" not in report.markdown(results)
 
@@ -1899,3 +1908,132 @@ def test_ablations_without_matplotlib_name_the_extra():
                      "import sys\nsys.modules['matplotlib'] = None\n")
   assert ("ImportError: the ablation scripts need matplotlib (REPORT.md's plots): "
           "pip install -e '.[ablations]'") in out, out
+
+
+def test_a_variants_bayes_value_is_the_mean_over_its_finished_runs(tmp_path):
+  """results.json's "bayes" of a variant: the mean of the Bayes values its finished runs
+  report (not the first run's, and not a diverged run's); none when every run diverged,
+  and the report's Bayes column then reads n/a."""
+  every_c = {("c", seed) for seed in range(3)}
+  runner = fake_runner(diverge={("b", 2)} | every_c, bayes=lambda v, seed: 0.8 + 0.01 * seed)
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), seeds=3, runner=runner).run()
+  bayes = {name: v["bayes"] for name, v in results["variants"].items()}
+  assert bayes["a"] == {"auc_mean": pytest.approx(0.81)}
+  assert bayes["b"] == {"auc_mean": pytest.approx(0.805)}
+  assert bayes["c"] == {}
+  c_row = next(line for line in report.metric_table(results, "auc_mean")
+               if line.startswith("| c |"))
+  assert c_row.split(" | ")[4] == "n/a", c_row
+
+
+def test_flatten_metrics_names_list_items_from_0_and_keeps_numbers_only():
+  found = sweep.flatten_metrics({"per_layer": [0.5, 0.7], "probe": {"ok": True, "nan": None},
+                                 "count": 3, "name": "text", "nested": [[1.0]]})
+  assert found == {"per_layer/0": 0.5, "per_layer/1": 0.7, "probe/ok": 1.0, "probe/nan": None,
+                   "count": 3.0, "nested/0/0": 1.0}
+  assert type(found["probe/ok"]) is float
+
+
+def test_load_systems_loads_the_seeds_asked_for_in_their_order(tmp_path, monkeypatch):
+  """`Sweep._probe` zips the seeds it asks for with the systems it gets: each must be the
+  final checkpoint of that seed's run, in the order asked (every seed when none is)."""
+  cfg = sweep.apply_overrides(sweep.preset_config("smoke"),
+                              {"num_seeds": 3, "output.seed_subdirs": True})
+  seed_of = {d: seed for seed, d in run_dirs(cfg, str(tmp_path)).items()}
+  steps = cfg.train.num_steps
+  monkeypatch.setattr(sweep, "Trainer", lambda spec: type("T", (), {
+      "system": staticmethod(lambda params: int(params))})())
+  monkeypatch.setattr(sweep, "checkpoint_like", lambda trainer: None)
+  monkeypatch.setattr(sweep.checkpoint, "available_steps",
+                      lambda run_dir: [steps] if seed_of[run_dir] != 1 else [steps - 1])
+  loaded = []
+
+  def load_checkpoint(trainer, run_dir, step, like):
+    loaded.append((seed_of[run_dir], step))
+    return type("S", (), {"params": np.int32(seed_of[run_dir])}), None
+  monkeypatch.setattr(sweep, "load_checkpoint", load_checkpoint)
+  assert sweep.load_systems(cfg, str(tmp_path), [2, 0])[1] == [2, 0]
+  assert loaded == [(2, steps), (0, steps)]
+  with pytest.raises(FileNotFoundError, match="seed_1 has no final checkpoint"):
+    sweep.load_systems(cfg, str(tmp_path))
+  assert sweep.load_systems(cfg, str(tmp_path), [0])[1] == [0]
+
+
+def test_a_missing_metric_says_reprobe_where_probes_were_kept(tmp_path, monkeypatch):
+  """A metric in no run: the error suggests --reprobe when a probe or a joint probe kept
+  old values, and not in a sweep that has just measured them again (--reprobe)."""
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d, seeds: (
+      type("T", (), {"spec": None, "world": None}), [None] * len(seeds)))
+  joint = dict(joint_probe=lambda contexts: [{"speed": 1.0} for _ in contexts])
+  single = dict(probe=lambda ctx: {"value": 1.0})
+  for name, probe, reprobe, hint in (("joint", joint, False, True),
+                                     ("single", single, False, True),
+                                     ("again", single, True, False),
+                                     ("none", {}, False, False)):
+    ab = toy_ablation(metrics=("auc_mean", "sped", "diverged"), **probe)
+    sw = sweep.Sweep(ab, "smoke", str(tmp_path / name), runner=fake_runner(), reprobe=reprobe)
+    with pytest.raises(sweep.SweepError, match="sped") as error:
+      sw.run()
+    assert ("run again with --reprobe" in str(error.value)) == hint, name
+
+
+def test_an_unknown_split_field_points_at_split_config():
+  """A field no split has: every split section (train_split too) says a new field needs
+  its default in SplitConfig."""
+  for section in ("train_split", "eval_split"):
+    with pytest.raises(ValueError, match="its default in SplitConfig") as error:
+      sweep.apply_overrides(sweep.preset_config("smoke"), {f"{section}.zzz": 1})
+    assert f"{section}.zzz" in str(error.value)
+
+
+def test_the_plan_marks_the_baseline_in_every_condition(tmp_path):
+  plan = sweep.Sweep(toy_ablation(conditions=lr_conditions), "smoke", str(tmp_path),
+                     runner=fake_runner()).plan().splitlines()
+  marked = sorted(line.split(" ")[2].rstrip(":") for line in plan
+                  if line.startswith("  ") and " (baseline):" in line)
+  assert marked == ["a_hi", "a_lo"]
+
+
+def test_report_words_one_run_and_one_batch_in_the_singular():
+  line = report.environment_line({"code": "cafe", "run_codes": {"01d0": 1, "cafe": 3}})
+  assert "the runs were trained by: 01d0 (1 run), cafe (3 runs);" in line
+  t = {"num_steps": 20, "batch_size": 8, "eval_batches": 1, "eval_batch_size": 64,
+       "eval_lists": 64, "eval_seed": 1}
+  design = "\n".join(report.design_lines({"training": t, "seeds": [0, 1]}))
+  assert "Evaluation: 64 lists per split (1 batch of 64)" in design
+  t.update(eval_batches=2, eval_lists=128)
+  design = "\n".join(report.design_lines({"training": t, "seeds": [0, 1]}))
+  assert "Evaluation: 128 lists per split (2 batches of 64)" in design
+
+
+def test_curves_skip_non_finite_values_and_name_each_arm_once(tmp_path, monkeypatch):
+  """A diverging run's inf or NaN loss is left out of its curve (it would stretch the
+  axis to nothing); the legend has one entry per arm, not one per seed."""
+  rows = [{"step": 1, "k": 0.5}, {"step": 2, "k": float("inf")}, {"step": 3, "k": float("nan")},
+          {"step": 4}, {"step": 5, "k": 2}]
+  assert report.curve(rows, "k") == ([1, 5], [0.5, 2])
+  variants = {arm: {"arm": arm, "cell": "", "seeds": [0, 1, 2]} for arm in ("a", "b")}
+  for arm in variants:
+    for seed in range(3):
+      run = tmp_path / arm / f"seed_{seed}"
+      run.mkdir(parents=True)
+      (run / "metrics.jsonl").write_text("".join(
+          json.dumps({"step": k, "train/loss": 1.0 / k + seed}) + "\n" for k in (1, 2, 3)))
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  assert report.plot_curves({"variants": variants, "arms": ["a", "b"]}, str(tmp_path),
+                            ["train/loss"], "unused.png")
+  legend = figures[0].axes[0].get_legend()
+  assert [text.get_text() for text in legend.get_texts()] == ["a", "b"]
+
+
+def test_effects_plot_lists_its_rows_top_down_in_the_tables_order(monkeypatch):
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  comps = [{"variant": v, "baseline": "a", "metric": "auc", "delta": d, "ci95": [d - .01, d + .01],
+            "p_value": 0.5, "p_holm": 0.5, "n": 3, "test": "paired t"}
+           for v, d in (("b", 0.1), ("c", 0.2), ("d", 0.3))]
+  assert report.plot_effects({"baseline": "a", "comparisons": comps}, ["auc"], "unused.png")
+  ax = figures[0].axes[0]
+  y = dict(zip((label.get_text() for label in ax.get_yticklabels()), ax.get_yticks()))
+  assert y["b"] > y["c"] > y["d"], y   # the first row on top
