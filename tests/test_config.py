@@ -25,7 +25,8 @@ def test_ffn_size(emb_size, widening, expected):
 @pytest.mark.parametrize("emb_size, widening, match",
                          [(-128, 4.0, "emb_size"), (0, 4.0, "emb_size"), (64.0, 2.0, "emb_size"),
                           (True, 2.0, "emb_size"), (64, -1.0, "widening_factor"),
-                          (64, 0, "widening_factor"), (64, "2", "widening_factor")])
+                          (64, 0, "widening_factor"), (64, "2", "widening_factor"),
+                          (64, float("nan"), "widening_factor")])
 def test_ffn_size_refuses_bad_arguments(emb_size, widening, match):
   # -128 used to give a hidden width of -336, 0 a width of 0.
   with pytest.raises(ValueError, match=match):
@@ -131,7 +132,29 @@ BAD_CONFIGS = [
     ("widening_factor", lambda: transformer_config(widening_factor=0.01)),   # ffn_size 0
     ("dwell_hidden_size", lambda: ranking_config(dwell_hidden_size=0)),
     ("num_layers", lambda: transformer_config(num_layers=True)),
+    ("num_actions", lambda: _ranking(num_actions=0)),
+    ("num_actions", lambda: _ranking(num_actions=-3)),
+    ("num_actions", lambda: _ranking(num_actions=2.5)),
+    ("num_actions", lambda: _retrieval(num_actions=0)),
+    ("product_surface_vocab_size", lambda: ranking_config(product_surface_vocab_size=0)),
+    ("product_surface_vocab_size", lambda: retrieval_config(product_surface_vocab_size=0)),
+    # equal to model.emb_size, yet not a Python int (a config is hashed and written to JSON)
+    ("emb_size", lambda: _ranking(emb_size=32.0)),
+    ("emb_size", lambda: _retrieval(emb_size=np.int64(32))),
+    ("model", lambda: _ranking(model=dict(emb_size=32))),
+    ("model", lambda: _retrieval(model=None)),
+    ("fprop_dtype", lambda: ranking_config(fprop_dtype="bf16")),
 ]
+
+
+def _ranking(**fields):
+  """A ranking config built from its class, every field but the given ones the helper's."""
+  return pf.PhoenixModelConfig(**{"model": transformer_config(), "emb_size": 32, **fields})
+
+
+def _retrieval(**fields):
+  return pf.PhoenixRetrievalModelConfig(
+      **{"model": transformer_config(), "emb_size": 32, **fields})
 
 
 @pytest.mark.parametrize("field, build", BAD_CONFIGS, ids=[f for f, _ in BAD_CONFIGS])
@@ -185,3 +208,15 @@ def test_micro_batch_rows_auto_is_2048_on_cpu_and_off_elsewhere(monkeypatch):
     assert (auto.effective_micro_batch_rows, fixed.effective_micro_batch_rows,
             off.effective_micro_batch_rows) == (
         expected, 64, None)
+
+
+def test_numpy_scalars_numpy_bools_and_their_messages():
+  """NumPy bools pass as flags (a mask's element is one); a NumPy integer where a config
+  size must be a Python int is refused with the conversion to make."""
+  assert pf.NormConfig(use_log=np.True_).use_log
+  assert ranking_config(candidate_isolation=np.False_).candidate_isolation == np.False_
+  assert retrieval_config(enable_linear_proj=np.True_).enable_linear_proj
+  with pytest.raises(ValueError, match=re.escape("(a Python int: int(np.int64(2)))")):
+    transformer_config(num_layers=np.int64(2))
+  with pytest.raises(ValueError, match=r"num_layers=0 is invalid: must be an integer >= 1$"):
+    transformer_config(num_layers=0)   # a Python int: no conversion to suggest

@@ -354,6 +354,11 @@ def test_non_sandwich_layout_is_rejected(ranking_params):
   config = _ranking_config(norm_layout="pre")
   with pytest.raises(ValueError, match="norm_layout='pre'"):
     haiku_compat.ranking_model_from_haiku(tree, config)
+  # Every layout but the release's, refused for what it is (not for the norm entries that
+  # the tree has and a post-norm model lacks).
+  for layout in ("pre", "post"):
+    with pytest.raises(ValueError, match=f"norm_layout='{layout}' has no Haiku counterpart"):
+      haiku_compat.ranking_model_from_haiku(tree, _ranking_config(norm_layout=layout))
   with pytest.raises(ValueError, match="norm_layout='post'"):
     _traced_export(haiku_compat.ranking_model_to_haiku, pf.PhoenixModel,
                    _ranking_config(norm_layout="post"))
@@ -453,10 +458,14 @@ def test_entries_that_are_not_finite_float_arrays_are_named(ranking_params):
   nan[3] = np.nan
   broken["phoenix_model/rms_norm"]["scale"] = nan
   broken["phoenix_model"]["bias"] = {"b": 0}
+  broken["phoenix_model"]["action_projection"] = np.asarray(
+      tree["phoenix_model"]["action_projection"], np.complex64)   # inexact, yet not a float
   with pytest.raises(ValueError) as err:
     haiku_compat.ranking_model_from_haiku(broken, _ranking_config())
   message = str(err.value)
-  assert "(5 problem(s))" in message
+  assert "(6 problem(s))" in message
+  assert ("value   params['phoenix_model']['action_projection']: has dtype complex64, "
+          "expected floats") in message
   assert (f"value   params[{query!r}]['w']: is a ShapeDtypeStruct, expected an array of "
           "floats") in message
   assert ("value   params['phoenix_model']['proj_mat_1']: is a dict, expected an array of "

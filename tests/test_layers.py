@@ -238,3 +238,36 @@ def test_variance_scaling_is_the_same_with_x64_on():
   for a, b in zip(narrow, wide):
     assert b.dtype == np.float32
     np.testing.assert_array_equal(b, a)
+
+
+def test_every_weight_of_a_layer_draws_its_own_numbers():
+  """Each linear weight takes its own key: with a shared key, the element-wise partitioned
+  threefry gives two weights the same draws (scaled by their fan-in) on their common
+  prefix, a correlation of 1."""
+  cfg = transformer_config(num_layers=1)
+  block = layer(pf.Transformer(cfg, key=jax.random.key(12)), 0)
+  weights = {"attention.qkv": block.attention.qkv.weight,
+             "attention.out": block.attention.out.weight,
+             "dense.gate_value": block.dense.gate_value.weight,
+             "dense.out": block.dense.out.weight}
+  flat = {name: np.asarray(w).ravel() for name, w in weights.items()}
+  names = sorted(flat)
+  for i, a in enumerate(names):
+    for b in names[i + 1:]:
+      n = min(flat[a].size, flat[b].size)
+      r = np.corrcoef(flat[a][:n], flat[b][:n])[0, 1]
+      assert abs(r) < 0.2, (a, b, r)
+
+
+def test_masked_keys_stay_out_when_every_allowed_logit_is_very_negative():
+  """Without a cap, the multiplier (up to 1e6) takes allowed logits far below -1e4: a mask
+  value of that size would then win the softmax; -1e30 stays below any of them."""
+  cfg = transformer_config(attn_logit_cap=None, attn_output_multiplier=1e6, num_kv_heads=4)
+  attn = attention(cfg, 13)
+  T, d = 3, cfg.key_size
+  q = -jnp.ones((1, T, 4, 1, d))                     # q.k = -d, so every raw logit = -8e6
+  k = jnp.ones((1, T, 4, d))
+  weights, _ = attn.attention_weights(q, k, causal_mask(T))
+  # Every allowed key alike, no weight on a masked one.
+  expected = np.tril(np.ones((T, T))) / np.arange(1, T + 1)[:, None]
+  np.testing.assert_allclose(weights[0, :, 0], np.broadcast_to(expected, (4, T, T)), atol=1e-6)

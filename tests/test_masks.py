@@ -59,6 +59,11 @@ def test_offset_equal_to_length_is_causal():
   np.testing.assert_array_equal(pf.make_recsys_attn_mask(5, 5), causal_mask(5))
 
 
+def test_offset_zero_isolates_every_token():
+  """Offset 0 (no context, every token a candidate) is valid: each token sees itself only."""
+  np.testing.assert_array_equal(pf.make_recsys_attn_mask(4, 0)[0, 0], np.eye(4))
+
+
 def test_offset_out_of_range_raises():
   with pytest.raises(ValueError, match="candidate_start_offset"):
     pf.make_recsys_attn_mask(4, 5)
@@ -98,6 +103,18 @@ def test_partial_history_hand_computed():
   np.testing.assert_array_equal(pos, [[0, 3, 4, 0, 0, 5, 0],
                                       [0, 0, 0, 0, 0, 5, 5],
                                       [0, 1, 2, 3, 4, 5, 5]])
+
+
+def test_integer_padding_mask_counts_each_valid_slot_once():
+  """A 0/1 mask given as integers (any nonzero value marks a valid token) gives the same
+  positions as the bool mask: a valid history slot counts once whatever its value."""
+  bools = jnp.array([[1, 1, 1, 0, 0, 1, 0],
+                     [1, 0, 0, 0, 0, 1, 1]], bool)
+  ints = jnp.array([[1, 2, 7, 0, 0, 1, 0],
+                    [3, 0, 0, 0, 0, 1, 5]], jnp.int32)
+  want = pf.right_anchored_rope_positions(bools, history_seq_len=4, num_user_prefix_tokens=1)
+  got = pf.right_anchored_rope_positions(ints, history_seq_len=4, num_user_prefix_tokens=1)
+  np.testing.assert_array_equal(got, want)
 
 
 def test_newest_history_item_is_anchored():
