@@ -161,6 +161,10 @@ def main(argv: list[str]) -> None:
       sys.stdout.flush()
     except BrokenPipeError:   # `| head`: the reader has what it wanted
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as e:      # a full disk, say: the fields did not all arrive
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (exit's flush too)
+      sys.stderr.write(f"error: --print_config could not write the config: {e}\n")
+      sys.exit(1)
     return
   eval_keys = progress_keys(config)
   report = None if _QUIET.value else (

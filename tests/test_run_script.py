@@ -76,6 +76,9 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
               "--config.model.dwell_time_norm=30.0"],
              "'dwell_time_norm' is a field of PhoenixModelConfig that the experiment config "
              "does not expose: the synthetic world's dwell times are its binary dwell action"),
+            # `--config PATH` as two words is given too: its overrides apply
+            (["--config", "experiments/configs/ranking.py:smoke", f"--workdir={workdir}",
+              "--config.model.num_kv_heads=3"], "TransformerConfig.num_kv_heads=3 is invalid"),
             # the config file's own error, without the traceback around it
             (["--config=experiments/configs/ranking.py:nopreset", f"--workdir={workdir}"],
              "unknown preset 'nopreset'")]
@@ -150,10 +153,16 @@ def test_bad_flags_and_configs_exit_2_before_any_work(tmp_path):
   with ForkServer(subprocess_env()) as server:
     results = [server.run("experiments.run", args) for args, _ in cases]
     results += [server.run("experiments.train_throughput", args) for args, _ in throughput]
+  # A fault in the flags points to --helpfull; one a run meets (its workdir) does not.
+  hinted = {"no_such_flag"}
+  unhinted = {f"{a_file} is a file, not a directory",
+              f"{tmp_path}/seeds/seed_1, seed 1's run directory, is a file"}
   for (code, _, stderr), (args, needle) in zip(results, cases + throughput, strict=True):
     assert code == 2, (args, stderr[-2000:])
     assert needle in stderr, (args, stderr[-2000:])
     assert "Traceback" not in stderr, stderr[-2000:]
+    if needle in hinted | unhinted:
+      assert ("Run with --helpfull" in stderr) == (needle in hinted), (args, stderr)
   assert not workdir.exists() and not (tmp_path / "nowhere").exists()
   assert os.listdir(tmp_path / "seeds") == ["seed_1"]
 
@@ -330,6 +339,40 @@ def test_every_entry_script_runs_by_path_too():
                           cwd=os.path.dirname(REPO), capture_output=True, text=True,
                           timeout=300)
     assert (proc.returncode, message in proc.stderr) == (2, True), (path, proc.stderr)
+
+
+def test_an_unknown_field_is_matched_by_whole_names():
+  """The overrides named for a missing key are those with a field of exactly that name:
+  `num_layer` is not `num_layers`."""
+  message = cli._unknown_field_message("'num_layer'\nDid you mean \"num_layers\"?",
+                                       ["model.num_layers", "model.num_layer"])
+  assert message.startswith("a --config.* override names a field the config does not "
+                            "have: --config.model.num_layer\n"), message
+  assert "--config.model.num_layers" not in message
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_print_config_that_cannot_be_written_fails_saying_so():
+  """Output that does not arrive (a full disk) is an error with one line, not a traceback
+  or a silent success; a reader that stops early (`| head`) is no error."""
+  with open("/dev/full", "w") as full:
+    proc = subprocess.run([sys.executable, "-m", "experiments.run",
+                           "--config=experiments/configs/ranking.py:smoke", "--print_config"],
+                          cwd=REPO, env=subprocess_env(), stdout=full, stderr=subprocess.PIPE,
+                          text=True, timeout=300)
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert proc.stderr.endswith("error: --print_config could not write the config: [Errno 28] "
+                              "No space left on device\n"), proc.stderr[-2000:]
+  read_end, write_end = os.pipe()
+  os.close(read_end)          # a reader gone before the first line: a broken pipe
+  try:
+    proc = subprocess.run([sys.executable, "-m", "experiments.run",
+                           "--config=experiments/configs/ranking.py:smoke", "--print_config"],
+                          cwd=REPO, env=subprocess_env(), stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+  finally:
+    os.close(write_end)
+  assert proc.returncode == 0 and "rror" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_helpfull_explains_every_flag():

@@ -7,6 +7,8 @@ import dataclasses
 import functools
 import json
 import os
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -15,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import float32_ulp, max_abs_diff, rounding, session_end_status
+from conftest import (REPO, float32_ulp, max_abs_diff, rounding, session_end_status,
+                      subprocess_env)
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -1380,6 +1383,25 @@ def test_each_seed_initialises_and_evaluates_as_it_would_alone():
   assert not same(first[0].batch.candidate_post_hashes, first[1].batch.candidate_post_hashes)
 
 
+def test_one_seed_runs_its_function_unmapped_and_several_are_vmapped():
+  """`_over_seeds` runs a single seed's function on the squeezed arrays, not under a vmap
+  of axis size 1 (whose layouts made the CPU training step slower), and vmaps several
+  (one after another with `in_turn`); each way gives every seed its own result."""
+  from phoenix_flax.training.loop import _over_seeds
+  seen = []
+
+  def fn(shared, x):
+    seen.append(type(x).__name__)
+    return x * shared
+
+  for n, in_turn, batched in ((1, False, False), (1, True, False), (3, False, True)):
+    seen.clear()
+    x = jnp.arange(n * 2.0).reshape(n, 2)
+    out = _over_seeds(fn, in_turn=in_turn)(jnp.float32(3.0), x)
+    np.testing.assert_array_equal(out, 3.0 * x)
+    assert ("BatchTracer" in seen) == batched, (n, in_turn, seen)
+
+
 def test_divergence_guard_freezes_a_seed_for_good():
   """A non-finite step marks the seed diverged at that 1-based step and keeps its
   parameters and optimizer state; later finite steps neither train it nor clear the flag."""
@@ -1455,6 +1477,36 @@ def test_a_step_logs_the_rate_it_applies_and_each_step_draws_a_new_batch():
   sb1 = sample(trainer.world, after)
   assert not np.array_equal(np.asarray(sb0.batch.candidate_post_hashes),
                             np.asarray(sb1.batch.candidate_post_hashes))
+
+
+def test_a_step_logs_its_gradients_global_norm_and_each_step_has_its_own_batch():
+  """`train/grad_norm` is the global norm of the step's gradients (not its square); the
+  batch of step i is drawn from `fold_in(data_key, i)`, a key of its own for every step,
+  and the data key is not the key the parameters were drawn from."""
+  trainer = Trainer(parse_config(smoke_config()))
+  state = unstack(trainer.init([0]), 0)
+  sample = eqx.filter_jit(trainer.sample_train_batch)
+  sb = sample(trainer.world, state)
+  _, stats = eqx.filter_jit(trainer.update)(state, sb)
+  grads, _ = eqx.filter_jit(jax.grad(trainer._loss, has_aux=True))(state.params, sb, None)
+  norm = float(optax.global_norm(grads))
+  assert abs(norm - 1.0) > 0.05       # a norm of 1 would be its own square
+  np.testing.assert_allclose(float(stats["grad_norm"]), norm, rtol=1e-5)
+
+  at_step = lambda i: eqx.tree_at(lambda s: s.step, state, jnp.asarray(i, jnp.int32))
+  hashes = [np.asarray(sample(trainer.world, at_step(i)).batch.candidate_post_hashes)
+            for i in range(4)]
+  for i in range(4):
+    for j in range(i):
+      assert not np.array_equal(hashes[i], hashes[j]), (i, j)
+
+  seed_key = np.asarray(jax.random.PRNGKey(0))
+  assert not np.array_equal(np.asarray(state.data_key), seed_key)
+  drawn = eqx.filter_jit(lambda key: make_system(trainer.spec, key))(state.data_key)
+  random = [(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree.leaves(eqx.filter(drawn, eqx.is_array)), jax.tree.leaves(state.params))
+      if np.unique(np.asarray(b)).size > 2]   # not the norms' ones or a padding row alone
+  assert random and not any(np.array_equal(a, b) for a, b in random)
 
 
 def test_training_batches_come_from_the_train_split():
@@ -1642,6 +1694,18 @@ def test_retrieval_task_trains_and_reports_recall(tmp_path, main):
                             for r in train_rows)
   # The share of users with a positive in their list, which the in-batch loss counts.
   assert all(0 < r["train/positive_fraction"] <= 1 for r in train_rows)
+  # A process other than the first (multi-host) prints no summary: process 0 wrote the
+  # files and says so. (The finished run is skipped, so nothing trains again.)
+  code = ("import sys, jax\n"
+          "jax.process_index = lambda *args, **kwargs: 1\n"
+          "from experiments import run\n"
+          "from experiments.cli import parse_config_flags, run_app\n"
+          "sys.argv = ['run', '--config=experiments/configs/retrieval.py:smoke', "
+          f"'--workdir={tmp_path}', '--quiet']\n"
+          "run_app(run.main, flags_parser=parse_config_flags)\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and proc.stdout == "", (proc.stdout, proc.stderr[-2000:])
 
 
 @pytest.mark.slow
