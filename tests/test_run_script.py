@@ -375,6 +375,32 @@ def test_print_config_that_cannot_be_written_fails_saying_so():
   assert proc.returncode == 0 and "rror" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_print_config_of_a_multi_host_run_starts_no_backend():
+  """A multi-host mesh is known once its processes have joined (jax.distributed), which
+  needs the backend not started before: --print_config checks such a config without the
+  host's devices, where a single-host one is checked against them."""
+  code = ("import sys, jax\n"
+          "from experiments import run\n"
+          "def refuse(*args, **kwargs):\n"
+          "  raise SystemExit('the placement was checked: the backend started')\n"
+          "run.check_placement = refuse\n"
+          "from experiments.cli import parse_config_flags, run_app\n"
+          "sys.argv = ['run', '--config=experiments/configs/ranking.py:smoke', *sys.argv[1:],\n"
+          "            '--print_config']\n"
+          "run_app(run.main, flags_parser=parse_config_flags)\n")
+  distributed = ["--config.mesh.distributed=True", "--config.mesh.num_processes=2",
+                 "--config.mesh.process_id=0",
+                 "--config.mesh.coordinator_address=127.0.0.1:1234"]
+  for extra, checked in ((distributed, False), ([], True)):
+    proc = subprocess.run([sys.executable, "-c", code, *extra], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    if checked:
+      assert proc.returncode != 0 and "the backend started" in proc.stderr, proc.stderr
+    else:
+      assert proc.returncode == 0, proc.stderr[-2000:]
+      assert "mesh.distributed = True" in proc.stdout.splitlines()
+
+
 def test_helpfull_explains_every_flag():
   [(code, stdout, stderr)] = run_forked("experiments.run", [["--helpfull"]], subprocess_env())
   assert code in (0, 1), stderr  # absl exits 1 after printing help
