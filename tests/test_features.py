@@ -62,6 +62,14 @@ def test_post_age_bucket_refuses_timestamps_beyond_int32():
                                        r"timestamps are seconds"):
     pf.compute_post_age_bucket(ms, ms - 600_000, 1)
   assert int(pf.compute_post_age_bucket(ms // 1000, (ms - 600_000) // 1000, 1)[0]) == 11
+  # The post's timestamps are checked too (an impression in seconds, a post in ms), and
+  # the message quotes the value that does not fit, not the array's first.
+  s = ms // 1000
+  with pytest.raises(ValueError, match=r"post_ts holds 1699999400000, beyond int32"):
+    pf.compute_post_age_bucket(s, (s - 600) * 1000, 1)
+  mixed = np.array([1_700_000_000, 1_700_000_000_123], np.int64)
+  with pytest.raises(ValueError, match=r"impression_ts holds 1700000000123, beyond int32"):
+    pf.compute_post_age_bucket(mixed, mixed // 1000, 1)
 
 
 def test_post_age_bucket_and_normalization_refuse_wrong_dtypes():

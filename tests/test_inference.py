@@ -83,6 +83,10 @@ def test_weighted_score_by_name_and_by_vector():
   with pytest.raises(ValueError, match=r"weights names 'report_score' \(index 17\), probs "
                                        "hold only 17 actions"):
     weighted_score(probs[..., :17], {"report_score": 1.0})
+  # bfloat16 probabilities score in bfloat16 (the weights cast to them: no promotion).
+  half = weighted_score(jnp.asarray(probs, jnp.bfloat16), {"favorite_score": 2.0})
+  assert half.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(half, np.float32), 2.0 * probs[..., 0], atol=2e-2)
   # Integer probabilities must not turn the weights into integers.
   np.testing.assert_allclose(weighted_score(np.ones((2, 19), np.int32), {"favorite_score": 0.7}),
                              [0.7, 0.7], rtol=1e-6)
@@ -206,6 +210,29 @@ def test_padding_ranks_after_a_valid_candidate_of_probability_zero():
   assert inference._ranking_order(probs, hashes).tolist() == [[1, 0]]
 
 
+def test_a_candidate_is_padding_by_its_first_hash_alone(ranker):
+  """As the model reads it: a valid candidate whose later hash is 0 keeps its rank, in
+  `rank` and in `rank_chunked`."""
+  batch, emb = _batch()
+  best = int(np.asarray(ranker.rank(batch, emb).ranked_indices)[0, 0])
+  hashes = np.asarray(batch.candidate_post_hashes).copy()
+  hashes[0, best, -1] = 0
+  later = batch._replace(candidate_post_hashes=hashes)
+  assert int(np.asarray(ranker.rank(later, emb).ranked_indices)[0, 0]) == best
+  assert int(np.asarray(ranker.rank_chunked(later, emb, 4).ranked_indices)[0, 0]) == best
+
+
+def test_retrieval_takes_any_history_layout(retriever):
+  """Right-aligned history is refused only with right-anchored positions, which the
+  retrieval model does not have."""
+  batch, emb = _batch(RETRIEVAL, history_lengths=[3, 8])
+  hashes = np.asarray(batch.history_post_hashes).copy()
+  hashes[0] = np.roll(hashes[0], 5, axis=0)
+  shifted = batch._replace(history_post_hashes=hashes)
+  assert inference.validate_batch(RETRIEVAL, shifted) == (2, 6)
+  retriever.encode_user(shifted, emb)
+
+
 def test_rank_compiles_once_per_shape(ranker):
   ranker.rank(*_batch(seed=7))
   traces = ranker.trace_counts["rank"]
@@ -317,6 +344,11 @@ def test_right_anchored_positions_need_left_aligned_history(anchored_ranker, ran
                                        "left-aligned"):
     anchored_ranker.rank(shifted, emb)
   ranker.rank(shifted, emb)    # sequential positions take any layout, as the release does
+  # An item is padding by its first hash alone, as the model reads it: a 0 in a later hash
+  # of a valid item leaves the history left-aligned.
+  later = np.asarray(batch.history_post_hashes).copy()
+  later[1, 2, -1] = 0
+  anchored_ranker.rank(batch._replace(history_post_hashes=later), emb)
 
 
 def test_right_anchored_scores_ignore_chunking_and_order(anchored_ranker):
@@ -376,6 +408,8 @@ BAD_INPUTS = {
                                 "candidate_post_hashes.*-7"),
     "float hashes": (_replace_batch("user_hashes", lambda x: x.astype(np.float32)),
                      "user_hashes has dtype float32"),
+    "bool hashes": (_replace_batch("user_hashes", lambda x: x != 0),
+                    "user_hashes has dtype bool"),
     "surface too large": (_replace_batch("history_product_surface", _set((0, 0), 16)),
                           r"history_product_surface holds 16.*\[0, 16\)"),
     "negative surface": (_replace_batch("candidate_product_surface", _set((1, 5), -1)),
@@ -469,21 +503,53 @@ def test_runners_ignore_fields_the_model_does_not_read(ranker):
   assert ranker.trace_counts["rank"] == traces["rank"]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("impression_timestamps", -5, "timestamps must be >= 0"),
-    ("candidate_post_timestamps", -1, "timestamps must be >= 0"),
-    ("history_dwell_times", np.nan, "dwell times must be finite"),
-    ("history_dwell_times", np.inf, "dwell times must be finite"),
-    ("history_actions", -1, "0 or 1"),
-])
-def test_feature_values_are_validated(field, value, message):
-  config = dataclasses.replace(RANKING, post_age_granularity_mins=60,
+FEATURES = dataclasses.replace(RANKING, post_age_granularity_mins=60,
                                dwell_time_norm=NormConfig())
-  batch, emb = _batch(config)
-  x = np.array(getattr(batch, field))
+
+
+@pytest.mark.parametrize("field, value, message, dtype", [
+    ("impression_timestamps", -5, "timestamps must be >= 0", None),
+    ("candidate_post_timestamps", -1, "timestamps must be >= 0", None),
+    ("impression_timestamps", 1_700_000_000_000, r"fit int32 \(timestamps are in seconds\)",
+     np.int64),
+    ("history_dwell_times", np.nan, "dwell times must be finite", None),
+    ("history_dwell_times", np.inf, "dwell times must be finite", None),
+    ("history_actions", -1, "0 or 1", None),
+    ("history_actions", 0.5, "0 or 1", np.float32),
+])
+def test_feature_values_are_validated(field, value, message, dtype):
+  batch, emb = _batch(FEATURES)
+  x = np.array(getattr(batch, field), dtype)
   x.flat[0] = value
   with pytest.raises(ValueError, match=f"{field} holds .*{message}"):
-    validate_inputs(config, batch._replace(**{field: x}), emb)
+    validate_inputs(FEATURES, batch._replace(**{field: x}), emb)
+
+
+def test_feature_values_at_their_edges_are_taken(ranker):
+  """A timestamp of 0 means "missing" and passes; dwell times may be integer seconds."""
+  batch, emb = _batch(FEATURES)
+  zero = lambda x: np.zeros_like(np.asarray(x))
+  assert validate_inputs(FEATURES, batch._replace(
+      impression_timestamps=zero(batch.impression_timestamps),
+      candidate_post_timestamps=zero(batch.candidate_post_timestamps)), emb) == (2, 6)
+  seconds = np.rint(np.asarray(batch.history_dwell_times)).astype(np.int32)
+  whole = batch._replace(history_dwell_times=seconds)
+  assert validate_inputs(FEATURES, whole, emb) == (2, 6)
+  runner = RankingRunner.from_config(FEATURES, key=jax.random.key(0))
+  np.testing.assert_allclose(runner.rank(whole, emb).scores, runner.rank(
+      batch._replace(history_dwell_times=seconds.astype(np.float32)), emb).scores, atol=1e-6)
+
+
+def test_user_side_encoders_check_the_dwell_times_they_read():
+  """The dwell times are the user's side: checked without candidates too."""
+  batch, emb = _batch(FEATURES)
+  dwell = np.array(batch.history_dwell_times, np.float32)
+  dwell[0, 0] = np.nan
+  bad = batch._replace(history_dwell_times=dwell)
+  with pytest.raises(ValueError, match="history_dwell_times holds nan"):
+    inference.validate_batch(FEATURES, bad, with_candidates=False)
+  with pytest.raises(ValueError, match="history_dwell_times holds nan"):
+    RankingRunner.from_config(FEATURES, key=jax.random.key(0)).encode_context(bad, emb)
 
 
 def test_chunked_scoring_rejects_bad_chunk_size_and_cache(ranker):
@@ -528,6 +594,14 @@ def test_runners_refuse_parameters_that_are_not_float32(ranker, retriever):
     RankingRunner(to_bf16(ranker.model, "unembeddings"))
   with pytest.raises(ValueError, match=r"RetrievalRunner: parameter model\..*projection_1"):
     RetrievalRunner(to_bf16(retriever.model, "projection_1"))
+  # Any float but float32: float16 and float64 too.
+  for dtype in (jnp.float16, np.float64):
+    other = jax.tree_util.tree_map_with_path(
+        lambda path, x: np.asarray(x, dtype) if "unembeddings" in jax.tree_util.keystr(path)
+        else x, ranker.model)
+    with pytest.raises(ValueError, match=rf"parameter model\.unembeddings is "
+                                         rf"{np.dtype(dtype).name}"):
+      RankingRunner(other)
 
 
 # ---------------------------------------------------------------------------- retrieval
@@ -675,6 +749,10 @@ def test_user_side_encoders_take_a_batch_without_candidates(ranker, retriever):
     bare = (batch._replace(**dict.fromkeys(CANDIDATE_BATCH_FIELDS)),
             emb._replace(**dict.fromkeys(CANDIDATE_EMBEDDING_FIELDS)))
     jax.tree.map(np.testing.assert_array_equal, encode(*bare), encode(batch, emb))
+  # `retrieve` reads the user's side only too.
+  retriever.set_corpus(*example_corpus(100, 32, jax.random.key(5)))
+  jax.tree.map(np.testing.assert_array_equal, retriever.retrieve(*bare, top_k=3),
+               retriever.retrieve(batch, emb, top_k=3))
 
 
 def test_a_user_with_no_valid_token_gets_the_zero_vector(retriever, corpus):
@@ -746,8 +824,10 @@ def test_retrieval_runner_rejects_bad_inputs(corpus):
     with pytest.raises(ValueError, match="top_k=3 exceeds the 2 corpus items corpus_mask "
                                          "keeps for user 1"):
       runner.retrieve(batch, emb, top_k=3, corpus_mask=where(per_user))
-    with pytest.raises(ValueError, match="corpus_mask must be boolean or 0/1"):
-      runner.retrieve(batch, emb, top_k=3, corpus_mask=where(np.full(100, 2, np.int32)))
+    for values in (np.full(100, 2, np.int32), np.full(100, -1, np.int32),
+                   np.where(np.arange(100) == 3, 0.5, 1.0)):
+      with pytest.raises(ValueError, match="corpus_mask must be boolean or 0/1"):
+        runner.retrieve(batch, emb, top_k=3, corpus_mask=where(values))
   with pytest.raises(ValueError, match=r"author_embeddings has shape \(4, 2, 32\), expected "
                      r"\[N >= 1, 2, 32\] \(N = 3"):
     runner.encode_corpus(np.zeros((3, 2, 32), np.float32), np.zeros((4, 2, 32), np.float32))

@@ -422,6 +422,14 @@ def test_each_field_is_checked_for_its_dtype():
   as_type = lambda x, dtype: jnp.asarray(x, dtype)
   bad = [("history_product_surface must hold integers", batch._replace(
               history_product_surface=as_type(batch.history_product_surface, jnp.float32)), emb),
+         ("candidate_product_surface must hold integers", batch._replace(
+              candidate_product_surface=as_type(batch.candidate_product_surface,
+                                                jnp.float32)), emb),
+         ("candidate_post_timestamps must hold integers", batch._replace(
+              candidate_post_timestamps=as_type(batch.candidate_post_timestamps,
+                                                jnp.float32)), emb),
+         ("user_hashes must hold integers", batch._replace(
+              user_hashes=as_type(batch.user_hashes, jnp.float32)), emb),
          ("impression_timestamps must hold integers", batch._replace(
               impression_timestamps=as_type(batch.impression_timestamps, jnp.float32)), emb),
          ("candidate_post_embeddings must hold floats", batch, emb._replace(

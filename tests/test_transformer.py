@@ -412,7 +412,7 @@ def test_rezero_layers_are_identity_at_init():
   cfg = transformer_config(param_init="rezero")
   tr = pf.Transformer(cfg, key=jax.random.key(5))
   assert not np.any(tr.layers.norm_attn_out.scale) and not np.any(tr.layers.norm_dense_out.scale)
-  assert np.all(tr.layers.norm_attn_in.scale == 1)
+  assert np.all(tr.layers.norm_attn_in.scale == 1) and np.all(tr.layers.norm_dense_in.scale == 1)
   assert np.any(tr.layers.attention.qkv.weight)
   x = inputs()
   out = call(lambda t, x: t(x, PADDING, OFFSET), tr, x)
@@ -470,8 +470,19 @@ def test_every_entry_point_checks_its_tokens():
   np.testing.assert_array_equal(
       tr.score_candidates(cand, PADDING[:, OFFSET:], float_cache).embeddings,
       tr.score_candidates(cand, PADDING[:, OFFSET:], cache).embeddings)
+  # Each field of a cache is checked for its own dtype: values apart from keys, and the
+  # mask as booleans (a float mask in a hand-built cache is named, not taken).
+  half = lambda x: x.astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match="cache.values has dtype bfloat16, expected float32"):
+    tr.score_candidates(cand, PADDING[:, OFFSET:], cache._replace(values=half(cache.values)))
+  with pytest.raises(ValueError, match="cache.padding_mask has dtype float32, expected bool"):
+    tr.score_candidates(cand, PADDING[:, OFFSET:], cache._replace(
+        padding_mask=cache.padding_mask.astype(jnp.float32)))
   with pytest.raises(ValueError, match="candidates: padding_mask"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, :OFFSET])
+  with pytest.raises(ValueError, match=r"context: positions has shape \(2, 2\)"):
+    tr.isolated(ctx, PADDING[:, :OFFSET], cand, PADDING[:, OFFSET:],
+                context_positions_BN=positions()[:, :2])
   with pytest.raises(ValueError, match="candidates holds 1 users but the context holds 2"):
     tr.isolated(ctx, PADDING[:, :OFFSET], cand[:1], PADDING[:1, OFFSET:])
   with pytest.raises(ValueError, match="embeddings must be float embeddings, got dtype int32"):
