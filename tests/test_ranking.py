@@ -879,3 +879,37 @@ def test_micro_batch_limits():
   assert model_for(ranking_config(history=128, micro_batch_rows=100)).micro_batch_limits(
       3, 5) == (1, 100)                    # a context longer than the rows: one user
   assert model_for(ranking_config(micro_batch_rows=None)).micro_batch_limits(7, 9) == (7, 9)
+
+
+def test_each_parameter_draws_from_its_own_key_of_one_split():
+  """A seed's initial parameters stay as they were (committed results were trained from
+  them): parameter i of each model draws from `split(key, n)[i]` in the order the
+  constructor lists, however many of them the switches leave out."""
+  from phoenix_flax.layers import variance_scaling
+  from phoenix_flax.retrieval import CandidateTower
+  key = jax.random.key(4)
+  cfg = ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(),
+                       num_continuous_actions=3)
+  model, ks = pf.PhoenixModel(cfg, key=key), jax.random.split(key, 12)
+  order = {0: "product_surface_embedding_table", 1: "action_projection", 2: "proj_mat_1",
+           3: "proj_mat_2", 4: "proj_mat_3", 6: "unembeddings", 7: "post_age_embedding_table",
+           8: "dwell_proj_1", 9: "dwell_proj_2", 10: "continuous_unembeddings"}
+  for i, name in order.items():
+    w = getattr(model, name)
+    fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
+    np.testing.assert_array_equal(w, variance_scaling(ks[i], w.shape, fan_in), err_msg=name)
+  same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, eqx.filter(a, eqx.is_array),
+                                   eqx.filter(b, eqx.is_array))
+  same(model.transformer, pf.Transformer(cfg.model, key=ks[5]))
+
+  rcfg = retrieval_config()
+  retrieval, ks = pf.PhoenixRetrievalModel(rcfg, key=key), jax.random.split(key, 6)
+  for i, name in {0: "product_surface_embedding_table", 1: "action_projection",
+                  2: "proj_mat_1", 3: "proj_mat_3"}.items():
+    w = getattr(retrieval, name)
+    fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
+    np.testing.assert_array_equal(w, variance_scaling(ks[i], w.shape, fan_in), err_msg=name)
+  same(retrieval.transformer, pf.Transformer(rcfg.model, key=ks[4]))
+  hc = rcfg.hash_config
+  same(retrieval.candidate_tower, CandidateTower(
+      rcfg.emb_size, hc.num_item_hashes + hc.num_author_hashes, key=ks[5]))
