@@ -891,24 +891,25 @@ def test_each_parameter_draws_from_its_own_key_of_one_split():
   cfg = ranking_config(post_age_granularity_mins=60, dwell_time_norm=pf.NormConfig(),
                        num_continuous_actions=3)
   model, ks = pf.PhoenixModel(cfg, key=key), jax.random.split(key, 12)
-  order = {0: "product_surface_embedding_table", 1: "action_projection", 2: "proj_mat_1",
-           3: "proj_mat_2", 4: "proj_mat_3", 6: "unembeddings", 7: "post_age_embedding_table",
-           8: "dwell_proj_1", 9: "dwell_proj_2", 10: "continuous_unembeddings"}
-  for i, name in order.items():
-    w = getattr(model, name)
-    fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
-    np.testing.assert_array_equal(w, variance_scaling(ks[i], w.shape, fan_in), err_msg=name)
+
+  def drawn(m, ks, order):   # {key index: name of a variance-scaled array of m}
+    for i, name in order.items():
+      w = getattr(m, name)
+      fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
+      np.testing.assert_array_equal(w, variance_scaling(ks[i], w.shape, fan_in), err_msg=name)
+
   same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, eqx.filter(a, eqx.is_array),
                                    eqx.filter(b, eqx.is_array))
+  drawn(model, ks, {0: "product_surface_embedding_table", 1: "action_projection",
+                    2: "proj_mat_1", 3: "proj_mat_2", 4: "proj_mat_3", 6: "unembeddings",
+                    7: "post_age_embedding_table", 8: "dwell_proj_1", 9: "dwell_proj_2",
+                    10: "continuous_unembeddings"})
   same(model.transformer, pf.Transformer(cfg.model, key=ks[5]))
 
   rcfg = retrieval_config()
   retrieval, ks = pf.PhoenixRetrievalModel(rcfg, key=key), jax.random.split(key, 6)
-  for i, name in {0: "product_surface_embedding_table", 1: "action_projection",
-                  2: "proj_mat_1", 3: "proj_mat_3"}.items():
-    w = getattr(retrieval, name)
-    fan_in = w.shape[1] if name.endswith("_table") else w.shape[0]
-    np.testing.assert_array_equal(w, variance_scaling(ks[i], w.shape, fan_in), err_msg=name)
+  drawn(retrieval, ks, {0: "product_surface_embedding_table", 1: "action_projection",
+                        2: "proj_mat_1", 3: "proj_mat_3"})
   same(retrieval.transformer, pf.Transformer(rcfg.model, key=ks[4]))
   hc = rcfg.hash_config
   same(retrieval.candidate_tower, CandidateTower(
