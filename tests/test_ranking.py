@@ -884,7 +884,7 @@ def test_micro_batch_limits():
 def test_each_parameter_draws_from_its_own_key_of_one_split():
   """A seed's initial parameters stay as they were (committed results were trained from
   them): parameter i of each model draws from `split(key, n)[i]` in the order the
-  constructor lists, however many of them the switches leave out."""
+  constructor lists (every optional parameter on here: each keeps its index)."""
   from phoenix_flax.layers import variance_scaling
   from phoenix_flax.retrieval import CandidateTower
   key = jax.random.key(4)
