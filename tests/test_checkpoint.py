@@ -620,6 +620,26 @@ def test_placing_a_host_state_on_one_device_compiles_nothing():
     assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
+def test_a_host_state_is_placed_shard_by_shard_on_a_mesh(monkeypatch):
+  """On a mesh, each NumPy leaf is built from its shards (`make_array_from_callback`), not
+  `jax.device_put`, which runs a collective between the processes of a multi-host run to
+  check that all hold the same; device arrays may take `device_put`."""
+  from phoenix_flax.training import sharding
+  put = []
+  real = sharding.jax.device_put
+  monkeypatch.setattr(sharding.jax, "device_put",
+                      lambda x, *args, **kwargs: put.append(type(x)) or real(x, *args, **kwargs))
+  placement = Placement(Mesh(np.array(jax.devices()[:1]), (DATA_AXIS,)), True)
+  table = np.arange(24.0, dtype=np.float32).reshape(2, 4, 3)   # [seeds, rows, D]
+  host = {"params": {"tables": {"post_table": table}}, "step": np.asarray(3, np.int32),
+          "device": jnp.ones(2)}
+  placed = placement.place_state(host)
+  assert all(not issubclass(t, np.ndarray) for t in put), put
+  for got, want in zip(jax.tree.leaves(placed), jax.tree.leaves(host)):
+    assert isinstance(got, jax.Array) and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
 def test_make_placement_uses_the_visible_devices(caplog):
   n = jax.device_count()
   with caplog.at_level("WARNING"):

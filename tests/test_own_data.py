@@ -101,6 +101,12 @@ def test_validate_training_batch_names_what_jit_would_hide(logs, system):
   with pytest.raises(ValueError, match=r"labels_BCA holds 100.0 .*must be finite and in "
                                        r"\[0, 1\]"):
     training.validate_training_batch(system, batch, labels * 100, mask)
+  with pytest.raises(ValueError, match=r"labels_BCA holds -1.0 at index \(0, 0, 0\)"):
+    negative = np.asarray(labels).copy()
+    negative[0, 0, 0] = -1.0
+    training.validate_training_batch(system, batch, negative, mask)
+  with pytest.raises(ValueError, match=r"mask_BC has shape \(1, 16\), expected \(4, 16\)"):
+    training.validate_training_batch(system, batch, labels, mask[:1])
   with pytest.raises(ValueError, match=r"labels_BCA holds nan"):
     training.validate_training_batch(system, batch, np.where(labels > 0, np.nan, labels),
                                      mask)
@@ -157,6 +163,16 @@ def test_optimizer_from_an_optim_section_is_the_runs_optimizer():
     training.optimizer_from(optim, 50)
   with pytest.raises(training.ConfigError, match="train.num_steps=0 is invalid"):
     training.optimizer_from(optim, 0)
+  with pytest.raises(training.ConfigError, match="train.num_steps=2147483648 is invalid: "
+                                                  "must be at most"):
+    training.optimizer_from(optim, 2**31)
+  # Every range of the section is checked, as a run checks it.
+  for field, bad in (("learning_rate", -1.0), ("b2", 1.0), ("eps", 0.0),
+                     ("grad_clip_norm", 0.0)):
+    wrong = training.base_config("ranking").optim
+    wrong[field] = bad
+    with pytest.raises(training.ConfigError, match=rf"optim.{field}={bad} is invalid"):
+      training.optimizer_from(wrong, 100)
   optim.momentum = 0.9
   with pytest.raises(training.ConfigError, match=r"optim: unknown fields \['momentum'\]"):
     training.optimizer_from(optim, 100)

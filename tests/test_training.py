@@ -63,6 +63,49 @@ def test_hash_tables_padding_is_zero_and_gets_no_gradient():
     HashEmbeddingTables(5, 1, 3, 4, key=jax.random.PRNGKey(0))
 
 
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_a_systems_model_and_tables_draw_from_their_own_keys(task):
+  """The model's arrays are no rescaled copies of the tables' draws: with the tables' key,
+  the element-wise partitioned threefry gives the model's first arrays the tables' numbers
+  (a correlation of 1 on their common prefix)."""
+  spec = parse_config(_overridden(task, {}))
+  system = eqx.filter_jit(lambda key: make_system(spec, key))(jax.random.PRNGKey(0))
+  tables = [np.asarray(t).ravel() for t in (system.tables.user_table,   # (row 0: padding)
+                                            system.tables.post_table,
+                                            system.tables.author_table)]
+  arrays = [np.asarray(x).ravel() for x in jax.tree.leaves(eqx.filter(system.model,
+                                                                      eqx.is_array))
+            if np.ndim(x) == 2 and np.unique(np.asarray(x)).size > 2]
+  assert len(arrays) >= 4
+  for t in tables:
+    for a in arrays:
+      n = min(t.size, a.size)
+      assert abs(np.corrcoef(t[:n], a[:n])[0, 1]) < 0.3
+
+
+def test_a_seeds_config_is_one_seeds_run():
+  """What a seed's config.json holds: that seed, one seed, everything else as given, and
+  the run's config left as it was."""
+  from phoenix_flax.training.schema import seed_config
+  c = base_config("ranking")
+  c.num_seeds, c.seed = 3, 7
+  before = c.to_dict()
+  single = seed_config(c, 8)
+  assert (single.seed, single.num_seeds) == (8, 1)
+  assert c.to_dict() == before
+  assert {**single.to_dict(), "seed": 7, "num_seeds": 3} == before
+
+
+def test_the_documented_initialization_timeout_is_the_default():
+  """docs/training.md gives the multi-host join's default wait in seconds."""
+  import re
+  with open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")) as f:
+    text = f.read()
+  stated = re.search(r"`--config\.mesh\.initialization_timeout` seconds \((\d+);", text)
+  assert stated, "docs/training.md no longer states the default wait"
+  assert base_config("ranking").mesh.initialization_timeout == int(stated.group(1)) == 300
+
+
 def test_hash_tables_take_numpy_integer_sizes_and_refuse_an_empty_embedding():
   """Bucket counts hinted `int` accept NumPy integers (as `hash_ids` does); a zero
   `emb_size` built `[N, 0]` tables that looked up empty vectors without an error."""
@@ -894,6 +937,7 @@ OUT_OF_RANGE = [
     ("retrieval", {"train.batch_size": 1}, "train.batch_size=1 is invalid: retrieval needs"),
     ("ranking", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
     ("retrieval", {"retrieval.positive_action": 19}, "retrieval.positive_action=19 is invalid"),
+    ("retrieval", {"retrieval.positive_action": -1}, "retrieval.positive_action=-1 is invalid"),
     ("retrieval", {"retrieval.recall_k": (5, 401)}, r"retrieval.recall_k=\(5, 401\) is invalid: "
      "K must be at most world.num_posts=400"),
     ("ranking", {"retrieval.recall_k": (401,)}, r"retrieval.recall_k=\(401,\) is invalid: only"),
@@ -924,7 +968,9 @@ OUT_OF_RANGE = [
      "output.seed_subdirs=False is invalid: False needs num_seeds=1"),
     ("ranking", {"num_seeds": 2, "output.seed_subdirs": 0},   # 0 == False let it through
      r"output.seed_subdirs=0 is invalid: must be None \(auto\), True or False"),
-    ("ranking", {"extra_eval_splits.eval": split_config()}, "extra_eval_splits='eval' is invalid"),
+    # the run's own scalar groups (eval/, train/, perf/) are no split's
+    *[("ranking", {f"extra_eval_splits.{name}": split_config()},
+       f"extra_eval_splits='{name}' is invalid") for name in ("eval", "train", "perf")],
     *[("ranking", {f"extra_eval_splits.{name}": split_config()},   # (metric names' parts)
        f"extra_eval_splits='{name}' is invalid: split names are identifiers")
       for name in ("9x", "long/lists", "long lists")],
@@ -1095,6 +1141,11 @@ def test_every_training_field_has_an_out_of_range_case():
 def test_values_at_the_edge_of_their_range_are_accepted():
   spec = parse_config(_overridden("ranking", AT_THE_EDGE))
   assert spec.action_weights == (1.0,) + (0.0,) * 18
+  # The other ends: weights summing to exactly 1e-6, a decay to a rate of 0.
+  assert parse_config(_overridden("ranking", {
+      "train.action_weights": (1e-6,) + (0.0,) * 18})).action_weights[0] == 1e-6
+  assert parse_config(_overridden("ranking", {"optim.end_lr_fraction": 0.0})).config.optim[
+      "end_lr_fraction"] == 0.0
   # The most steps an int32 step counter holds (one step a call, no evaluation or checkpoint
   # on the way).
   parse_config(_overridden("ranking", {"train.num_steps": 2**31 - 1, "train.steps_per_call": 1,
