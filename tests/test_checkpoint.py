@@ -8,11 +8,13 @@ import gc
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -206,6 +208,11 @@ def test_a_run_refuses_a_directory_of_files_no_run_wrote(tmp_path):
   with pytest.raises(ConfigError, match=r"\(events.out.tfevents.1.other, metrics.jsonl, "
                                         r"more_0, more_1, more_2 and 2 more\)"):
     runner.check_run_dirs(config, str(logs))
+  # A name that only starts like a seed's folder is no seed's.
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "seed_2_old.csv").write_text("")
+  with pytest.raises(ConfigError, match=r"files that no run wrote \(seed_2_old.csv\)"):
+    runner.check_run_dirs(config, str(tmp_path / "other"))
   # What a run writes before its config: its lock, temporaries, an empty checkpoint folder.
   own = tmp_path / "own"
   (own / "checkpoint").mkdir(parents=True)
@@ -818,10 +825,13 @@ def test_a_refused_process_is_told_which_process_holds_the_run(tmp_path):
   finally:
     holder.kill()   # SIGKILL: no cleanup of its own
     holder.wait()
+  with open(lock_path, "w") as f:   # a killed holder's longer note: replaced whole
+    f.write("pid 4194303 on a-much-longer-host-name.example.org since 2026-01-01 00:00:00\n")
   fd = runner.lock_run_dir(run_dir)   # a stale note does not block
   try:
     with open(lock_path) as f:
-      assert f.read().startswith(f"pid {os.getpid()} on ")
+      note = f.read()
+    assert note.startswith(f"pid {os.getpid()} on ") and note.count("\n") == 1, note
     with pytest.raises(RunInUseError, match=rf"\(pid {os.getpid()} on .* since "):
       runner.lock_run_dir(run_dir)
   finally:
@@ -1001,6 +1011,15 @@ def test_damaged_run_files_are_named_with_what_to_do(tmp_path):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
       runner.check_run_dirs(config, run_dir)
+  # Beside a result (the run wrote it), the advice is to restore config.json too.
+  finished = tmp_path / "finished"
+  finished.mkdir()
+  (finished / "config.json").write_text("{")
+  (finished / "result.json").write_text(
+      '{"final": {}, "diverged": false, "steps": 40, "wall_seconds": 1.0}')
+  with pytest.raises(ConfigError, match=r"; restore config.json, or delete the directory"):
+    runner.check_run_dirs(config, str(finished))
+  shutil.rmtree(finished)   # (not a file of the run directory below)
   # Beside checkpoints, deleting config.json alone would be refused next: restore it.
   checkpoint.save(run_dir, 20, {"a": np.zeros(2, np.float32)})
   path.write_text('{"task": "ranking", ')
@@ -1296,6 +1315,11 @@ def test_run_directory_checks_for_library_callers(tmp_path):
   for blank in ("", "   "):
     with pytest.raises(NotADirectoryError, match="is blank"):
       runner.check_workdir(blank)
+  # A link to a directory (a scratch disk, say) is a workdir, or holds one.
+  (tmp_path / "scratch").mkdir()
+  os.symlink(tmp_path / "scratch", tmp_path / "link")
+  runner.check_workdir(str(tmp_path / "link"))
+  runner.check_workdir(str(tmp_path / "link" / "run"))
   config = ranking_configs.get_config("smoke")
   config.num_seeds = 2
   os.symlink(tmp_path / "nowhere", tmp_path / "seed_1")
@@ -1356,6 +1380,34 @@ def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path,
   finally:
     live.kill()
     live.wait()
+
+
+def test_an_output_error_names_the_file_it_was_about(tmp_path):
+  """tensorboardX's errors name no file; where an OSError does, the message says which."""
+  path = str(tmp_path / "metrics.jsonl")
+  with pytest.raises(runner.RunOutputError,
+                     match=re.escape(f"({path}: No space left on device)")) as raised:
+    with runner._writing_outputs(str(tmp_path)):
+      raise OSError(errno.ENOSPC, "No space left on device", path)
+  assert raised.value.errno == errno.ENOSPC
+
+
+def test_stop_requests_leave_the_signals_alone_outside_the_main_thread():
+  """`run_experiment` from a worker thread (a notebook's, a server's): no handler is
+  installed there (`signal.signal` raises ValueError off the main thread)."""
+  errors, before = [], signal.getsignal(signal.SIGINT)
+
+  def body():
+    try:
+      with runner._StopRequests() as stop:
+        assert stop._previous == {}
+    except Exception as e:   # (reported from the main thread)
+      errors.append(e)
+
+  thread = threading.Thread(target=body)
+  thread.start()
+  thread.join()
+  assert not errors and signal.getsignal(signal.SIGINT) is before
 
 
 def test_an_ignored_signal_stays_ignored_during_training():

@@ -90,7 +90,7 @@ def _events(run_dir):
           for event in event_file_loader.LegacyEventFileLoader(path).Load()]
 
 
-def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
+def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path, monkeypatch):
   """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
   named by the variant's directory, so that the same variant of another sweep (another
   preset or workdir under the same logdir) is a group of its own; a run in its workdir
@@ -111,6 +111,11 @@ def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path):
   other = str(tmp_path / "cpu" / "candidate_isolation" / "causal_corr0" / "seed_0")
   assert runner._hparams_group(other, 0) != runner._hparams_group(str(variant_dir / "seed_0"), 0)
   assert runner._hparams_group(str(tmp_path / "run"), 0) == ""
+  # A relative workdir's group is its absolute path: the same relative path of two sweeps
+  # run from two folders makes two groups.
+  monkeypatch.chdir(tmp_path)
+  assert runner._hparams_group(os.path.join("sweep", "v", "seed_0"), 0) == str(
+      tmp_path / "sweep" / "v")
 
 
 def test_a_diverged_runs_hparams_session_ends_as_a_failure(tmp_path):

@@ -862,6 +862,14 @@ def test_a_training_state_beyond_memory_is_refused_before_anything_is_written(
   limit(8 * state - 1)
   with pytest.raises(ConfigError, match="more than RAM"):
     runner.check_memory(spec, placement(8, False))
+  # Where the world, held once whatever the seeds, is the largest part, fewer seeds
+  # cannot help: not offered.
+  big_world = copy.deepcopy(c4)
+  big_world.world.num_users = 20_000_000
+  limit(1 << 20)
+  with pytest.raises(ConfigError, match=r"the largest part is the synthetic world") as raised:
+    runner.check_memory(parse_config(big_world), placement(1, False))
+  assert "fewer seeds" not in str(raised.value), str(raised.value)
   limit(None)   # a backend that does not say: nothing is refused
   runner.check_memory(spec, placement(1, False))
 
