@@ -256,6 +256,13 @@ def test_a_bfloat16_checkpoint_reads_back_into_host_memory_as_bfloat16(tmp_path)
   shaped = checkpoint.load(str(tmp_path), 10, like, host=True)
   assert all(isinstance(leaf, np.ndarray) for leaf in shaped.values())
   np.testing.assert_array_equal(shaped["w"], np.asarray(tree["w"]))
+  # Only the raw records are viewed as their dtype: another stored dtype is refused, not
+  # reinterpreted bit for bit (float32 ones as int32 1065353216, say).
+  floats = {"w": jnp.ones(4, jnp.float32), "n": jnp.ones(2, jnp.float32)}
+  checkpoint.save(str(tmp_path), 20, floats)
+  for like in ({"w": tree["w"], "n": floats["n"]}, {"w": floats["w"], "n": tree["n"]}):
+    with pytest.raises(checkpoint.CheckpointError, match="dtype"):
+      checkpoint.load(str(tmp_path), 20, like, host=True)
 
 
 def test_an_os_error_is_found_among_the_causes_and_contexts_of_a_failure():
@@ -558,6 +565,9 @@ def test_json_files_are_strict_json_and_truncated_metrics_rows_are_dropped(tmp_p
   path = tmp_path / "result.json"
   writers.write_json(str(path), {"final": {"logloss": float("inf"), "auc": 0.75}})
   assert writers.read_json(str(path)) == {"final": {"logloss": None, "auc": 0.75}}
+  # Keys sorted at every level: the same results give the same bytes, whatever the order.
+  writers.write_json(str(path), {"b": 1, "a": {"d": 2, "c": 3}})
+  assert path.read_text() == json.dumps({"a": {"c": 3, "d": 2}, "b": 1}, indent=2) + "\n"
   (tmp_path / "metrics.jsonl").write_text('{"step": 10}\n{"step": 20}\n{"step": 3')
   assert writers.read_metrics(str(tmp_path)) == [{"step": 10}, {"step": 20}]
   assert writers.read_metrics(str(tmp_path / "none")) == []
@@ -1369,14 +1379,30 @@ def test_partial_files_of_live_writers_are_kept_where_others_may_write(tmp_path,
   try:
     names = [f".a.json.tmp.{live.pid}", f".g.json.tmp.{others}", ".b.json.tmp.0",
              f".c.json.tmp.{10 ** 30}", f".d.json.tmp.{os.getpid()}", ".f.json.tmp.1",
-             "e.json", ".h.json.tmp.5.bak", ".i.json.tmp.9x"]   # (1: init, running)
+             "e.json", ".h.json.tmp.5.bak", ".i.json.tmp.9x",   # (1: init, running)
+             "j.json.tmp.7"]   # a user's own file: a writer's temporary starts with a dot
     for name in names:
       (tmp_path / name).write_text("partial")
-    assert [writers.is_temporary(name) for name in names] == [True] * 6 + [False] * 3
+    assert [writers.is_temporary(name) for name in names] == [True] * 6 + [False] * 4
     writers.remove_temporaries(str(tmp_path), keep_live_writers=True)
     assert sorted(os.listdir(tmp_path)) == sorted(names[:2] + names[6:])
     writers.remove_temporaries(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == sorted(names[6:])
+  finally:
+    live.kill()
+    live.wait()
+
+
+def test_a_save_removes_every_partial_checkpoint_even_of_a_live_pid(tmp_path):
+  """The run holds its lock, so every temporary in checkpoint/ is a killed writer's, even
+  one whose process id another running process has since taken."""
+  live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / f".step_000000010.eqx.tmp.{live.pid}").write_bytes(b"partial")
+    checkpoint.save(str(tmp_path), 20, {"w": jnp.ones(2)})
+    assert sorted(os.listdir(folder)) == ["step_000000020.eqx"]
   finally:
     live.kill()
     live.wait()

@@ -112,6 +112,8 @@ def test_outside_a_checkout_there_is_no_version(checkout, tmp_path, monkeypatch)
   monkeypatch.setenv(provenance.ENV_VAR, "0123456789ab+copied")
   assert provenance.code_version(str(plain)) == "0123456789ab+copied"
   assert provenance.code_version(str(checkout)) != "0123456789ab+copied"   # git wins
+  monkeypatch.setenv(provenance.ENV_VAR, "")   # set but empty (an env file's): no version
+  assert provenance.code_version(str(plain)) is None
   monkeypatch.delenv(provenance.ENV_VAR)
   # A folder inside a checkout (a virtualenv's site-packages there) is not that checkout.
   inner = checkout / ".venv" / "lib"

@@ -90,6 +90,19 @@ def _events(run_dir):
           for event in event_file_loader.LegacyEventFileLoader(path).Load()]
 
 
+def test_only_a_finished_run_ends_its_hparams_session(tmp_path):
+  """A stopped run (to be resumed) writes no session end, which HParams would list as
+  finished; the resumed run's finish writes the one end, a success."""
+  run_dir = str(tmp_path / "run")
+  writer = RunWriter(run_dir, {"model.num_layers": 2}, None)
+  writer.log(10, {"train/loss": 1.0}, 1.0)
+  writer.close(finished=False)
+  assert set(_accumulator(run_dir).PluginTagToContent("hparams")) == {
+      "_hparams_/session_start_info"}
+  RunWriter(run_dir, {"model.num_layers": 2}, 10).close(finished=True)
+  assert session_end_status(run_dir) == "STATUS_SUCCESS"
+
+
 def test_the_seeds_of_a_config_share_an_hparams_group(tmp_path, monkeypatch):
   """HParams averages a group's sessions: in a sweep, a variant's seeds form one group,
   named by the variant's directory, so that the same variant of another sweep (another
