@@ -1330,6 +1330,10 @@ def test_run_directory_checks_for_library_callers(tmp_path):
   os.symlink(tmp_path / "scratch", tmp_path / "link")
   runner.check_workdir(str(tmp_path / "link"))
   runner.check_workdir(str(tmp_path / "link" / "run"))
+  # Where creating a folder would start: a link to nothing is that place, not its parent.
+  os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+  assert writers.nearest_existing(str(tmp_path / "dangling" / "run")) == str(
+      tmp_path / "dangling")
   config = ranking_configs.get_config("smoke")
   config.num_seeds = 2
   os.symlink(tmp_path / "nowhere", tmp_path / "seed_1")
