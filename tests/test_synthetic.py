@@ -206,6 +206,7 @@ def test_shapes_dtypes_and_padding_layout():
   np.testing.assert_array_equal(post_h, b.candidate_post_hashes[mask])
   np.testing.assert_array_equal(author_h, b.candidate_author_hashes[mask])
   assert surface.shape == ids.shape and np.all(np.asarray(surface) == 0)
+  assert post_h.dtype == author_h.dtype == surface.dtype == jnp.int32   # the batches' dtype
 
 
 def test_hash_tables_collide_and_avoid_padding():
@@ -384,6 +385,11 @@ def test_log_uniform_history_lengths():
   expected = np.log((lengths + 2) / (lengths + 1)) / np.log(14 / 2)
   got = np.bincount(n, minlength=13)[1:] / n.size
   np.testing.assert_allclose(got, expected, atol=0.005)
+  # exp(log(lo + 1)) rounds below lo + 1 for some lo (12 among them): the draws still
+  # start at min_history.
+  split = SplitConfig(min_history=12, max_history=20, history_dist="log_uniform")
+  low = jax.jit(lambda u: _history_lengths(split, 20, u))(jnp.array([0.0, 1e-9], jnp.float32))
+  assert int(np.min(low)) == 12
 
 
 def test_post_ages_are_exponential_whole_seconds_clipped_to_1_and_4800_minutes():
@@ -489,8 +495,35 @@ def test_ids_and_hashes_beyond_a_float32_uniform_reach_every_integer():
   draws = [np.asarray(ids_in_topic(topic, 2 * UNIFORM_VALUES + 1, 2, u, jax.random.PRNGKey(k)))
            for k in (3, 4)]
   assert np.mean(draws[0] == draws[1]) < 0.01 and draws[0].max() < 2 * UNIFORM_VALUES + 1
-  with pytest.raises(ValueError, match="needs a key"):
-    _randint(u, 0, n)
+  for count in (n, UNIFORM_VALUES + 1):   # from the first integer past the uniform's reach
+    with pytest.raises(ValueError, match="needs a key"):
+      _randint(u, 0, count)
+
+
+def test_categorical_draws_stay_in_range_when_the_cdf_ends_below_one():
+  """The float32 softmax's running total may end just below 1, under a uniform drawn just
+  below 1: the draw is then the last category, not one past it."""
+  from phoenix_flax.synthetic.sampling import _categorical
+  u = np.nextafter(np.float32(1), np.float32(0))
+  logits = jax.random.normal(jax.random.PRNGKey(7), (16,)) * 2
+  assert float(jnp.cumsum(jax.nn.softmax(logits))[-1]) < u   # the case to cover
+  assert int(_categorical(jnp.float32(u), logits)) == 15
+
+
+def test_grouped_order_keeps_draw_order_within_a_group():
+  """"grouped" sorts with a stable sort: with no relevant candidate every key ties, and
+  the list stays in draw order (XLA's CPU sort is stable by accident up to 16 elements
+  only, so the list is longer)."""
+  from phoenix_flax.synthetic.sampling import uniform_shapes
+  from phoenix_flax.synthetic.world import random_blocks
+  split = SplitConfig(relevant_fraction=0.0, candidate_order="grouped", num_candidates=64)
+  key = jax.random.PRNGKey(3)
+  sb = sample(world(), split, 16, key)
+  cfg = SMALL
+  u = random_blocks(key, jax.random.uniform,
+                    uniform_shapes(16, cfg.history_len, 64, cfg.num_actions))
+  np.testing.assert_array_equal(sb.candidate_post_ids,
+                                np.floor(np.asarray(u["rand_post"]) * cfg.num_posts))
 
 
 def test_the_world_and_its_sampler_refuse_arguments_of_another_kind():
