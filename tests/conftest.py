@@ -551,6 +551,15 @@ def max_abs_diff(a, b) -> float:
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
+def shared_draws(a, b) -> float:
+  """|correlation| of two arrays' flattened values over their common prefix: near 1 where
+  both were drawn from one key (the element-wise partitioned threefry gives each flat
+  index the same bits whatever the shape), near 0 for keys of their own."""
+  a, b = np.ravel(a), np.ravel(b)
+  n = min(a.size, b.size)
+  return float(abs(np.corrcoef(a[:n], b[:n])[0, 1]))
+
+
 def float32_ulp(x) -> float:
   """float32's epsilon times `x`'s largest magnitude (`rounding`'s allowance included): the
   unit in which two programs of one computation are compared, `max_abs_diff(a, b) <= 16 *

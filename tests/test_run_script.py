@@ -355,21 +355,19 @@ def test_an_unknown_field_is_matched_by_whole_names():
 def test_print_config_that_cannot_be_written_fails_saying_so():
   """Output that does not arrive (a full disk) is an error with one line, not a traceback
   or a silent success; a reader that stops early (`| head`) is no error."""
+  print_config = lambda stdout: subprocess.run(
+      [sys.executable, "-m", "experiments.run", "--config=experiments/configs/ranking.py:smoke",
+       "--print_config"], cwd=REPO, env=subprocess_env(), stdout=stdout,
+      stderr=subprocess.PIPE, text=True, timeout=300)
   with open("/dev/full", "w") as full:
-    proc = subprocess.run([sys.executable, "-m", "experiments.run",
-                           "--config=experiments/configs/ranking.py:smoke", "--print_config"],
-                          cwd=REPO, env=subprocess_env(), stdout=full, stderr=subprocess.PIPE,
-                          text=True, timeout=300)
+    proc = print_config(full)
   assert proc.returncode == 1, proc.stderr[-2000:]
   assert proc.stderr.endswith("error: --print_config could not write the config: [Errno 28] "
                               "No space left on device\n"), proc.stderr[-2000:]
   read_end, write_end = os.pipe()
   os.close(read_end)          # a reader gone before the first line: a broken pipe
   try:
-    proc = subprocess.run([sys.executable, "-m", "experiments.run",
-                           "--config=experiments/configs/ranking.py:smoke", "--print_config"],
-                          cwd=REPO, env=subprocess_env(), stdout=write_end,
-                          stderr=subprocess.PIPE, text=True, timeout=300)
+    proc = print_config(write_end)
   finally:
     os.close(write_end)
   assert proc.returncode == 0 and "rror" not in proc.stderr, proc.stderr[-2000:]

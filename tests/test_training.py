@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ import optax
 import pytest
 
 from conftest import (REPO, float32_ulp, max_abs_diff, rounding, session_end_status,
-                      subprocess_env)
+                      shared_draws, subprocess_env)
 from experiments.configs import ranking as ranking_configs
 from experiments.configs import retrieval as retrieval_configs
 import phoenix_flax as pf
@@ -29,11 +30,13 @@ from phoenix_flax.training import (ConfigError, HashEmbeddingTables, RankingSyst
                                    make_schedule, make_system, parse_config, ranking_loss)
 from phoenix_flax.training import checkpoint, metrics, provenance, runner, schema
 from phoenix_flax.training.loss import binary_cross_entropy, is_positive
-from phoenix_flax.training.loop import (eval_keys, forward_with_new_companions, mix_companions,
-                                        popularity_keys, popularity_scores, unstack)
+from phoenix_flax.training.loop import (_over_seeds, eval_keys, forward_with_new_companions,
+                                        mix_companions, popularity_keys, popularity_scores,
+                                        unstack)
 from phoenix_flax.training.runner import (_evaluations_after, _resume_steps, _train_scalars,
                                           load_run, metric_names)
-from phoenix_flax.training.schema import base_config, check_config, split_config, with_defaults
+from phoenix_flax.training.schema import (base_config, check_config, seed_config,
+                                          split_config, with_defaults)
 from phoenix_flax.training.writers import read_metrics
 
 
@@ -70,23 +73,18 @@ def test_a_systems_model_and_tables_draw_from_their_own_keys(task):
   (a correlation of 1 on their common prefix)."""
   spec = parse_config(_overridden(task, {}))
   system = eqx.filter_jit(lambda key: make_system(spec, key))(jax.random.PRNGKey(0))
-  tables = [np.asarray(t).ravel() for t in (system.tables.user_table,   # (row 0: padding)
-                                            system.tables.post_table,
-                                            system.tables.author_table)]
-  arrays = [np.asarray(x).ravel() for x in jax.tree.leaves(eqx.filter(system.model,
-                                                                      eqx.is_array))
+  tables = (system.tables.user_table, system.tables.post_table, system.tables.author_table)
+  arrays = [x for x in jax.tree.leaves(eqx.filter(system.model, eqx.is_array))
             if np.ndim(x) == 2 and np.unique(np.asarray(x)).size > 2]
   assert len(arrays) >= 4
   for t in tables:
     for a in arrays:
-      n = min(t.size, a.size)
-      assert abs(np.corrcoef(t[:n], a[:n])[0, 1]) < 0.3
+      assert shared_draws(t, a) < 0.3
 
 
 def test_a_seeds_config_is_one_seeds_run():
   """What a seed's config.json holds: that seed, one seed, everything else as given, and
   the run's config left as it was."""
-  from phoenix_flax.training.schema import seed_config
   c = base_config("ranking")
   c.num_seeds, c.seed = 3, 7
   before = c.to_dict()
@@ -98,7 +96,6 @@ def test_a_seeds_config_is_one_seeds_run():
 
 def test_the_documented_initialization_timeout_is_the_default():
   """docs/training.md gives the multi-host join's default wait in seconds."""
-  import re
   with open(os.path.join(os.path.dirname(__file__), "..", "docs", "training.md")) as f:
     text = f.read()
   stated = re.search(r"`--config\.mesh\.initialization_timeout` seconds \((\d+);", text)
@@ -1446,7 +1443,6 @@ def test_one_seed_runs_its_function_unmapped_and_several_are_vmapped():
   """`_over_seeds` runs a single seed's function on the squeezed arrays, not under a vmap
   of axis size 1 (whose layouts made the CPU training step slower), and vmaps several
   (one after another with `in_turn`); each way gives every seed its own result."""
-  from phoenix_flax.training.loop import _over_seeds
   seen = []
 
   def fn(shared, x):
