@@ -310,6 +310,30 @@ def _variants(values):
           for (arm, cell), v in values.items()}
 
 
+def test_an_interaction_is_exact_only_if_every_averaged_cell_is():
+  """Two cells averaged per level: the first pair is deterministic, the second varies by
+  seed with identical differences; the average is not exact (CI [3, 3], p 0) but the
+  sign-flip p of identical differences."""
+  s = [0.61, 0.67, 0.72]
+  v = {("base", "d2_l1"): [10.0] * 3, ("x", "d2_l1"): [12.0] * 3,
+       ("base", "d6_l1"): [10.0] * 3, ("x", "d6_l1"): [15.0] * 3,
+       ("base", "d2_l3"): s, ("x", "d2_l3"): [x + 2.0 for x in s],
+       ("base", "d6_l3"): s, ("x", "d6_l3"): [x + 5.0 for x in s]}
+  rows = analysis.interactions(_variants(v), {"depth": ["d2", "d6"], "lr": ["l1", "l3"]},
+                               "base", ["m"])
+  [r] = [r for r in rows if r["axis"] == "depth"]
+  assert r["cells"] == 2 and r["delta"] == pytest.approx(3.0)
+  assert (r["ci95"], r["p_value"]) == (None, 0.25)
+  assert r["test"] == "sign-flip permutation (identical differences)"
+
+
+def test_a_variant_diverged_in_every_seed_has_an_empty_comparison():
+  v = {"a": {"arm": "a", "cell": "", "metrics": {"auc": {"per_seed": [0.7, 0.71, 0.72]}}},
+       "b": {"arm": "b", "cell": "", "metrics": {"auc": {"per_seed": [None] * 3}}}}
+  [row] = analysis.compare(v, {}, "a", ["auc"])["comparisons"]
+  assert (row["n"], row["delta"], row["p_value"], row["p_holm"]) == (0, None, None, None)
+
+
 def test_pooled_and_interaction_rows_at_their_edges():
   """A baseline seed that diverged at one level leaves the interaction; an arm that is
   the same in every seed does not make an interaction exact; a pooled row compares an arm

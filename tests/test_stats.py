@@ -41,6 +41,26 @@ def test_betainc_known_values():
     stats.betainc(1.0, 1.0, 1.5)
 
 
+def test_betainc_converges_for_large_shapes_and_rejects_nonpositive_ones():
+  assert stats.betainc(1e4, 1e4, 0.5) == pytest.approx(0.5, abs=1e-9)
+  for a, b in ((-0.5, 1.0), (1.0, -0.5), (0.0, 1.0)):
+    with pytest.raises(ValueError, match="a > 0 and b > 0"):
+      stats.betainc(a, b, 0.3)
+
+
+def test_t_distribution_edges():
+  """Infinite t, a NaN statistic, zero degrees of freedom and the quantile levels 0, 1."""
+  assert stats.t_cdf(math.inf, 3) == 1.0 and stats.t_cdf(-math.inf, 3) == 0.0
+  assert stats.two_sided_p(math.inf, 3) == 0.0
+  assert stats.two_sided_p(math.nan, 3) == 1.0
+  for t in (1.0, math.inf):
+    with pytest.raises(ValueError, match="degrees of freedom must be > 0"):
+      stats.t_cdf(t, 0)
+  for q in (0.0, 1.0):
+    with pytest.raises(ValueError, match=r"lie in \(0, 1\)"):
+      stats.t_ppf(q, 3)
+
+
 def test_summarize_counts_missing_values():
   s = stats.summarize([0.70, None, 0.72, 0.74])
   assert s["n"] == 3 and s["per_seed"] == [0.70, None, 0.72, 0.74]
@@ -163,3 +183,24 @@ def test_paired_t_identical_differences_of_varying_values():
 def test_holm():
   adjusted = stats.holm([0.01, None, 0.04, 0.03])
   assert adjusted == pytest.approx([0.03, None, 0.06, 0.06])
+
+
+def test_paired_t_drops_nan_pairs_and_has_no_result_without_pairs():
+  r = stats.paired_t([0.70, math.nan, 0.72, 0.71], [0.72, 0.80, 0.75, 0.72])
+  assert r["n"] == 3 and r == stats.paired_t([0.70, 0.72, 0.71], [0.72, 0.75, 0.72])
+  assert stats.paired_t([None, 1.0], [1.0, None]) == {
+      "delta": None, "ci95": None, "p_value": None, "n": 0, "test": "paired t"}
+
+
+def test_sign_flip_test_up_to_16_pairs_and_no_further():
+  r = stats.rate_difference([0.0] * 16, [0.5, 1.0] * 8)
+  assert r["test"] == "sign-flip permutation" and r["p_value"] == pytest.approx(2.0 ** -15)
+  with pytest.raises(ValueError, match="n=17 > 16"):
+    stats.sign_flip_p([0.1] * 17)
+
+
+def test_rates_and_mcnemar_without_two_pairs_have_no_p():
+  one = stats.rate_difference([0.0], [1.0])
+  assert one["n"] == 1 and one["p_value"] is None and one["test"] == "paired t"
+  none = stats.mcnemar_exact([None, None], [1.0, None])
+  assert none["n"] == 0 and none["p_value"] is None
