@@ -70,6 +70,12 @@ def test_sampling_counts_decay_and_count_every_present_positive():
   # bucket 2 of the second function with post 0, but not its bucket 3 of the first.
   np.testing.assert_allclose(sampling_log_q(twice, hashes[:2]), np.log([3.0, 1.5]))
   assert sampling_log_q(twice, np.array([[5, 5]]))[0] == -np.inf   # never counted
+  # A hash outside the sketch's 6 buckets counts nowhere and reads a count of 0 (not the
+  # clamped last bucket, another post's count).
+  ones = np.ones((2, 6), np.float32)
+  outside = update_sampling_counts(ones, np.array([[1, 6]]), np.array([True]), 1.0)
+  np.testing.assert_array_equal(outside - ones, [[0, 1, 0, 0, 0, 0], [0] * 6])
+  assert sampling_log_q(outside, np.array([[1, 6]]))[0] == -np.inf
   with pytest.raises(AssertionError, match="present must be"):
     update_sampling_counts(counts, hashes, present[:3], 0.5)
   with pytest.raises(AssertionError, match="hashes must be"):
