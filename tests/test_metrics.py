@@ -444,9 +444,12 @@ def test_ranking_metrics_without_true_probabilities():
   assert {key for key in sliced if key.startswith("auc/")} == {f"auc/{n}" for n in names}
   for name in names:
     assert float(sliced[f"auc/{name}"]) == float(own[f"auc/{name}"]), name
-  with pytest.raises(ValueError, match="action_names has 2 names for 3 actions"):
-    metrics.ranking_metrics(logits[..., logged], labels[..., logged], None, mask,
-                            action_names=names[:2])
+  # Too few names, or too many (an extra name is no action, not the clamped index's AUC
+  # reported a second time).
+  for given in (names[:2], names + ("extra",)):
+    with pytest.raises(ValueError, match=f"action_names has {len(given)} names for 3 actions"):
+      metrics.ranking_metrics(logits[..., logged], labels[..., logged], None, mask,
+                              action_names=given)
 
 
 def test_ranking_metrics_average_valid_actions_and_rank_favorites():

@@ -217,6 +217,12 @@ def test_losses_ignore_padded_logits_and_take_limits_at_infinite_ones():
   y = (rng.random(64) < 0.5).astype(np.float32)
   np.testing.assert_array_equal(binary_cross_entropy(x, y),
                                 optax.sigmoid_binary_cross_entropy(x, y))
+  # Integer or boolean labels (under the suite's strict promotion) give the loss of the
+  # same labels as floats, in the logits' dtype.
+  for labels in (y.astype(np.int32), y.astype(bool)):
+    np.testing.assert_array_equal(binary_cross_entropy(x, jnp.asarray(labels)),
+                                  binary_cross_entropy(x, y))
+  assert binary_cross_entropy(jnp.asarray(x, jnp.bfloat16), y).dtype == jnp.bfloat16
   # Its gradient in the labels is -logit, at labels 0 and 1 as in between (for labels that
   # are learned); replacing the terms of those labels by constants cut it there.
   soft = jnp.asarray(np.where(np.arange(64) % 3 == 0, 0.5, y), jnp.float32)
