@@ -369,6 +369,7 @@ def test_import_error_names_the_extra_and_core_import_needs_no_flax():
   assert "flax_nnx imported: False" in out
   assert ("ImportError: phoenix_flax.flax_nnx needs Flax: pip install -e '.[flax]' "
           "(or pip install 'phoenix_flax[flax]')") in out
+  assert "importing the installed flax failed" not in out, out   # none is installed
 
 
 def test_import_error_for_an_old_flax_names_both_install_commands():
@@ -381,6 +382,14 @@ def test_import_error_for_an_old_flax_names_both_install_commands():
       "sys.modules['flax'] = flax; sys.modules['flax.nnx'] = flax.nnx\n"))
   assert ("ImportError: phoenix_flax.flax_nnx needs flax>=0.12.8, found 0.10.0: "
           "pip install -U -e '.[flax]' (or pip install -U 'phoenix_flax[flax]')" in out), out
+  # flax 0.10/0.11: a Variable with `.value` but no `get_value` is refused as well.
+  out = import_error("phoenix_flax.flax_nnx", (
+      "import sys, types\n"
+      "flax = types.ModuleType('flax'); flax.__version__ = '0.11.0'\n"
+      "flax.nnx = types.ModuleType('flax.nnx')\n"
+      "flax.nnx.Variable = type('Variable', (), {'value': property(lambda self: None)})\n"
+      "sys.modules['flax'] = flax; sys.modules['flax.nnx'] = flax.nnx\n"))
+  assert "ImportError: phoenix_flax.flax_nnx needs flax>=0.12.8, found 0.11.0" in out, out
 
 
 class _Scaler(eqx.Module):
@@ -406,7 +415,11 @@ def test_any_equinox_module_wraps_with_its_integer_arrays_frozen():
   wrapped.params.weight[...] = jnp.array([10.0, 20.0, 30.0])
   np.testing.assert_array_equal(wrapped.apply(2.0), [60.0, 20.0])
   np.testing.assert_array_equal(kept(2.0), [60.0, 20.0])
+  np.testing.assert_array_equal(wrapped.weight, [10.0, 20.0, 30.0])   # forwarded fields
+  np.testing.assert_array_equal(wrapped.index, [2, 0])
   np.testing.assert_array_equal(flax_nnx.to_equinox(wrapped).index, [2, 0])
+  with pytest.raises(TypeError, match=r"^NNXPhoenixModel wraps a PhoenixModel, got _Scaler$"):
+    flax_nnx.NNXPhoenixModel(_Scaler(jnp.ones(2), jnp.array([0])))
 
 
 class _Scaled(eqx.Module):
@@ -444,6 +457,7 @@ def test_arrays_in_a_sequence_are_keyed_by_their_index():
   module = _Pair((jnp.arange(2.0), jnp.arange(3.0)))
   wrapped = flax_nnx.to_nnx(module)
   assert state_paths(wrapped) == {"params/weights/0": nnx.Param, "params/weights/1": nnx.Param}
+  assert repr(wrapped.structure) == "_Structure(_Pair, 2 arrays)"
   assert_same_module(flax_nnx.to_equinox(wrapped), module, same_arrays=True)
 
 
@@ -481,6 +495,78 @@ def test_systems_from_config_take_their_init_scale():
     direct = wrapper._wraps(config, 16, 16, 16, key=nnx.Rngs(0).params(), init_scale=0.05)
     assert_same_module(built, direct)
     assert float(np.std(np.asarray(built.tables.post_table)[1:])) < 0.1
+    # Without one, the system's own default.
+    built = flax_nnx.to_equinox(wrapper.from_config(config, 16, 16, 16, rngs=nnx.Rngs(0)))
+    assert_same_module(built, wrapper._wraps(config, 16, 16, 16, key=nnx.Rngs(0).params()))
+
+
+@needs_flax
+def test_models_from_config_draw_their_key_from_the_params_stream():
+  """`from_config(config, rngs=...)` is `Model(config, key=rngs.params())`, also for an
+  Rngs with a `params` stream and no default one."""
+  for wrapper, config in ((flax_nnx.NNXPhoenixModel, ranking_config()),
+                          (flax_nnx.NNXPhoenixRetrievalModel, retrieval_config())):
+    built = flax_nnx.to_equinox(wrapper.from_config(config, rngs=nnx.Rngs(params=5)))
+    assert_same_module(built, wrapper._wraps(config, key=nnx.Rngs(params=5).params()))
+
+
+class _Keywords(eqx.Module):
+  weight: jax.Array
+
+  def __call__(self, x, *, scale=1.0):
+    return self.weight * x * scale
+
+  def apply(self, x, *, scale=1.0):
+    return self.weight * x * scale
+
+
+@needs_flax
+def test_calls_and_forwarded_methods_pass_keyword_arguments():
+  wrapped = flax_nnx.to_nnx(_Keywords(jnp.arange(1.0, 3.0)))
+  np.testing.assert_array_equal(wrapped(2.0, scale=3.0), [6.0, 12.0])
+  np.testing.assert_array_equal(wrapped.apply(2.0, scale=3.0), [6.0, 12.0])
+
+
+class _Leaf(eqx.Module):
+  w: jax.Array
+
+
+class _Mid(eqx.Module):
+  leaf: _Leaf
+
+
+class _Outer(eqx.Module):
+  mid: _Mid
+
+
+@needs_flax
+def test_submodule_refusal_names_a_dotted_path_two_levels_down():
+  wrapped = flax_nnx.to_nnx(_Outer(_Mid(_Leaf(jnp.ones(2)))))
+  with pytest.raises(AttributeError, match=r"model\.params\.mid\.leaf\.w\[\.\.\.\] = new"):
+    wrapped.mid = None
+
+
+@needs_flax
+def test_equinox_tx_is_an_optax_transformation_of_the_nnx_state():
+  """Called directly (not through nnx.Optimizer): `update` takes the state with its
+  Variables as `init` does, returns its state in the structure `init` gave (so it chains),
+  and refuses updates in another structure instead of matching them by leaf order."""
+  wrapped = flax_nnx.to_nnx(_Outer(_Mid(_Leaf(jnp.ones(2)))))
+  tx = flax_nnx.equinox_tx(optax.sgd(0.5), wrapped)
+  state = nnx.state(wrapped, nnx.Param)
+  updates, _ = tx.update(state, tx.init(state), state)
+  np.testing.assert_array_equal(nnx.as_pure(updates)["params"]["mid"]["leaf"]["w"], [-0.5] * 2)
+  tx = flax_nnx.equinox_tx(optax.sgd(0.1, momentum=0.9), wrapped)
+  params = nnx.as_pure(state)
+  s0 = tx.init(params)
+  _, s1 = tx.update(params, s0, params)
+  _, s2 = tx.update(params, s1, params)
+  assert jax.tree.structure(s1) == jax.tree.structure(s2) == jax.tree.structure(s0)
+  reversed_list = optax.GradientTransformation(
+      lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree.leaves(u)[::-1], s))
+  tx = flax_nnx.equinox_tx(reversed_list, wrapped)
+  with pytest.raises(ValueError):
+    tx.update(params, tx.init(params), params)
 
 
 @needs_flax
