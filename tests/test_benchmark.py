@@ -480,6 +480,13 @@ def test_host_sampler_categorical_stays_in_range_when_the_cdf_rounds_low():
   else:
     raise AssertionError("no logits found whose float32 CDF ends below u")
   assert int(_categorical(u, logits)[0]) == 15
+  # Logits past float32's exp range (a large taste_concentration or retrieval_sharpness,
+  # which the config only requires >= 0) still give the softmax's draw: equal logits split
+  # evenly, whether they would overflow exp or underflow it.
+  u = np.array([0.25, 0.75], np.float32)
+  for logits, want in (([[100.0, 100.0]], [0, 1]), ([[-200.0, -200.0]], [0, 1]),
+                       ([[300.0, 0.0, 300.0]], [0, 2])):
+    assert _categorical(u, np.array(logits, np.float32)).tolist() == want, logits
 
 
 def test_the_benchmarks_training_rows_pass_rounds_and_chunks_in_order(monkeypatch):

@@ -70,6 +70,24 @@ def test_to_batch_lays_out_own_logs(logs, system):
   for b, c in where:
     np.testing.assert_array_equal(batch.candidate_post_hashes[b, c],
                                   batch.history_post_hashes[0, 0])
+  # Real logs often record actions as bools or small ints: the labels come out float32.
+  for dtype in (bool, np.int8, np.float64):
+    _, labels, _ = own_data.to_batch(logs._replace(list_labels=logs.list_labels.astype(dtype)),
+                                     rows, impressions)
+    assert labels.dtype == np.float32, dtype
+
+
+def test_make_logs_spans_its_ranges_with_labels_that_follow_their_logits(logs):
+  """Histories of 1 to HISTORY items and lists of 2 to CANDIDATES (full ones included);
+  labels drawn as Bernoulli(sigmoid(true logit)), favorites the commonest action."""
+  assert logs.history_len.min() >= 1 and logs.history_len.max() == own_data.HISTORY
+  assert logs.list_len.min() >= 2 and logs.list_len.max() == own_data.CANDIDATES
+  valid = np.arange(own_data.CANDIDATES) < logs.list_len[..., None]
+  labels, logit = logs.list_labels[valid], logs.list_true_logit[valid]      # [N, A]
+  np.testing.assert_allclose(labels.mean(axis=0), (1 / (1 + np.exp(-logit))).mean(axis=0),
+                             atol=0.03)
+  rates = labels.mean(axis=0)
+  assert rates.argmax() == own_data.FAVORITE and rates[own_data.FAVORITE] > rates[-1] + 0.2
 
 
 def test_validate_training_batch_names_what_jit_would_hide(logs, system):
@@ -294,6 +312,12 @@ def test_own_data_flag_bounds_and_a_half_written_run(tmp_path, monkeypatch, caps
     main(workdir=str(run))
   assert e.value.code == 2
   assert "holds a training run (config.json), whose" in capsys.readouterr().err
+  # A stray argument (a mistyped flag such as `--num-steps=10` reaches main as one) is a
+  # usage error, not a default run.
+  for argv in (["own_data", "--num-steps=10"], ["own_data", "a", "b"]):
+    with pytest.raises(SystemExit) as e:
+      own_data.main(argv)
+    assert e.value.code == 2 and "unexpected arguments" in capsys.readouterr().err
   assert len(ran) == 1
 
 
@@ -303,13 +327,13 @@ def test_fit_warms_up_for_at_least_one_step(monkeypatch):
   seen = []
 
   def optimizer_from(optim, num_steps):
-    seen.append((num_steps, optim.warmup_steps))
+    seen.append((num_steps, optim.warmup_steps, optim.learning_rate))
     raise StopIteration
   monkeypatch.setattr(own_data.training, "optimizer_from", optimizer_from)
-  for num_steps in (10, 19, 20, 600):
+  for num_steps, learning_rate in ((10, 3e-3), (19, 0.1), (20, 3e-3), (600, 3e-3)):
     with pytest.raises(StopIteration):
-      own_data.fit(None, None, None, num_steps, 3e-3)
-  assert seen == [(10, 1), (19, 1), (20, 1), (600, 30)]
+      own_data.fit(None, None, None, num_steps, learning_rate)
+  assert seen == [(10, 1, 3e-3), (19, 1, 0.1), (20, 1, 3e-3), (600, 30, 3e-3)]
 
 
 def test_fit_records_the_first_steps_loss_then_every_tenth(monkeypatch):
@@ -375,10 +399,11 @@ def test_own_data_main_runs_every_step_under_the_workdirs_lock(logs, tmp_path, m
                                                                 capsys):
   """`main` at a small size (the module's logs, the training loop stubbed out): each step
   prints its line, the checkpoint is written, `--nologq_correction` reaches the retriever,
-  and the workdir's run lock is held while `_run` works and released after."""
+  `--init_scale` the ranker's tables, and the workdir's run lock is held while `_run`
+  works and released after."""
   workdir = str(tmp_path / "work")
   monkeypatch.setattr(own_data, "FLAGS", SimpleNamespace(
-      num_steps=10, batch_size=16, workdir=workdir, seed=0, init_scale=0.05,
+      num_steps=10, batch_size=16, workdir=workdir, seed=0, init_scale=0.3,
       logq_correction=False))
   monkeypatch.setattr(own_data, "make_logs", lambda num_users=2000, seed=0: logs)
   monkeypatch.setattr(own_data, "fit", lambda system, *args: (system, [0.5, 0.25]))
@@ -390,8 +415,12 @@ def test_own_data_main_runs_every_step_under_the_workdirs_lock(logs, tmp_path, m
       lock_run_dir(workdir)
     return train_retriever(logs, num_steps, batch_size, seed, init_scale, logq)
   monkeypatch.setattr(own_data, "train_retriever", recorded)
+  train_ranker, rankers = own_data.train_ranker, []
+  monkeypatch.setattr(own_data, "train_ranker",
+                      lambda *a, **k: rankers.append(train_ranker(*a, **k)) or rankers[-1])
   own_data.main(["own_data"])
   assert asked == [False]
+  assert np.std(np.asarray(rankers[0].tables.user_table)) == pytest.approx(0.3, rel=0.05)
   os.close(lock_run_dir(workdir))   # released
   out = capsys.readouterr().out
   for line in ("ranker: training loss 0.5000 -> 0.2500 over 10 steps",
