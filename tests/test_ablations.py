@@ -554,6 +554,10 @@ def _sweep_json(per_seed=(0.5, None), metrics=("m",), seeds=(0, 1), **extra) -> 
     (_sweep_json(conditions={"lr": ["lo"]}), "has 'conditions' but no 'arms' list"),
     (_sweep_json(metrics=["m", "n"]), "variant 'a' has no per-seed values of 'n'"),
     (_sweep_json(per_seed=[0.5]), "variant 'a' has 1 per-seed values of 'm' for its 2 seeds"),
+    (_sweep_json(per_seed=[0.5, 0.6, 0.7]),
+     "variant 'a' has 3 per-seed values of 'm' for its 2 seeds"),
+    (_sweep_json(variants={}, arms=["a"]), "no sweep's results (no 'variants')"),
+    ("{}", "results.json lists no sweeps"),
     (_sweep_json(per_seed=[0.5, "0.6"]), "neither a number nor null: '0.6'"),
     (_sweep_json(per_seed=[0.5, True]), "neither a number nor null: True"),
 ])
@@ -601,6 +605,17 @@ def test_rerender_refuses_a_field_it_cannot_render_before_writing(tmp_path, caps
   assert stop.value.code == 2
   assert capsys.readouterr().err.startswith(f"error: {folder}/results.json cannot be rendered "
                                             "(TypeError")
+  assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+  # Another error of rendering (AttributeError: a string where a sweep writes an object).
+  results = json.loads((folder / "results.json").read_text())
+  next(iter(results["variants"].values()))["cell"] = ""
+  results["environment"] = "cpu box"
+  (folder / "results.json").write_text(json.dumps(results))
+  before = {p.name: p.read_bytes() for p in folder.iterdir()}
+  with pytest.raises(SystemExit) as stop:
+    rerender.main(["rerender", str(folder)])
+  assert stop.value.code == 2
+  assert "cannot be rendered (AttributeError" in capsys.readouterr().err
   assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
@@ -2061,3 +2076,86 @@ def test_effects_plot_lists_its_rows_top_down_in_the_tables_order(monkeypatch):
   ax = figures[0].axes[0]
   y = dict(zip((label.get_text() for label in ax.get_yticklabels()), ax.get_yticks()))
   assert y["b"] > y["c"] > y["d"], y   # the first row on top
+
+
+def _one_variant_results(**extra):
+  found = {"ablation": "x", "preset": "cpu", "baseline": "a", "primary_metric": "m",
+           "metrics": ["m"], "comparisons": [], "seeds": [0],
+           "variants": {"a": {"arm": "a", "cell": "", "seeds": [0], "diverged": 0,
+                              "metrics": {"m": {"mean": 0.5, "ci95": None, "n": 1}}}}}
+  return {**found, **extra}
+
+
+def test_report_text_at_its_edges():
+  """Zero pairs in the plural; a verdict section without comparisons says so; a half-width
+  of exactly 1e-5 stays fixed-point (scientific only under it); a smoke report without
+  recorded seeds says "few seeds"; no report has a double blank line."""
+  assert (report.verdict({"p_value": None, "delta": None, "n": 0}, "higher")
+          == "not testable: 0 complete pairs")
+  assert (report.verdict({"p_value": None, "delta": None, "n": 1}, "higher")
+          == "not testable: 1 complete pair")
+  results = _one_variant_results()
+  assert report.headline_lines(results) == [
+      "- No comparison with the baseline could be computed."]
+  text = report.markdown(results)
+  assert "## Verdict\n\n- No comparison with the baseline could be computed.\n" in text
+  assert report.rendered_lines([results]) == [] and "\n\n\n" not in text
+  assert report.fmt_pm(0.5, 1e-5) == "0.500000 ± 0.000010"
+  assert report.fmt_pm(0.5, 9.9e-6) == "0.5 ± 9.9e-06"
+  results = _one_variant_results(preset="smoke")
+  del results["seeds"]   # a results.json from before seeds were recorded
+  text = report.markdown(results)
+  assert "(near chance) with few seeds;" in text and "0 seeds" not in text
+
+
+def test_curves_grid_is_four_panels_wide(tmp_path, monkeypatch):
+  variants = {f"{arm}_{cell}": {"arm": arm, "cell": cell, "seeds": [0]}
+              for cell in ("c1", "c2", "c3", "c4") for arm in ("a", "b")}
+  for name in variants:
+    run = tmp_path / name / "seed_0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": k, "train/loss": 1.0 / k, "eval/auc": 0.5}) + "\n" for k in (1, 2)))
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  assert report.plot_curves({"variants": variants, "arms": ["a", "b"]}, str(tmp_path),
+                            ["train/loss", "eval/auc"], "unused.png")
+  grid = figures[0].axes[0].get_subplotspec().get_gridspec().get_geometry()
+  assert grid == (2, 4)   # 8 panels: 4 a row
+
+
+def test_effects_plot_colours_titles_and_panel_limit(monkeypatch):
+  """Significant intervals red, others gray; "hollow = no CI" in the title only where a
+  row has no CI; at most MAX_EFFECT_PANELS (6) metrics drawn."""
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  tested = {"variant": "b", "metric": "auc", "delta": 0.1, "ci95": [0.05, 0.15], "n": 5,
+            "p_value": 0.001, "p_holm": 0.002, "test": "paired t"}
+  for p_holm, colour in ((0.002, "tab:red"), (0.5, "tab:gray")):
+    figures.clear()
+    assert report.plot_effects({"baseline": "a", "comparisons": [dict(tested, p_holm=p_holm)]},
+                               ["auc"], "unused.png")
+    assert figures[0].axes[0].get_lines()[0].get_color() == colour
+    assert "hollow" not in figures[0]._suptitle.get_text()
+  exact = {"variant": "b", "metric": "diverged", "delta": -1.0, "ci95": None, "n": 8,
+           "p_value": 0.008, "p_holm": 0.016, "test": "exact McNemar"}
+  figures.clear()
+  assert report.plot_effects({"baseline": "a", "comparisons": [exact]}, ["diverged"],
+                             "unused.png")
+  assert figures[0]._suptitle.get_text().endswith("; hollow = no CI)")
+  metrics = [f"m{i}" for i in range(7)]
+  comps = [dict(tested, metric=m, p_holm=0.5) for m in metrics]
+  figures.clear()
+  assert report.plot_effects({"baseline": "a", "comparisons": comps}, metrics, "unused.png")
+  titles = [ax.get_title() for ax in figures[0].axes if ax.get_title()]
+  assert report.MAX_EFFECT_PANELS == 6
+  assert titles == [f"Δ m{i}" for i in range(6)]
+
+
+def test_an_extra_plot_that_draws_nothing_is_not_linked(tmp_path):
+  with open(os.path.join(REPO, "docs", "results", "gqa_ratio", "results.json")) as f:
+    results = json.load(f)
+  path = report.write_report(results, str(tmp_path), extra_plots=[lambda r, w: None])
+  with open(path) as f:
+    plots = [line for line in f.read().splitlines() if line.startswith("![")]
+  assert plots == ["![effects](effects.png)"]
