@@ -19,7 +19,7 @@ import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
 import ablations
-from ablations import analysis, report, run_all, stats, sweep
+from ablations import analysis, report, rope_anchoring, run_all, soft_capping, stats, sweep
 from conftest import REPO, ForkServer, import_error
 from phoenix_flax.training import ConfigError, provenance, run_dirs, writers
 from phoenix_flax.training.schema import seed_config, split_config
@@ -74,6 +74,12 @@ def toy_ablation(**kwargs):
                 baseline="a", metrics=("auc_mean", "logloss", "residual_rms/layer_1", "diverged"))
   fields.update(kwargs)
   return sweep.Ablation(**fields)
+
+
+def fake_sweep(ablation, workdir):
+  """A smoke sweep of `ablation` in `workdir` whose runs are `fake_runner`'s (run_all's
+  `make_sweep`)."""
+  return sweep.Sweep(ablation, "smoke", workdir, runner=fake_runner())
 
 
 def lr_conditions(preset):
@@ -1533,10 +1539,8 @@ def test_printed_commands_paste_back_whatever_the_workdir(monkeypatch):
 def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
   monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation(),
                                              "toy2": toy_ablation(name="toy2")})
-  make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
-                                               runner=fake_runner())
   names = ["toy", "toy2"]
-  path = run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=make),
+  path = run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=fake_sweep),
                          str(tmp_path), command="cmd")
   text = open(path).read()
   assert "## [toy](toy/REPORT.md)" in text and "## [toy2](toy2/REPORT.md)" in text
@@ -1551,14 +1555,14 @@ def test_run_all_writes_one_combined_report(tmp_path, monkeypatch, caplog):
   # The partial files of a writer of the combined report killed mid-write are cleared.
   left = tmp_path / ".REPORT.md.tmp.999999"
   left.write_text("partial")
-  run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=make),
+  run_all.run_all(names, run_all.make_sweeps(names, str(tmp_path), make_sweep=fake_sweep),
                   str(tmp_path))
   assert not left.exists()
   assert combined["toy"]["variants"]["b"]["metrics"]["auc_mean"]["mean"] > 0.72
   assert (tmp_path / "toy" / "REPORT.md").exists()
   # A later run of fewer ablations into the same workdir says what its report leaves out.
   caplog.set_level("WARNING")
-  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=make),
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=fake_sweep),
                   str(tmp_path))
   assert any("now cover ['toy'] only, no longer ['toy2']" in r.getMessage()
              for r in caplog.records)
@@ -1570,35 +1574,33 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
   folder: another tool's, another ablation's or a report without its results.json is
   refused before any work, and left as it was; its own earlier report is not."""
   monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation()})
-  make = lambda ablation, workdir: sweep.Sweep(ablation, "smoke", workdir,
-                                               runner=fake_runner())
   other = tmp_path / "other"
   other.mkdir()
   (other / "REPORT.md").write_text("mine\n")
   # (the second: a map of objects, as run_all's, but none a sweep's of the ablation named)
   for text in ('{"a": 1}\n', '{"toy": {"a": 1}}\n'):
     (other / "results.json").write_text(text)
-    for check in (lambda: make(toy_ablation(), str(other)),
-                  lambda: run_all.make_sweeps(["toy"], str(other), make_sweep=make)):
+    for check in (lambda: fake_sweep(toy_ablation(), str(other)),
+                  lambda: run_all.make_sweeps(["toy"], str(other), make_sweep=fake_sweep)):
       with pytest.raises(ValueError, match="results.json is not the toy sweep's|"
                                            "results.json is not ablations.run_all's"):
         check()
   (other / "results.json").unlink()
   with pytest.raises(ValueError, match="holds a REPORT.md but no results.json, so the toy "
                                        "sweep did not write it"):
-    make(toy_ablation(), str(other))
+    fake_sweep(toy_ablation(), str(other))
   assert os.listdir(other) == ["REPORT.md"] and (other / "REPORT.md").read_text() == "mine\n"
   # Its own report: the sweep runs again there; another ablation's is refused.
   mine = tmp_path / "mine"
-  make(toy_ablation(), str(mine)).run()
-  make(toy_ablation(), str(mine))
+  fake_sweep(toy_ablation(), str(mine)).run()
+  fake_sweep(toy_ablation(), str(mine))
   with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
-    make(toy_ablation(name="toy2"), str(mine))
+    fake_sweep(toy_ablation(name="toy2"), str(mine))
   # Two sweeps started at once in one folder both pass that check: the one that finishes
   # second is refused when it comes to write, leaving the other's report as it was.
   both = tmp_path / "both"
-  second = make(toy_ablation(name="toy2"), str(both))
-  make(toy_ablation(), str(both)).run()
+  second = fake_sweep(toy_ablation(name="toy2"), str(both))
+  fake_sweep(toy_ablation(), str(both)).run()
   written = (both / "results.json").read_text()
   with pytest.raises(ValueError, match="results.json is not the toy2 sweep's"):
     second.run()
@@ -1608,46 +1610,46 @@ def test_a_sweep_refuses_a_folder_holding_a_report_it_did_not_write(tmp_path, mo
   # stranded (the killed sweep could not resume beside the other's report); the killed
   # sweep itself resumes there.
   killed = tmp_path / "killed"
-  make(toy_ablation(), str(killed)).run()
+  fake_sweep(toy_ablation(), str(killed)).run()
   for name in ("results.json", "REPORT.md"):
     (killed / name).unlink()
   other_arms = dict(name="toy2", arms={"x": {"model.num_layers": 1},
                                        "y": {"model.num_layers": 2}}, baseline="x")
   with pytest.raises(ValueError, match=r"holds runs that are no variant of toy2 at preset "
                                        r"'smoke' \(a, b, c\): another sweep's"):
-    make(toy_ablation(**other_arms), str(killed))
+    fake_sweep(toy_ablation(**other_arms), str(killed))
   with pytest.raises(ValueError, match=r"holds runs that are no ablation's sweep folder "
                                        r"\(a, b, c\)"):
-    run_all.make_sweeps(["toy"], str(killed), make_sweep=make)
-  make(toy_ablation(), str(killed)).run()
+    run_all.make_sweeps(["toy"], str(killed), make_sweep=fake_sweep)
+  fake_sweep(toy_ablation(), str(killed)).run()
   assert (killed / "results.json").exists()
   # Beside its own report, runs of variants its edited grid no longer has are its own.
-  make(toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2}}),
+  fake_sweep(toy_ablation(arms={"a": {"model.num_layers": 1}, "b": {"model.num_layers": 2}}),
        str(killed)).run()
   # A single sweep in a run_all folder whose combined report was never written: its
   # ablation folders hold runs one level deeper, and are refused the same way.
   nested = tmp_path / "nested"
-  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(nested), make_sweep=make),
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(nested), make_sweep=fake_sweep),
                   str(nested))
   for name in ("results.json", "REPORT.md"):
     (nested / name).unlink()
   with pytest.raises(ValueError, match=r"no variant of toy2 at preset 'smoke' \(toy\)"):
-    make(toy_ablation(**other_arms), str(nested))
+    fake_sweep(toy_ablation(**other_arms), str(nested))
   # run_all's combined report, made by run_all, and a damaged results.json are replaced.
   combined = tmp_path / "combined"
-  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=fake_sweep),
                   str(combined))
-  run_all.make_sweeps(["toy"], str(combined), make_sweep=make)
+  run_all.make_sweeps(["toy"], str(combined), make_sweep=fake_sweep)
   (other / "results.json").write_text("{damaged")
-  make(toy_ablation(), str(other))
+  fake_sweep(toy_ablation(), str(other))
   # So is one that is JSON but no object (it raised AttributeError), in a sweep's folder and
   # in run_all's, whose combined results.json is read again after every sweep has run.
   (other / "results.json").write_text("[]")
-  make(toy_ablation(), str(other))
-  run_all.make_sweeps(["toy"], str(other), make_sweep=make)
+  fake_sweep(toy_ablation(), str(other))
+  run_all.make_sweeps(["toy"], str(other), make_sweep=fake_sweep)
   for damaged in ("[]", "{damaged"):
     (combined / "results.json").write_text(damaged)
-    run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=make),
+    run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(combined), make_sweep=fake_sweep),
                     str(combined))
     assert set(json.loads((combined / "results.json").read_text())) == {"toy"}
 
@@ -2159,3 +2161,76 @@ def test_an_extra_plot_that_draws_nothing_is_not_linked(tmp_path):
   with open(path) as f:
     plots = [line for line in f.read().splitlines() if line.startswith("![")]
   assert plots == ["![effects](effects.png)"]
+
+
+def test_run_all_takes_a_folder_where_another_registered_ablation_left_runs(tmp_path,
+                                                                          monkeypatch):
+  """A run_all stopped during one ablation's sweep, before the combined report: the
+  folder still takes a run_all of another ablation (the runs are a registered one's)."""
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation(),
+                                             "toy2": toy_ablation(name="toy2")})
+  fake_sweep(toy_ablation(), str(tmp_path / "toy")).run()
+  run_all.run_all(["toy2"], run_all.make_sweeps(["toy2"], str(tmp_path), make_sweep=fake_sweep),
+                  str(tmp_path))
+  assert set(json.loads((tmp_path / "results.json").read_text())) == {"toy2"}
+
+
+def test_run_all_refuses_a_report_that_files_another_ablation_under_a_name(tmp_path,
+                                                                         monkeypatch):
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation()})
+  (tmp_path / "results.json").write_text('{"toy": {"ablation": "toy2", "variants": {}}}\n')
+  with pytest.raises(ValueError, match="results.json is not ablations.run_all's"):
+    run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=fake_sweep)
+
+
+def test_run_all_writes_the_combined_report_on_process_zero_only(tmp_path, monkeypatch):
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation()})
+  monkeypatch.setattr(jax, "process_index", lambda *args, **kwargs: 1)
+  run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=fake_sweep),
+                  str(tmp_path))
+  assert not [f for f in os.listdir(tmp_path) if os.path.isfile(tmp_path / f)]
+
+
+def test_run_all_keeps_the_temporary_files_of_live_writers(tmp_path, monkeypatch):
+  monkeypatch.setattr(run_all, "ABLATIONS", {"toy": toy_ablation()})
+  live = subprocess.Popen(["sleep", "60"])
+  try:
+    busy = tmp_path / f".results.json.tmp.{live.pid}"
+    busy.write_text("being written")
+    run_all.run_all(["toy"], run_all.make_sweeps(["toy"], str(tmp_path), make_sweep=fake_sweep),
+                    str(tmp_path))
+    assert busy.exists()
+  finally:
+    live.kill()
+    live.wait()
+
+
+def test_run_all_cli_refuses_stray_arguments_and_unknown_ablations(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  workdir = tmp_path / "sweep"
+  taken = tmp_path / "taken"
+  taken.mkdir()
+  (taken / "gqa_ratio").write_text("")   # an ablation's folder that is a file
+  cases = [([f"--workdir={workdir}", "stray"], "error: unexpected arguments: ['stray']\n"),
+           ([f"--workdir={workdir}", "--ablations=nope"], "error: --ablations: unknown ['nope']"),
+           ([f"--workdir={taken}", "--ablations=gqa_ratio"], "is a file, not a directory\n"
+                                                            "Run with --helpfull")]
+  with ForkServer(env, preload=["ablations.sweep"]) as server:
+    for args, message in cases:   # --dry_run: a mutant that accepts them trains nothing
+      code, _, stderr = server.run("ablations.run_all", ["--preset=smoke", "--dry_run", *args])
+      assert code == 2 and message in stderr and "Traceback" not in stderr, (args, stderr)
+  assert not workdir.exists()
+
+
+def test_rope_anchoring_task_at_a_history_of_one(tmp_path):
+  sw = sweep.Sweep(rope_anchoring.ABLATION, "smoke", str(tmp_path / "r"),
+                   overrides={"world.history_len": 1}, runner=fake_runner())
+  long = sw.base.extra_eval_splits.long_history
+  assert (long.min_history, long.max_history) == (1, 1)
+
+
+def test_soft_capping_full_preset_sweeps_both_dtypes():
+  """Its docstring: float32 and bfloat16 at the full preset, bfloat16 only at cpu."""
+  dtypes = lambda preset: {v.overrides["model.fprop_dtype"]
+                           for v in soft_capping.ABLATION.variants(preset)}
+  assert dtypes("full") == {"float32", "bfloat16"} and dtypes("cpu") == {"bfloat16"}

@@ -353,3 +353,100 @@ def test_candidate_slice_cuts_every_candidate_field():
     np.testing.assert_array_equal(getattr(part, field), getattr(batch, field)[:, 2:6],
                                   err_msg=field)
   assert part.history_post_hashes is batch.history_post_hashes
+
+
+def test_scoring_throughput_defaults_are_the_documented_ones(monkeypatch):
+  """At least 10 rounds, until the timed calls add up to 0.5 s per system."""
+  seen = {}
+
+  def fake_rounds(calls, iters, warmup, min_seconds):
+    seen.update(iters=iters, min_seconds=min_seconds)
+    return {name: 1.0 for name in calls}
+  monkeypatch.setattr(probes.timing, "time_rounds", fake_rounds)
+  batch = _batch(jnp.ones((2, 4, 1), jnp.int32))
+  systems = {"a": _SlotSystem(jnp.zeros((4, 1))), "b": _SlotSystem(jnp.ones((4, 1)))}
+  assert probes.scoring_throughput(systems, batch) == {"a": 8.0, "b": 8.0}
+  assert seen == {"iters": 10, "min_seconds": 1.0}
+
+
+def test_scoring_throughput_times_the_forward_compiled_with_the_package_options(monkeypatch):
+  """The timed calls run the program `xla_options.filter_jit` compiled (the options the
+  training, evaluation and serving programs get), not a plain jit of the forward."""
+  from phoenix_flax import xla_options
+  ran, real = [], xla_options.filter_jit
+
+  def spy(fn, **kwargs):
+    compiled = real(fn, **kwargs)
+    return lambda *args, **kw: ran.append(1) or compiled(*args, **kw)
+  monkeypatch.setattr(xla_options, "filter_jit", spy)
+  monkeypatch.setattr(probes.timing, "time_rounds",
+                      lambda calls, **kw: {n: (c(), 1.0)[1] for n, c in calls.items()})
+  probes._timed_logits.cache_clear()
+  try:
+    batch = _batch(jnp.ones((2, 4, 1), jnp.int32))
+    probes.scoring_throughput({"a": _SlotSystem(jnp.zeros((4, 1))),
+                               "b": _SlotSystem(jnp.ones((4, 1)))}, batch)
+  finally:
+    probes._timed_logits.cache_clear()   # drop the spy's program for later tests
+  assert len(ran) == 2
+
+
+def test_pooled_shift_metrics_pool_batches_of_different_sizes():
+  """A smaller last batch pools like one batch of all the lists."""
+  def batch(B):
+    return SimpleNamespace(labels=jnp.tile(jnp.asarray([[[1.0], [0.0]]]), (B, 1, 1)),
+                           probs=jnp.full((B, 2, 1), 0.5), candidate_mask=jnp.ones((B, 2), bool))
+  logits = lambda B: jnp.tile(jnp.asarray([[[2.0], [-1.0]]]), (B, 1, 1))
+  found = probes.pooled_shift_metrics([logits(2), logits(1)], [batch(2), batch(1)])
+  assert found == pytest.approx(probes.pooled_shift_metrics([logits(3)], [batch(3)]))
+
+
+def test_chunked_probe_of_lists_shorter_than_four_scores_one_candidate_at_a_time(monkeypatch):
+  spec = SimpleNamespace(eval_splits={"eval": SplitConfig(num_candidates=3)},
+                         world=WorldConfig(num_candidates=12))
+  ctx = SimpleNamespace(spec=spec, world="world", system="system")
+  monkeypatch.setattr(probes, "eval_batches", lambda s, w, split: ["batch"])
+  monkeypatch.setattr(probes, "chunked_scoring", lambda system, bs, chunk: {"chunk": chunk})
+  assert candidate_isolation.probe(ctx) == {"chunked": {"chunk": 1}}
+
+
+def test_gqa_kv_cache_bytes_are_in_the_forward_dtype(tmp_path):
+  """bfloat16 (the forward on GPU/TPU) holds half the bytes of float32."""
+  sw = sweep.Sweep(gqa_ratio.ABLATION, "smoke", str(tmp_path))
+  variant, found = sw.variants[0], {}
+  for dtype in ("float32", "bfloat16"):
+    config = sw.config(variant)
+    config.model.fprop_dtype = dtype
+    spec = parse_config(config)
+    ctx = sweep.RunContext(str(tmp_path), 0, variant, "smoke", spec, None,
+                           make_system(spec, jax.random.PRNGKey(0)))
+    found[dtype] = gqa_ratio.probe(ctx)["kv_cache_bytes"]
+  assert found["bfloat16"] * 2 == found["float32"]
+
+
+def test_gqa_tradeoff_plot_skips_a_variant_without_its_x_value(tmp_path):
+  s = lambda m: {"mean": m, "ci95": None if m is None else [m - 0.01, m + 0.01], "n": 3}
+  results = {"variants": {
+      "kv8": {"metrics": {"auc_mean": s(0.78), "kv_cache_bytes": s(8000.0),
+                          "params/transformer": s(5008.0)}},
+      "kv1": {"metrics": {"auc_mean": s(0.77), "kv_cache_bytes": s(None),
+                          "params/transformer": s(None)}}}}
+  assert gqa_ratio.plot_tradeoff(results, str(tmp_path)) == "gqa_tradeoff.png"
+  assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
+
+
+def test_rms_plot_draws_the_mean_over_seeds(tmp_path, monkeypatch):
+  """Three seeds (the cpu preset's), one an outlier: the mean, not the median."""
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  for seed, scale in enumerate((1.0, 1.0, 4.0)):
+    run_dir = tmp_path / "sandwich_L2" / f"seed_{seed}"
+    run_dir.mkdir(parents=True)
+    (run_dir / "result.json").write_text(json.dumps(
+        {"final": {"residual_rms/layer_0": scale, "residual_rms/layer_1": 2.0 * scale},
+         "diverged": False, "diverged_at_step": None, "steps": 20, "wall_seconds": 1.0,
+         "examples_per_second": 10.0}))
+  sandwich_norm.plot_rms({"variants": {"sandwich_L2": {"arm": "sandwich", "cell": "L2",
+                                                       "seeds": [0, 1, 2]}}}, str(tmp_path))
+  (axes,) = figures[0].axes
+  assert list(axes.get_lines()[0].get_ydata()) == pytest.approx([2.0, 4.0])
