@@ -4,6 +4,7 @@ assertions: timings depend on the machine)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -100,6 +101,19 @@ def test_the_chunked_case_measures_the_chunk_that_rank_chunked_runs():
   assert (r["fast"]["kind"], r["fast"]["num_chunks"]) == ("rank_chunked(16)", 1)
 
 
+def test_the_chunked_peak_is_the_larger_of_its_two_programs(monkeypatch):
+  real, count = benchmark.compile_fn, [0]
+
+  def compile_fn(fn, *args):   # the first program bench_chunked compiles: encode_context
+    exe, seconds, peak = real(fn, *args)
+    count[0] += 1
+    return exe, seconds, (10 ** 9 if count[0] == 1 else peak)
+  monkeypatch.setattr(benchmark, "compile_fn", compile_fn)
+  r = benchmark.bench_chunked(TINY["chunked"], 1, 0, 0.0, 0, matmul=lambda: 0,
+                              dense_iters=1)
+  assert r["fast"]["peak_bytes"] == 10 ** 9
+
+
 def test_run_benchmark_reports_every_field(tmp_path):
   report = benchmark.run_benchmark(["full", "chunked"], TINY, iters=2, warmup=0,
                                    matmul_size=64, compile_case=TINY["full"],
@@ -150,6 +164,7 @@ def test_run_benchmark_reports_every_field(tmp_path):
   scaling = report["compile_scaling"]
   assert scaling["ratio"] == pytest.approx(scaling["seconds"]["2"] / scaling["seconds"]["1"])
   assert report["process_max_rss_bytes"] > 0
+  assert (report["iters"], report["warmup"]) == (2, 0)   # the timing settings given
   assert report["machine"] == provenance.machine()
   assert report["code"] == provenance.running_code_version()
 
@@ -187,6 +202,87 @@ def test_run_benchmark_reports_every_field(tmp_path):
   assert ("persistent compilation cache was on" in table) is report["persistent_compilation_cache"]
 
 
+def test_bench_case_derives_its_figures_from_the_flop_counts(monkeypatch):
+  """On fixed timings, every derived figure follows from `useful_flops` (the fast and the
+  dense count) and the medians: `dense_gflop` is the dense reference's count."""
+  monkeypatch.setattr(benchmark, "bench_full", lambda *a, **k: {
+      "fast": {"median_s": 0.5}, "reference": {"median_s": 1.0}, "matmul_median_s": 0.25})
+  case = TINY["full"]
+  r = benchmark.bench_case("full", case, 1, 0, 0.0, 0, matmul_size=16)
+  model = eqx.filter_eval_shape(pf.PhoenixModel, benchmark.model_config(case),
+                                key=jax.random.key(0))
+  flops = benchmark.useful_flops(model, case.batch, case.candidates)
+  dense = benchmark.useful_flops(model, case.batch, case.candidates, dense=True)
+  assert r["useful_gflop"] == pytest.approx(flops / 1e9)
+  assert r["dense_gflop"] == pytest.approx(dense / 1e9)
+  assert r["flop_ratio"] == pytest.approx(dense / flops) and dense > flops
+  assert r["matmul_gflops"] == pytest.approx(2 * 16 ** 3 / 0.25 / 1e9)
+
+
+def test_compile_scaling_keeps_the_faster_of_two_compiles(monkeypatch):
+  seconds = iter([3.0, 1.0, 8.0, 2.0])   # two compiles at 1 layer, then two at 2
+  monkeypatch.setattr(benchmark, "compile_fn", lambda fn, *args: (None, next(seconds), 0))
+  r = benchmark.compile_scaling(TINY["full"], (1, 2), seed=0)
+  assert r["seconds"] == {"1": 1.0, "2": 2.0} and r["ratio"] == 2.0
+
+
+def _synthetic_report():
+  """A hand-made report with a distinct value in every field (no timing)."""
+  path = lambda ms, peak, **extra: {"median_s": ms / 1e3, "compile_s": 1.5,
+                                    "peak_bytes": peak, "kind": "isolated",
+                                    "fprop_dtype": "float32", **extra}
+  r = {"fast": path(2.0, 3 * 2 ** 20, user_groups=1, candidate_micro_batches=1),
+       "reference": dict(path(5.0, 7 * 2 ** 20), kind="dense"),
+       "speedup": 2.5, "flop_ratio": 1.75, "candidates_per_s": 12345.0,
+       "useful_gflop": 0.25, "achieved_gflops": 125.0, "matmul_gflops": 400.0, "mfu": 0.3125}
+  return {"device": "cpu", "machine": "test cpu", "jax_version": "0", "compiler_options": {},
+          "iters": 3, "min_seconds": 0.0, "matmul_size": 64, "configs": {"x": r},
+          "kv_cache": [], "kv_cache_config": None,
+          "compile_scaling": {"layers": [2, 12], "seconds": {"2": 1.25, "12": 5.0},
+                              "ratio": 4.0},
+          "training": [{"preset": "cpu", "num_seeds": 3, "fprop_dtype": "float32",
+                        "rounds": 3, "steps_per_round": 400,
+                        "scanned_examples_per_second": 9000.0,
+                        "plain_examples_per_second": 1000.0, "speedup": 9.0,
+                        "plain_device_sampled_examples_per_second": 3000.0,
+                        "speedup_vs_device_sampled": 3.0}],
+          "process_max_rss_bytes": 2 ** 30}
+
+
+def test_format_table_puts_every_figure_under_its_header():
+  """Every cell of the forward and training tables, the compile line and the paths' kinds,
+  on a report whose figures all differ (so a swapped field shows)."""
+  lines = benchmark.format_table(_synthetic_report()).splitlines()
+  row = lambda start: table_cells(next(l for l in lines if l.startswith(start)))
+  assert dict(zip(row("| config |"), row("| x |"))) == {
+      "config": "x", "fast ms": "2.0", "dense ms": "5.0", "dense/fast": "2.50x",
+      "dense/fast FLOPs": "1.75x", "cand/s": "12,345", "compile s fast / dense": "1.5 / 1.5",
+      "peak MiB fast / dense": "3.0 / 7.0", "useful GFLOP": "0.25", "GFLOP/s": "125",
+      "matmul GFLOP/s": "400", "MFU": "31%"}
+  assert row("| cpu | 3 |") == ["cpu", "3", "9,000", "1,000", "9.00x", "3,000", "3.00x"]
+  assert ("compile time of the fast forward, 12 vs 2 layers: 5.00 s vs 1.25 s = 4.00x"
+          in lines)
+  # One user group and one candidate micro-batch are no split: not named.
+  assert "fast vs reference: x: isolated vs dense." in lines
+
+
+def test_bench_full_compares_the_fast_path_with_the_reference(monkeypatch):
+  """`max_abs_logit_diff` is fast vs dense (a reference off by 1 reads 1), and the
+  micro-batch split is reported for the fast path, the one that splits."""
+  real, count = benchmark.compile_fn, [0]
+
+  def compile_fn(fn, *args):   # the second program compiled, the dense reference: + 1
+    exe, seconds, peak = real(fn, *args)
+    count[0] += 1
+    return ((lambda *a: exe(*a) + 1.0) if count[0] == 2 else exe), seconds, peak
+  monkeypatch.setattr(benchmark, "compile_fn", compile_fn)
+  r = benchmark.bench_full(TINY["full"], 1, 0, 0.0, 0, matmul=lambda: 0)
+  assert r["max_abs_logit_diff"] == pytest.approx(1.0, abs=1e-4)
+  assert {k: r["fast"][k] for k in ("user_groups", "candidate_micro_batches")} == {
+      "user_groups": 1, "candidate_micro_batches": 1}
+  assert r["fast"]["micro_batch_rows"] > 0 and "user_groups" not in r["reference"]
+
+
 def test_max_rss_is_in_bytes_on_linux_and_macos(monkeypatch):
   """`ru_maxrss` counts KiB on Linux and bytes on macOS: times 1024 on macOS read 1024
   times the memory used."""
@@ -197,7 +293,7 @@ def test_max_rss_is_in_bytes_on_linux_and_macos(monkeypatch):
     assert benchmark.max_rss_bytes() == expected
 
 
-def test_a_training_only_report_prints_no_forward_table():
+def test_a_training_only_report_prints_no_forward_table(monkeypatch):
   """With no forward configuration (`--configs=`, as the README's training command runs)
   the table names no forward timing that never ran, and says how the training rows were
   timed; `run_benchmark` picks its KV-cache model among the cases it has."""
@@ -215,6 +311,13 @@ def test_a_training_only_report_prints_no_forward_table():
   serve = benchmark.run_benchmark([], cases={"full": TINY["full"], "serve": TINY["full"]},
                                   matmul_size=64)
   assert serve["kv_cache_config"]["name"] == "serve"
+  # Without one, the first config named (not the first in `cases`), with its layer count
+  # (its timing stubbed out).
+  monkeypatch.setattr(benchmark, "bench_case", lambda *args, **kwargs: {})
+  cases = {"full": TINY["full"], "deep": dataclasses.replace(TINY["full"], layers=3)}
+  deep = benchmark.run_benchmark(["deep"], cases, matmul_size=64)
+  assert deep["kv_cache_config"] == {"name": "deep", "layers": 3, "key_size": 64}
+  assert deep["kv_cache"] == benchmark.kv_cache_table(cases["deep"])
 
 
 def test_time_rounds_runs_iters_then_until_min_seconds():
@@ -536,6 +639,7 @@ def test_training_throughput_counts_every_seeds_examples(monkeypatch):
   assert out["plain_device_sampled_examples_per_second"] == 16.0
   assert out["speedup"] == 30.0 and out["speedup_vs_device_sampled"] == 7.5
   assert (out["steps_per_round"], out["batch_size"], out["num_seeds"]) == (10, 8, 3)
+  assert (out["steps_per_call"], out["rounds"]) == (5, 3)
   assert out["fprop_dtype"] == "bfloat16"   # the loops' forward dtype, whatever it is
 
 
@@ -556,3 +660,28 @@ def test_a_ctrl_c_ends_the_benchmark_with_one_line_and_no_file(tmp_path, monkeyp
   assert e.value.code == 130 and not out.exists()
   assert capsys.readouterr().err == ("interrupted by SIGINT; this command resumes nothing: "
                                      "run it again to start over\n")
+
+
+def test_main_hands_every_flag_to_run_benchmark(tmp_path, monkeypatch):
+  """`main` passes --train_rounds, --train_chunks (and the rest) to their parameters, and
+  the compile check compiles the `serve` case."""
+  signature, seen = inspect.signature(benchmark.run_benchmark), []
+
+  def fake(*args, **kwargs):
+    seen.append(signature.bind(*args, **kwargs).arguments)
+    raise KeyboardInterrupt   # nothing timed, nothing written
+  monkeypatch.setattr(benchmark, "run_benchmark", fake)
+  flags.FLAGS.mark_as_parsed()
+  try:
+    with flagsaver.flagsaver(configs=["demo"], out=str(tmp_path / "b.json"),
+                             train_presets=["smoke"], train_seeds=["1"], train_rounds=7,
+                             train_chunks=2, dense_iters=3, iters=4, warmup=1):
+      with pytest.raises(SystemExit):
+        benchmark.main(["benchmark"])
+  finally:
+    flags.FLAGS.unparse_flags()
+  [args] = seen
+  assert args["train"] == [("smoke", 1)]
+  assert (args["train_rounds"], args["train_chunks"]) == (7, 2)
+  assert (args["iters"], args["warmup"], args["dense_iters"]) == (4, 1, 3)
+  assert args["compile_case"] == benchmark.CASES["serve"]

@@ -1847,7 +1847,8 @@ def test_the_throughput_loops_refuse_a_mesh_and_a_state_too_large_first(monkeypa
   """Every loop runs on one device, so any `mesh.*` setting is refused; and a training
   state too large for the device is refused before the trainer is built (and compiled)."""
   from experiments import train_throughput
-  for field, value in (("num_devices", 4), ("shard_hash_tables", True), ("distributed", True)):
+  for field, value in (("num_devices", 4), ("num_devices", -1),   # -1: all devices, a mesh
+                       ("shard_hash_tables", True), ("distributed", True)):
     config = ranking_configs.get_config("smoke")
     config.mesh[field] = value
     with pytest.raises(ConfigError, match=r"leave mesh\.\* at its defaults"):
