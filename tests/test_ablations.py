@@ -2234,3 +2234,138 @@ def test_soft_capping_full_preset_sweeps_both_dtypes():
   dtypes = lambda preset: {v.overrides["model.fprop_dtype"]
                            for v in soft_capping.ABLATION.variants(preset)}
   assert dtypes("full") == {"float32", "bfloat16"} and dtypes("cpu") == {"bfloat16"}
+
+
+def test_default_seed_counts_are_the_ones_the_flag_help_states():
+  """--seeds left out: 2 seeds at smoke, 3 at cpu, 5 at full, as `--help` says."""
+  assert sweep.SEEDS == {"smoke": 2, "cpu": 3, "full": 5}
+  counts = ", ".join(f"{n} {preset}" for preset, n in sweep.SEEDS.items())
+  assert f"(default: {counts})" in sweep.FLAGS["seeds"].help
+
+
+@pytest.mark.parametrize("experiment", sorted(sweep.EXPERIMENTS))
+def test_no_sweep_preset_pays_for_score_consistency(experiment):
+  """Score consistency costs two extra forwards per evaluation batch: every sweep preset
+  turns it off (the ranking config's full preset has it on); only an ablation that
+  reports it turns it back on."""
+  for preset in sweep.PRESETS:
+    assert sweep.preset_config(preset, experiment).train.score_consistency is False, preset
+
+
+def test_a_diverged_primary_metric_heads_the_report_once():
+  ab = toy_ablation(metrics=("diverged", "auc_mean"), primary_metric="diverged")
+  assert ab.headline == ("diverged",)
+
+
+def test_an_override_value_padded_with_spaces_reads_as_without_them():
+  """`--override "model.right_anchored_rope= false "` (a quoted shell variable) sets the
+  boolean, as "=false" does, and "=none " sets None: not the strings " false "/"none "."""
+  assert sweep.parse_override("model.right_anchored_rope= false ") == (
+      "model.right_anchored_rope", False)
+  assert sweep.parse_override("model.attn_logit_cap= none ") == ("model.attn_logit_cap", None)
+  assert sweep.parse_override(" model.norm_layout = pre ") == ("model.norm_layout", "pre")
+
+
+def test_results_json_keeps_the_designs_order(tmp_path):
+  """results.json lists the variants (and its fields) in the order the sweep made them,
+  arms within each condition level, which `ablations.rerender` renders the tables in."""
+  results = sweep.Sweep(toy_ablation(conditions=lr_conditions), "smoke", str(tmp_path),
+                        runner=fake_runner()).run()
+  on_disk = json.loads((tmp_path / "results.json").read_text())
+  assert list(on_disk["variants"]) == ["a_lo", "b_lo", "c_lo", "a_hi", "b_hi", "c_hi"]
+  assert list(on_disk) == list(results)
+  assert list(on_disk["variants"]["a_lo"]["metrics"]) == list(toy_ablation().metrics)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]\n", '"text"\n', "3\n"])
+def test_a_sweep_replaces_a_results_json_that_is_no_object(tmp_path, text):
+  """A results.json damaged from outside into JSON of another kind (not only `[]`) is
+  replaced, not an AttributeError when the sweep is built."""
+  (tmp_path / "results.json").write_text(text)
+  assert sweep.previous_results(str(tmp_path)) == {}
+  sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=fake_runner()).run()
+  assert json.loads((tmp_path / "results.json").read_text())["ablation"] == "toy"
+
+
+def test_an_empty_results_object_is_not_the_sweeps_own(tmp_path):
+  """`{}` is a JSON object that no sweep wrote: refused like another tool's results.json."""
+  (tmp_path / "results.json").write_text("{}\n")
+  with pytest.raises(ValueError, match="results.json is not the toy sweep's"):
+    sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=fake_runner())
+  assert (tmp_path / "results.json").read_text() == "{}\n"
+
+
+def test_a_killed_sweep_resumes_with_a_variants_subset(tmp_path):
+  """A sweep killed before its first report left runs of every variant and no
+  results.json: resuming it with --variants is not refused for the runs of its own
+  variants left out (they are its design's, not another sweep's)."""
+  sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), runner=fake_runner()).run()
+  for name in ("results.json", "REPORT.md"):
+    (tmp_path / name).unlink()
+  results = sweep.Sweep(toy_ablation(), "smoke", str(tmp_path), variants=["b"],
+                        runner=fake_runner()).run()
+  assert results["variants_run"] == ["a", "b"]
+
+
+def test_probes_measured_again_reach_tensorboard(tmp_path, monkeypatch):
+  """--reprobe (after a probe changed) rewrites each run's TensorBoard copy of its probes
+  with the new values, which results.json reports: not the first measurement's."""
+  monkeypatch.setattr(sweep, "load_systems", lambda cfg, d, seeds: (
+      type("T", (), {"spec": None, "world": None}), [None] * len(seeds)))
+  measured = [0.0]
+  ab = toy_ablation(probe=lambda ctx: {"value": measured[0]},
+                    metrics=("auc_mean", "value", "diverged"))
+  sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner()).run()
+  measured[0] = 1.0
+  results = sweep.Sweep(ab, "smoke", str(tmp_path), runner=fake_runner(), reprobe=True).run()
+  assert results["variants"]["a"]["metrics"]["value"]["per_seed"] == [1.0, 1.0]
+  assert _probe_scalars(tmp_path / "a" / "seed_0", "probes") == {"value": [(20, 1.0)]}
+
+
+def test_a_subset_reports_the_arms_it_ran(tmp_path):
+  """results.json's "arms" of a --variants subset are the arms run: the per-condition
+  table has no row of n/a for an arm left out."""
+  results = sweep.Sweep(toy_ablation(conditions=lr_conditions), "smoke", str(tmp_path),
+                        variants=["b"], runner=fake_runner()).run()
+  assert results["arms"] == ["a", "b"]
+  rows = report.condition_matrix(results, "auc_mean")[2:]
+  assert [row.split(" | ")[0] for row in rows] == ["| b"]
+
+
+def test_an_ablations_direction_for_a_full_metric_name_wins():
+  """An ablation's entry for one split's metric, named in full, wins over the built-in
+  direction of the metric's short name."""
+  assert sweep.better("long_list/auc_mean", {"long_list/auc_mean": "lower"}) == "lower"
+  assert sweep.better("long_list/auc_mean", {"auc_mean": "lower"}) == "lower"
+  assert sweep.better("long_list/auc_mean") == "higher"
+
+
+def test_the_hypothesis_is_the_first_paragraph_and_the_hypothesis_paragraph():
+  doc = "Title line.\n\nHypothesis: it helps.\n\nTask knobs: x.\n\nHypothesis: again."
+  assert sweep.hypothesis(doc) == "Title line.\n\nHypothesis: it helps.\n\nHypothesis: again."
+  assert sweep.design(doc) == "Task knobs: x."
+  for module in SCRIPTS:   # each script's report opens with its hypothesis
+    assert "Hypothesis:" in sweep.hypothesis(module.__doc__), module.__name__
+
+
+def test_a_retrieval_evaluation_logs_its_largest_k(caplog):
+  """The recall at the largest K by number (10 over 5, not the larger string)."""
+  from phoenix_flax.training import Progress
+  caplog.set_level("INFO")
+  sweep._log_evaluation(Progress(20, 40, 5.0, 1.0, (0.4,), 0,
+                                 {"eval/recall@5": [0.2], "eval/bayes_recall@5": [0.3],
+                                  "eval/recall@10": [0.4], "eval/bayes_recall@10": [0.5]}))
+  assert [r.getMessage() for r in caplog.records] == [
+      "  step 20/40 | train loss 0.4000 | eval/recall@10 0.4000 | "
+      "eval/bayes_recall@10 0.5000"]
+
+
+def test_an_ablation_script_refuses_a_positional_argument(tmp_path):
+  """A stray argument (a flag's value after a space: `--preset smoke`) is a usage error,
+  not silently ignored."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  with ForkServer(env, preload=["ablations.sweep"]) as server:
+    code, _, stderr = server.run("ablations.gqa_ratio", ["--preset=smoke", "--dry_run",
+                                                         f"--workdir={tmp_path / 'w'}", "stray"])
+  assert code == 2 and stderr.startswith("error: unexpected arguments: ['stray']"), stderr
+  assert not (tmp_path / "w").exists()
