@@ -160,11 +160,11 @@ def update_sampling_counts(counts_KH: Array, hashes_BK: Array, present_B: Array,
   `counts_KH` is a count-min sketch of the positives seen so far: per hash function k and
   bucket, an exponentially decayed count. Each step multiplies it by `decay` and adds this
   batch's positives (`hashes_BK`, each positive's K post hashes, counted where
-  `present_B`; a post in several rows counts several times) in every row k; a hash outside
-  `[0, H)` counts nowhere. `sampling_log_q` reads it back. `1 / (1 - decay)` steps is its memory. On GPU the
-  scatter may add in another order from run to run; its addends are all 1 or 0, so only
-  another grouping of them (`x + 2` against `x + 1 + 1`) could round a count differently,
-  by an ulp.
+  `present_B`; a post in several rows counts several times) in every row k; a hash of H
+  or more counts nowhere. `sampling_log_q` reads it back. `1 / (1 - decay)` steps is its
+  memory. On GPU the scatter may add in another order from run to run; its addends are
+  all 1 or 0, so only another grouping of them (`x + 2` against `x + 1 + 1`) could round a
+  count differently, by an ulp.
   """
   chex.assert_rank(counts_KH, 2, custom_message="update_sampling_counts: counts must be [K, H]")
   K = jnp.shape(counts_KH)[0]
@@ -187,7 +187,7 @@ def sampling_log_q(counts_KH: Array, hashes_BK: Array) -> Array:
   under both functions). Counts updated with this batch (`update_sampling_counts`) give
   every present positive a count of at least 1; a count of 0 gives -inf, which
   `in_batch_softmax_loss` ignores for users without a positive and turns into a NaN loss
-  for the others. A hash outside `[0, H)` reads a count of 0, as `update_sampling_counts`
+  for the others. A hash of H or more reads a count of 0, as `update_sampling_counts`
   counts it nowhere (not the clamped last bucket, another post's count).
   """
   chex.assert_rank(counts_KH, 2, custom_message="sampling_log_q: counts must be [K, H]")
