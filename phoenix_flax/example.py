@@ -102,7 +102,9 @@ def example_batch(config: Config, batch_size: int, key: PRNGKeyArray, *,
 
 def example_corpus(num_items: int, emb_size: int, key: PRNGKeyArray) -> tuple[Array, Array]:
   """Unit-norm corpus embeddings `[N, D]` and distinct, shuffled int32 post ids `[N]`
-  (`N = num_items`, `D = emb_size`, integers >= 1, else ValueError)."""
+  (`N = num_items`, `D = emb_size`, integers >= 1, else ValueError). The ids are
+  `NUM_HASH_BUCKETS` plus a permutation of `0..N-1`: none is a row index, so code that
+  returns rows where it should return ids does not pass by accident."""
   num_items, emb_size = _count("num_items", num_items, 1), _count("emb_size", emb_size, 1)
   rng = _rng(key)
   emb_ND = rng.standard_normal((num_items, emb_size), np.float32)

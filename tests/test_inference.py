@@ -10,7 +10,7 @@ import pytest
 from phoenix_flax import inference
 from phoenix_flax.config import (NormConfig, PhoenixModelConfig, PhoenixRetrievalModelConfig,
                                  TransformerConfig)
-from phoenix_flax.example import example_batch, example_corpus
+from phoenix_flax.example import NUM_HASH_BUCKETS, example_batch, example_corpus
 from phoenix_flax.inference import (ACTIONS, NEGATIVE_ACTIONS, RankingRunner, RetrievalRunner,
                                     validate_inputs, weighted_score)
 from phoenix_flax.transformer import ContextCache
@@ -117,7 +117,11 @@ def test_example_batch_is_valid_and_deterministic():
   again, _ = _batch(config, batch_size=3, num_candidates=5, history_lengths=[0, 3, 8])
   np.testing.assert_array_equal(batch.user_hashes, again.user_hashes)
   other, _ = _batch(config, batch_size=3, seed=2, num_candidates=5, history_lengths=[0, 3, 8])
-  assert not np.array_equal(batch.user_hashes, other.user_hashes)   # the key's every word
+  assert not np.array_equal(batch.user_hashes, other.user_hashes)
+  # The key's every word seeds the draw (raw keys that differ only in their first word).
+  first, last = (example_batch(config, 2, jnp.array(words, jnp.uint32))[0].user_hashes
+                 for words in ([1, 7], [2, 7]))
+  assert not np.array_equal(first, last)
   plain, _ = _batch(RANKING)
   assert plain.impression_timestamps is None and plain.history_dwell_times is None
   # Without history_lengths, each user's lies in [S // 2, S] (S = 8 here), both ends drawn.
@@ -127,6 +131,15 @@ def test_example_batch_is_valid_and_deterministic():
   for lengths in ([1, 9], [-1, 2]):
     with pytest.raises(ValueError, match=rf"history_lengths=\{lengths} must lie in \[0, 8\]"):
       _batch(history_lengths=lengths)
+  for lengths in ([3], [1, 2, 3], [[3, 4]]):   # one length per user of the batch of 2
+    with pytest.raises(ValueError, match="must be 2 integers"):
+      _batch(history_lengths=lengths)
+  # Hashes are drawn from 1 up: none is the padding hash 0 (a candidate would read as
+  # invalid), over 64 users' full histories and 1,000 candidates each.
+  big, _ = _batch(batch_size=64, num_candidates=1000, history_lengths=[8] * 64)
+  for name in ("user_hashes", "history_post_hashes", "history_author_hashes",
+               "candidate_post_hashes", "candidate_author_hashes"):
+    assert int(np.asarray(getattr(big, name)).min()) >= 1, name
 
 
 def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):
@@ -136,6 +149,7 @@ def test_example_corpus_is_unit_norm_with_distinct_ids(corpus):
   ids = np.asarray(ids).tolist()
   assert len(set(ids)) == 100
   assert ids != sorted(ids)    # shuffled: an id says nothing about an item's place
+  assert sorted(ids) == list(range(NUM_HASH_BUCKETS, NUM_HASH_BUCKETS + 100))   # no row index
   _, other = example_corpus(100, 32, jax.random.key(2))
   assert np.asarray(other).tolist() != ids
 

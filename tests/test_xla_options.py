@@ -62,7 +62,8 @@ def test_off_switches(clean_env):
   clean_env.setattr(xla_options, "_accepted", lambda options, backend: True)
   xla_options._options_for.cache_clear()
   try:
-    assert xla_options.compiler_options("gpu") == {}
+    for backend in ("gpu", "tpu", "cuda", "rocm", "METAL"):
+      assert xla_options.compiler_options(backend) == {}, backend
     assert xla_options.compiler_options("cpu") == xla_options.CPU_OPTIONS
   finally:   # (no answer of the stand-in stays cached)
     xla_options._options_for.cache_clear()
@@ -104,6 +105,11 @@ def test_a_top_level_call_compiles_with_the_options_a_nested_one_without(clean_e
   np.testing.assert_allclose(jax.jit(lambda x: f(x))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
   # a tracer passed by keyword alone makes a nested call too
   np.testing.assert_allclose(jax.jit(lambda x: f(x=x))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
+  # and so does one traced argument among concrete ones, under jit or vmap
+  g = xla_options.filter_jit(lambda x, y: jnp.tanh(x) * y)
+  np.testing.assert_allclose(jax.jit(lambda x: g(x, 2.0))(x), jnp.tanh(x) * 2.0, rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(g, in_axes=(0, None))(x, 2.0), jnp.tanh(x) * 2.0,
+                             rtol=1e-6)
 
 
 def test_filter_jit_runs_nested_under_other_traces(clean_env):
