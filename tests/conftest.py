@@ -305,6 +305,16 @@ def fork_server():
     yield server
 
 
+@pytest.fixture
+def drawn_figures(monkeypatch) -> list:
+  """The figures `ablations.report.save_figure` is handed during the test, kept (in
+  order) instead of written."""
+  from ablations import report
+  figures = []
+  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+  return figures
+
+
 def run_forked(module: str, argvs: Sequence[Sequence[str]], env: dict,
                preload: Sequence[str] = ("phoenix_flax.training",), cwd: str = REPO
                ) -> list[tuple[int, str, str]]:

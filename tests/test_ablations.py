@@ -2047,7 +2047,7 @@ def test_report_words_one_run_and_one_batch_in_the_singular():
   assert "Evaluation: 128 lists per split (2 batches of 64)" in design
 
 
-def test_curves_skip_non_finite_values_and_name_each_arm_once(tmp_path, monkeypatch):
+def test_curves_skip_non_finite_values_and_name_each_arm_once(tmp_path, drawn_figures):
   """A diverging run's inf or NaN loss is left out of its curve (it would stretch the
   axis to nothing); the legend has one entry per arm, not one per seed."""
   rows = [{"step": 1, "k": 0.5}, {"step": 2, "k": float("inf")}, {"step": 3, "k": float("nan")},
@@ -2060,22 +2060,18 @@ def test_curves_skip_non_finite_values_and_name_each_arm_once(tmp_path, monkeypa
       run.mkdir(parents=True)
       (run / "metrics.jsonl").write_text("".join(
           json.dumps({"step": k, "train/loss": 1.0 / k + seed}) + "\n" for k in (1, 2, 3)))
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
   assert report.plot_curves({"variants": variants, "arms": ["a", "b"]}, str(tmp_path),
                             ["train/loss"], "unused.png")
-  legend = figures[0].axes[0].get_legend()
+  legend = drawn_figures[0].axes[0].get_legend()
   assert [text.get_text() for text in legend.get_texts()] == ["a", "b"]
 
 
-def test_effects_plot_lists_its_rows_top_down_in_the_tables_order(monkeypatch):
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
+def test_effects_plot_lists_its_rows_top_down_in_the_tables_order(drawn_figures):
   comps = [{"variant": v, "baseline": "a", "metric": "auc", "delta": d, "ci95": [d - .01, d + .01],
             "p_value": 0.5, "p_holm": 0.5, "n": 3, "test": "paired t"}
            for v, d in (("b", 0.1), ("c", 0.2), ("d", 0.3))]
   assert report.plot_effects({"baseline": "a", "comparisons": comps}, ["auc"], "unused.png")
-  ax = figures[0].axes[0]
+  ax = drawn_figures[0].axes[0]
   y = dict(zip((label.get_text() for label in ax.get_yticklabels()), ax.get_yticks()))
   assert y["b"] > y["c"] > y["d"], y   # the first row on top
 
@@ -2110,7 +2106,7 @@ def test_report_text_at_its_edges():
   assert "(near chance) with few seeds;" in text and "0 seeds" not in text
 
 
-def test_curves_grid_is_four_panels_wide(tmp_path, monkeypatch):
+def test_curves_grid_is_four_panels_wide(tmp_path, drawn_figures):
   variants = {f"{arm}_{cell}": {"arm": arm, "cell": cell, "seeds": [0]}
               for cell in ("c1", "c2", "c3", "c4") for arm in ("a", "b")}
   for name in variants:
@@ -2118,38 +2114,34 @@ def test_curves_grid_is_four_panels_wide(tmp_path, monkeypatch):
     run.mkdir(parents=True)
     (run / "metrics.jsonl").write_text("".join(
         json.dumps({"step": k, "train/loss": 1.0 / k, "eval/auc": 0.5}) + "\n" for k in (1, 2)))
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
   assert report.plot_curves({"variants": variants, "arms": ["a", "b"]}, str(tmp_path),
                             ["train/loss", "eval/auc"], "unused.png")
-  grid = figures[0].axes[0].get_subplotspec().get_gridspec().get_geometry()
+  grid = drawn_figures[0].axes[0].get_subplotspec().get_gridspec().get_geometry()
   assert grid == (2, 4)   # 8 panels: 4 a row
 
 
-def test_effects_plot_colours_titles_and_panel_limit(monkeypatch):
+def test_effects_plot_colours_titles_and_panel_limit(drawn_figures):
   """Significant intervals red, others gray; "hollow = no CI" in the title only where a
   row has no CI; at most MAX_EFFECT_PANELS (6) metrics drawn."""
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
   tested = {"variant": "b", "metric": "auc", "delta": 0.1, "ci95": [0.05, 0.15], "n": 5,
             "p_value": 0.001, "p_holm": 0.002, "test": "paired t"}
   for p_holm, colour in ((0.002, "tab:red"), (0.5, "tab:gray")):
-    figures.clear()
+    drawn_figures.clear()
     assert report.plot_effects({"baseline": "a", "comparisons": [dict(tested, p_holm=p_holm)]},
                                ["auc"], "unused.png")
-    assert figures[0].axes[0].get_lines()[0].get_color() == colour
-    assert "hollow" not in figures[0]._suptitle.get_text()
+    assert drawn_figures[0].axes[0].get_lines()[0].get_color() == colour
+    assert "hollow" not in drawn_figures[0]._suptitle.get_text()
   exact = {"variant": "b", "metric": "diverged", "delta": -1.0, "ci95": None, "n": 8,
            "p_value": 0.008, "p_holm": 0.016, "test": "exact McNemar"}
-  figures.clear()
+  drawn_figures.clear()
   assert report.plot_effects({"baseline": "a", "comparisons": [exact]}, ["diverged"],
                              "unused.png")
-  assert figures[0]._suptitle.get_text().endswith("; hollow = no CI)")
+  assert drawn_figures[0]._suptitle.get_text().endswith("; hollow = no CI)")
   metrics = [f"m{i}" for i in range(7)]
   comps = [dict(tested, metric=m, p_holm=0.5) for m in metrics]
-  figures.clear()
+  drawn_figures.clear()
   assert report.plot_effects({"baseline": "a", "comparisons": comps}, metrics, "unused.png")
-  titles = [ax.get_title() for ax in figures[0].axes if ax.get_title()]
+  titles = [ax.get_title() for ax in drawn_figures[0].axes if ax.get_title()]
   assert report.MAX_EFFECT_PANELS == 6
   assert titles == [f"Δ m{i}" for i in range(6)]
 

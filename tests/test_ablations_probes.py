@@ -193,10 +193,8 @@ def test_gqa_tradeoff_plot(tmp_path):
   assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
 
 
-def test_gqa_tradeoff_plot_keeps_seed_noise_from_filling_the_panel(tmp_path, monkeypatch):
+def test_gqa_tradeoff_plot_keeps_seed_noise_from_filling_the_panel(tmp_path, drawn_figures):
   """Means 0.0007 apart: each panel's AUC axis still spans at least ±0.02 about them."""
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
   summary = lambda mean: {"mean": mean, "ci95": [mean - 0.0005, mean + 0.0005], "n": 3}
   results = {"variants": {f"kv{k}": {"metrics": {"auc_mean": summary(0.7 + k / 10000),
                                                  "kv_cache_bytes": summary(1000.0 * k),
@@ -204,7 +202,7 @@ def test_gqa_tradeoff_plot_keeps_seed_noise_from_filling_the_panel(tmp_path, mon
                           for k in (8, 1)}}
   gqa_ratio.plot_tradeoff(results, str(tmp_path))
   middle = 0.7 + 9 / 20000
-  for ax in figures[0].axes:
+  for ax in drawn_figures[0].axes:
     lo, hi = ax.get_ylim()
     assert lo <= middle - 0.02 + 1e-9 and hi >= middle + 0.02 - 1e-9, (lo, hi)
 
@@ -435,10 +433,8 @@ def test_gqa_tradeoff_plot_skips_a_variant_without_its_x_value(tmp_path):
   assert os.path.getsize(tmp_path / "gqa_tradeoff.png") > 1000
 
 
-def test_rms_plot_draws_the_mean_over_seeds(tmp_path, monkeypatch):
+def test_rms_plot_draws_the_mean_over_seeds(tmp_path, drawn_figures):
   """Three seeds (the cpu preset's), one an outlier: the mean, not the median."""
-  figures = []
-  monkeypatch.setattr(report, "save_figure", lambda fig, path: figures.append(fig))
   for seed, scale in enumerate((1.0, 1.0, 4.0)):
     run_dir = tmp_path / "sandwich_L2" / f"seed_{seed}"
     run_dir.mkdir(parents=True)
@@ -448,5 +444,5 @@ def test_rms_plot_draws_the_mean_over_seeds(tmp_path, monkeypatch):
          "examples_per_second": 10.0}))
   sandwich_norm.plot_rms({"variants": {"sandwich_L2": {"arm": "sandwich", "cell": "L2",
                                                        "seeds": [0, 1, 2]}}}, str(tmp_path))
-  (axes,) = figures[0].axes
+  (axes,) = drawn_figures[0].axes
   assert list(axes.get_lines()[0].get_ydata()) == pytest.approx([2.0, 4.0])
